@@ -1,0 +1,155 @@
+"""Canonical JSON, SHA-256 helpers, environment identity and output paths.
+
+Evidence is bound to bytes: every JSON this project writes goes through `canonical_json`, so the
+same content always has the same SHA-256 (sorted keys, no whitespace, shortest round-trip float
+text, UTF-8, no NaN/Infinity).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OUTPUTS_DIR = REPO_ROOT / "outputs"
+
+# Packages whose versions are part of the evidence identity ("absent" when not installed).
+IDENTITY_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "vllm", "safetensors", "numpy")
+
+
+class CanonicalJSONError(ValueError):
+    """A value cannot be written as canonical JSON (NaN, Infinity, or a non-JSON type)."""
+
+
+def _check_json_value(value: Any, path: str) -> None:
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CanonicalJSONError(f"{path or '<root>'}: {value!r} is not allowed in evidence JSON "
+                                     "(NaN/Infinity have no canonical text; use a status field instead)")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CanonicalJSONError(f"{path or '<root>'}: dict key {key!r} must be a string")
+            _check_json_value(item, f"{path}.{key}" if path else key)
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_json_value(item, f"{path}[{index}]")
+        return
+    raise CanonicalJSONError(f"{path or '<root>'}: type {type(value).__name__} is not JSON "
+                             "(convert it explicitly before writing evidence)")
+
+
+def canonical_json(value: Any) -> str:
+    """Canonical text of a JSON value: sorted keys, compact separators, shortest float repr."""
+    _check_json_value(value, "")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def canonical_json_bytes(value: Any) -> bytes:
+    return (canonical_json(value) + "\n").encode("utf-8")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: str | os.PathLike[str], value: Any, *, overwrite: bool = False) -> str:
+    """Write canonical JSON via temp file + fsync + rename; returns the file's SHA-256.
+
+    Evidence is append-only: refuses to replace an existing file unless `overwrite` is set.
+    """
+    target = Path(path)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} exists; evidence files are never rewritten (choose a new run id)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = canonical_json_bytes(value)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, target)
+    return sha256_bytes(data)
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def git_identity(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """Source commit and dirty flag; `not_measured` outside a git checkout (e.g. a copied tree)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                capture_output=True, text=True, check=True, timeout=10).stdout
+        return {"source_commit": commit, "source_dirty": bool(status.strip()), "status": "measured"}
+    except (OSError, subprocess.SubprocessError):
+        return {"source_commit": None, "source_dirty": None, "status": "not_measured"}
+
+
+def gpu_identity() -> dict[str, Any]:
+    """GPU name, driver and CUDA runtime version; `not_applicable` on a CPU-only machine."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return {"status": "not_measured"}
+    if not torch.cuda.is_available():
+        return {"status": "not_applicable", "reason": "no CUDA device", "cuda_runtime": torch.version.cuda}
+    info: dict[str, Any] = {
+        "status": "measured",
+        "name": torch.cuda.get_device_name(0),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+        "total_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
+        "cuda_runtime": torch.version.cuda,
+        "device_count": torch.cuda.device_count(),
+    }
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
+        pynvml.nvmlShutdown()
+    except Exception as exc:  # NVML missing or refused: say so instead of guessing
+        info["driver"] = None
+        info["driver_status"] = f"not_measured: {type(exc).__name__}"
+    return info
+
+
+def environment_identity(*, model_digests: dict[str, str] | None = None,
+                         preregistration_sha256: str | None = None) -> dict[str, Any]:
+    """Everything a raw file is bound to: source, packages, GPU, driver, models, preregistration."""
+    return {
+        "source": git_identity(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "packages": {name: package_version(name) for name in IDENTITY_PACKAGES},
+        "gpu": gpu_identity(),
+        "model_digests": dict(sorted((model_digests or {}).items())),
+        "preregistration_sha256": preregistration_sha256,
+    }

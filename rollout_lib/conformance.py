@@ -1,0 +1,279 @@
+"""Local conformance of hf_cached against the hf_reference oracle (DESIGN.md decision 8).
+
+Two-part exactness, because bf16 greedy paths diverge on a random deep network while float32 paths
+agree exactly:
+
+(a) algorithmic exactness: both backends free-running in float32 compute (NF4 with float32
+    compute; the mirror in float32): greedy tokens and stop reasons must be identical per request;
+    any difference fails, reported with its first divergence index;
+(b) in the measured dtype (bf16): teacher-forced argmax of the candidate on the oracle's greedy
+    sequence; each disagreement is listed with the oracle's top-1/top-2 logit margin and tolerated
+    only below the preregistered tie margin. Free-running bf16 agreement is a diagnostic;
+(c) sampled-token log-probabilities of the candidate against the NF4 actor scoring the same
+    tokens teacher-forced (measured dtype): max |diff| <= the preregistered tolerance;
+(d) stop reasons and served identity exact; batch partitions [4], [2,2], [1,1,1,1] compared for
+    both samplings (float32: must be identical; bf16: reported).
+
+    python -m rollout_lib.conformance --params params/rollout-runtime-v2.yaml --out outputs/conformance/...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from rollout_lib.artifacts import environment_identity, write_json_atomic
+from rollout_lib.backends import create_backend
+from rollout_lib.backends.base import Backend, RequestResult
+from rollout_lib.decode import teacher_forced
+from rollout_lib.policy import policy_versions
+from rollout_lib.prereg import Preregistration, load
+from rollout_lib.workload import Cell, Workload
+
+
+def first_divergence(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length if one is a prefix); None if equal."""
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_free_running(oracle: list[RequestResult], candidate: list[RequestResult]) -> dict[str, Any]:
+    rows = []
+    for o, c in zip(oracle, candidate, strict=True):
+        assert o.request_id == c.request_id
+        divergence = first_divergence(o.token_ids, c.token_ids)
+        rows.append({"request_id": o.request_id, "tokens_identical": divergence is None,
+                     "first_divergence": divergence, "stop_reason_oracle": o.stop_reason,
+                     "stop_reason_candidate": c.stop_reason, "stop_reason_identical": o.stop_reason == c.stop_reason,
+                     "generated_tokens_oracle": len(o.token_ids), "generated_tokens_candidate": len(c.token_ids)})
+    identical = sum(r["tokens_identical"] and r["stop_reason_identical"] for r in rows)
+    return {"requests": len(rows), "identical": identical, "rows": rows}
+
+
+@dataclass
+class ConformanceSettings:
+    prompt_tokens: tuple[int, ...]
+    response_tokens: tuple[int, ...]
+    samples_per_prompt: int = 1
+    policy_version: int = 1
+    partitions_response_tokens: tuple[int, ...] | None = None  # None: all response lengths
+
+
+def _optional_list(values: tuple[int, ...] | None) -> list[int] | None:
+    return None if values is None else list(values)
+
+
+def _cells(workload: Workload, settings: ConformanceSettings, sampling: str) -> list[Cell]:
+    return [c for c in workload.cells() if c.prompt_tokens in settings.prompt_tokens
+            and c.response_tokens in settings.response_tokens
+            and c.samples_per_prompt == settings.samples_per_prompt and c.sampling.name == sampling]
+
+
+def _run_partition(backend: Backend, workload: Workload, cell: Cell, partition: tuple[int, ...]) -> list[RequestResult]:
+    results: list[RequestResult] = []
+    for batch in workload.partition_batches(cell, partition):
+        results.extend(backend.generate(batch).results)
+    return results
+
+
+def _partition_checks(backend: Backend, workload: Workload, cells: list[Cell], base: dict[str, list[RequestResult]],
+                      response_filter: tuple[int, ...] | None, progress) -> list[dict[str, Any]]:
+    out = []
+    for cell in cells:
+        if response_filter is not None and cell.response_tokens not in response_filter:
+            continue
+        reference = base[cell.cell_id]
+        for partition in workload.spec.batch_partitions:
+            if tuple(partition) == tuple(workload.spec.measured_partition):
+                continue  # that is the reference run itself
+            progress.set_postfix_str(f"{backend.name} {cell.cell_id} partition {list(partition)}")
+            comparison = compare_free_running(reference, _run_partition(backend, workload, cell, partition))
+            out.append({"cell_id": cell.cell_id, "partition": list(partition),
+                        "reference_partition": list(workload.spec.measured_partition),
+                        "requests": comparison["requests"], "identical": comparison["identical"],
+                        "divergences": [r for r in comparison["rows"] if not r["tokens_identical"]]})
+            progress.update(1)
+    return out
+
+
+def run_conformance(study: Preregistration, settings: ConformanceSettings, device: str | None = None,
+                    cache_dir: str | None = None, show_progress: bool = True) -> dict[str, Any]:
+    workload = Workload(study)
+    arch_lora = (workload.arch, study.actor.lora)
+    policy = policy_versions(*arch_lora, study.actor.payload_digest, settings.policy_version)[-1]
+    tie_margin = study.tolerances.bf16_teacher_forced_tie_margin_logits
+    logprob_tol = study.tolerances.nf4_sampled_logprob_abs
+    greedy_cells = _cells(workload, settings, "greedy")
+    stochastic_cells = _cells(workload, settings, "stochastic")
+    n_partitions = len(study.workload.batch_partitions) - 1
+    partition_cells = [c for c in greedy_cells + stochastic_cells if settings.partitions_response_tokens is None
+                       or c.response_tokens in settings.partitions_response_tokens]
+    total_steps = 2 * (2 * len(greedy_cells) + len(stochastic_cells) + len(partition_cells) * n_partitions)
+    progress = tqdm(total=total_steps, desc="conformance", disable=not show_progress)
+    report: dict[str, Any] = {"kind": "local_conformance", "candidate": "hf_cached", "oracle": "hf_reference",
+                              "preregistered": study.preregistered, "preregistration_sha256": study.sha256,
+                              "policy_version": policy.version, "policy_identity": policy.identity,
+                              "settings": {"prompt_tokens": list(settings.prompt_tokens),
+                                           "response_tokens": list(settings.response_tokens),
+                                           "samples_per_prompt": settings.samples_per_prompt,
+                                           "partitions": [list(p) for p in study.workload.batch_partitions],
+                                           "partitions_response_tokens": _optional_list(
+                                               settings.partitions_response_tokens),
+                                           "bf16_tie_margin_logits": tie_margin,
+                                           "nf4_sampled_logprob_abs": logprob_tol}}
+    started = time.perf_counter()
+    for dtype in ("float32", study.actor.quantization.compute_dtype):
+        part: dict[str, Any] = {}
+        backends = {name: create_backend(name, study, device=device, compute_dtype=dtype, cache_dir=cache_dir)
+                    for name in ("hf_reference", "hf_cached")}
+        for backend in backends.values():
+            part.setdefault("cold_start_s", {})[backend.name] = backend.cold_start().seconds
+            identity = backend.sync_policy(policy)
+            part.setdefault("served_identity", {})[backend.name] = identity
+        ref, cached = backends["hf_reference"], backends["hf_cached"]
+        part["environment"] = {name: b.environment() for name, b in backends.items()}
+        greedy: dict[str, Any] = {}
+        cached_greedy: dict[str, list[RequestResult]] = {}
+        oracle_greedy: dict[str, list[RequestResult]] = {}
+        step_ms: dict[str, list[float]] = {"hf_reference": [], "hf_cached": []}
+        for cell in greedy_cells:
+            requests = workload.requests(cell)
+            progress.set_postfix_str(f"{dtype} {cell.cell_id}")
+            o = ref.generate(requests)
+            progress.update(1)
+            c = cached.generate(requests)
+            progress.update(1)
+            oracle_greedy[cell.cell_id], cached_greedy[cell.cell_id] = o.results, c.results
+            step_ms["hf_reference"].append(1000 * o.wall_s / max(len(r.token_ids) for r in o.results))
+            step_ms["hf_cached"].append(1000 * c.phases["decode_s"].seconds / max(1, c.decode_steps))
+            greedy[cell.cell_id] = compare_free_running(o.results, c.results)
+        part["greedy_free_running"] = greedy
+        part["greedy_free_running_identical"] = sum(v["identical"] for v in greedy.values())
+        part["greedy_free_running_requests"] = sum(v["requests"] for v in greedy.values())
+        part["decode_ms_per_step"] = {k: [round(x, 3) for x in v] for k, v in step_ms.items()}
+        if dtype != "float32":
+            part["teacher_forced"] = _teacher_forced(ref, cached, workload, greedy_cells, oracle_greedy, tie_margin)
+        stochastic: dict[str, Any] = {}
+        cached_stochastic: dict[str, list[RequestResult]] = {}
+        max_abs = 0.0
+        for cell in stochastic_cells:
+            requests = workload.requests(cell)
+            progress.set_postfix_str(f"{dtype} {cell.cell_id}")
+            c = cached.generate(requests)
+            progress.update(1)
+            cached_stochastic[cell.cell_id] = c.results
+            rows = []
+            for request, result in zip(requests, c.results, strict=True):
+                scored = teacher_forced(ref.model, request.prompt_token_ids, list(result.token_ids), ref.device)
+                diffs = [abs(a - b) for a, b in zip(result.logprobs, scored.logprobs, strict=True)]
+                worst = max(diffs) if diffs else 0.0
+                max_abs = max(max_abs, worst)
+                rows.append({"request_id": request.request_id, "generated_tokens": len(result.token_ids),
+                             "stop_reason": result.stop_reason, "max_abs_logprob_diff": worst,
+                             "argmax_position": diffs.index(worst) if diffs else None})
+            stochastic[cell.cell_id] = rows
+        progress.update(len(stochastic_cells))  # accounting for the scoring passes
+        part["sampled_logprob"] = {"cells": stochastic, "max_abs_diff": max_abs, "tolerance": logprob_tol,
+                                   "passed": max_abs <= logprob_tol, "scorer": "hf_reference NF4 actor, teacher-forced"}
+        base = cached_greedy | cached_stochastic
+        part["partitions"] = _partition_checks(cached, workload, [c for c in greedy_cells + stochastic_cells],
+                                               base, settings.partitions_response_tokens, progress)
+        part["partitions_identical"] = sum(p["identical"] for p in part["partitions"])
+        part["partitions_requests"] = sum(p["requests"] for p in part["partitions"])
+        part["identity_exact"] = all(v == policy.identity for v in part["served_identity"].values())
+        for backend in backends.values():
+            backend.teardown()
+        report[dtype] = part
+    progress.close()
+    report["wall_s"] = time.perf_counter() - started
+    report["verdict"] = verdict(report, study)
+    return report
+
+
+def _teacher_forced(ref, cached, workload: Workload, cells: list[Cell], oracle: dict[str, list[RequestResult]],
+                    tie_margin: float) -> dict[str, Any]:
+    rows, disagreements, positions = [], [], 0
+    for cell in cells:
+        for request, result in zip(workload.requests(cell), oracle[cell.cell_id], strict=True):
+            tokens = list(result.token_ids)
+            oracle_scores = teacher_forced(ref.model, request.prompt_token_ids, tokens, ref.device)
+            candidate_scores = teacher_forced(cached.mirror, request.prompt_token_ids, tokens, cached.device)
+            positions += len(tokens)
+            mismatch = []
+            for t, token in enumerate(tokens):
+                if candidate_scores.argmax[t] != token:
+                    margin = oracle_scores.top1_minus_top2[t]
+                    entry = {"request_id": request.request_id, "position": t, "oracle_token": token,
+                             "candidate_token": candidate_scores.argmax[t], "oracle_margin_logits": margin,
+                             "near_tie": margin < tie_margin}
+                    mismatch.append(entry)
+                    disagreements.append(entry)
+            rows.append({"request_id": request.request_id, "positions": len(tokens),
+                         "argmax_agreement": len(tokens) - len(mismatch)})
+    beyond = [d for d in disagreements if not d["near_tie"]]
+    return {"positions": positions, "argmax_disagreements": len(disagreements),
+            "argmax_agreement_rate": (positions - len(disagreements)) / positions if positions else None,
+            "disagreements": disagreements, "disagreements_beyond_tie_margin": len(beyond),
+            "tie_margin_logits": tie_margin, "passed": not beyond, "rows": rows}
+
+
+def verdict(report: dict[str, Any], study: Preregistration) -> dict[str, Any]:
+    f32 = report["float32"]
+    measured = report[study.actor.quantization.compute_dtype]
+    checks = {
+        "a_float32_greedy_exact": f32["greedy_free_running_identical"] == f32["greedy_free_running_requests"],
+        "a_float32_partitions_exact": f32["partitions_identical"] == f32["partitions_requests"],
+        "b_bf16_teacher_forced_within_tie_margin": measured["teacher_forced"]["passed"],
+        "c_sampled_logprob_within_tolerance": measured["sampled_logprob"]["passed"],
+        "d_identity_exact": f32["identity_exact"] and measured["identity_exact"],
+    }
+    return {"checks": checks, "passed": all(checks.values()),
+            "max_abs_logprob_diff": measured["sampled_logprob"]["max_abs_diff"],
+            "bf16_free_running_identical": measured["greedy_free_running_identical"],
+            "bf16_free_running_requests": measured["greedy_free_running_requests"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout_lib.conformance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default="params/rollout-runtime-v2.yaml")
+    parser.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
+    parser.add_argument("--prompt-tokens", type=int, nargs="*", default=None)
+    parser.add_argument("--response-tokens", type=int, nargs="*", default=None)
+    parser.add_argument("--partitions-response-tokens", type=int, nargs="*", default=None)
+    parser.add_argument("--samples-per-prompt", type=int, default=1)
+    parser.add_argument("--policy-version", type=int, default=1)
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+    study = load(args.params)
+    out = Path(args.out)
+    if out.exists():
+        print(f"{out} exists: evidence is never overwritten; choose another path", file=sys.stderr)
+        return 2
+    settings = ConformanceSettings(
+        prompt_tokens=tuple(args.prompt_tokens or study.workload.prompt_tokens),
+        response_tokens=tuple(args.response_tokens or study.workload.response_tokens),
+        samples_per_prompt=args.samples_per_prompt, policy_version=args.policy_version,
+        partitions_response_tokens=tuple(args.partitions_response_tokens) if args.partitions_response_tokens else None)
+    report = run_conformance(study, settings, device=args.device)
+    report["environment"] = environment_identity(model_digests={"actor": study.actor.payload_digest},
+                                                 preregistration_sha256=study.sha256)
+    sha = write_json_atomic(out, report)
+    v = report["verdict"]
+    print(f"conformance {'PASSED' if v['passed'] else 'FAILED'}: {v['checks']}", file=sys.stderr)
+    print(f"max |d logprob| {v['max_abs_logprob_diff']:.6f}; bf16 free-running identical "
+          f"{v['bf16_free_running_identical']}/{v['bf16_free_running_requests']}", file=sys.stderr)
+    print(f"wrote {out} sha256 {sha}")
+    return 0 if v["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""Policy versions: deterministic LoRA updates and their identities.
+
+An RL loop changes the actor's LoRA tensors at every optimizer step; a rollout backend must serve
+exactly the current version. Version k (1..N) is k deterministic "optimizer steps" from the
+preregistered seed: A starts at peft's kaiming-uniform bound 1/sqrt(in_features) and B at zero, then
+each step adds uniform noise of the preregistered standard deviations to every A and B.
+
+Identity = SHA-256 over the base payload digest and every LoRA tensor in canonical name order
+(name, dtype, shape, bytes). A backend computes the identity from the tensors it actually holds
+after a sync; serving anything else is an error (`PolicyIdentityMismatch`), never a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rollout_lib.models import Qwen3Arch, tensor_stream, update_with_tensor
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_lib.prereg import LoraSpec
+
+# peft's module path of each target inside a Qwen3 decoder layer
+_TARGET_PATHS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+                 "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+                 "down_proj": "mlp.down_proj"}
+
+
+class PolicyIdentityMismatch(RuntimeError):
+    """A backend serves other LoRA tensors than the policy version it was asked to serve."""
+
+
+def lora_tensor_names(arch: Qwen3Arch, lora: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """Canonical names (`model.layers.3.self_attn.q_proj.lora_A`) and shapes of every LoRA tensor."""
+    shapes = arch.linear_shapes()
+    out: dict[str, tuple[int, ...]] = {}
+    for layer in range(arch.num_hidden_layers):
+        for target in lora.target_modules:
+            module = _TARGET_PATHS[target]
+            out_features, in_features = shapes[module]
+            base = f"model.layers.{layer}.{module}"
+            out[f"{base}.lora_A"] = (lora.rank, in_features)
+            out[f"{base}.lora_B"] = (out_features, lora.rank)
+    return out
+
+
+def policy_identity(base_digest: str, tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256(b"rollout-runtime-v2/policy/v1\n")
+    digest.update(base_digest.encode())
+    for name in sorted(tensors):
+        update_with_tensor(digest, name, tensors[name])
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    version: int
+    base_digest: str
+    arch: Qwen3Arch
+    lora: LoraSpec
+
+    @cached_property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """float32 CPU tensors, canonical names. Deterministic on any machine (see models.py)."""
+        import torch
+
+        out = {}
+        for name, shape in lora_tensor_names(self.arch, self.lora).items():
+            if name.endswith("lora_A"):
+                bound = 1.0 / math.sqrt(shape[1])
+                value = tensor_stream(self.lora.seed, f"{name}/init").random(math.prod(shape)) * 2 * bound - bound
+                std = self.lora.update_std_a
+            else:
+                value = np.zeros(math.prod(shape))
+                std = self.lora.update_std_b
+            for step in range(1, self.version + 1):
+                if std > 0:
+                    noise = tensor_stream(self.lora.seed, f"{name}/step{step}").random(value.size)
+                    value = value + (noise * 2.0 - 1.0) * (std * math.sqrt(3.0))
+            out[name] = torch.from_numpy(value.astype(np.float32).reshape(shape))
+        return out
+
+    @cached_property
+    def identity(self) -> str:
+        return policy_identity(self.base_digest, self.tensors)
+
+    @property
+    def scaling(self) -> float:
+        return self.lora.alpha / self.lora.rank
+
+
+def policy_versions(arch: Qwen3Arch, lora: LoraSpec, base_digest: str, count: int) -> list[PolicyVersion]:
+    return [PolicyVersion(version=k, base_digest=base_digest, arch=arch, lora=lora) for k in range(1, count + 1)]
+
+
+# --------------------------------------------------------------------------------------------
+# Moving tensors in and out of peft models
+# --------------------------------------------------------------------------------------------
+
+def _peft_lora_modules(model) -> dict[str, object]:
+    """Canonical module path (`model.layers.0.self_attn.q_proj`) -> peft LoRA layer."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            # peft paths look like base_model.model.model.layers.0.self_attn.q_proj
+            canonical = name.split("base_model.model.", 1)[-1]
+            out[canonical] = module
+    return out
+
+
+def load_policy_into_peft(model, policy: PolicyVersion, adapter: str = "default") -> None:
+    """Copy the exact tensors into the live peft LoRA weights (dtype and values preserved)."""
+    import torch
+
+    modules = _peft_lora_modules(model)
+    expected = {name.rsplit(".", 1)[0] for name in policy.tensors}
+    if set(modules) != expected:
+        missing = sorted(expected - set(modules))[:3]
+        extra = sorted(set(modules) - expected)[:3]
+        raise PolicyIdentityMismatch(f"LoRA modules differ from the policy: missing {missing}, extra {extra}")
+    with torch.no_grad():
+        for name, tensor in policy.tensors.items():
+            path, which = name.rsplit(".", 1)
+            layer = getattr(modules[path], which)[adapter]
+            if layer.weight.dtype != tensor.dtype:
+                raise PolicyIdentityMismatch(f"{name}: live LoRA dtype {layer.weight.dtype} != policy {tensor.dtype}")
+            layer.weight.copy_(tensor.to(layer.weight.device))
+        for module in modules.values():
+            if module.scaling[adapter] != policy.scaling:
+                raise PolicyIdentityMismatch(f"LoRA scaling {module.scaling[adapter]} != {policy.scaling}")
+
+
+def read_policy_from_peft(model, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The live LoRA tensors, read back to CPU under canonical names (for identity checks and sync)."""
+    out = {}
+    for path, module in _peft_lora_modules(model).items():
+        out[f"{path}.lora_A"] = module.lora_A[adapter].weight.detach().to("cpu", copy=True)
+        out[f"{path}.lora_B"] = module.lora_B[adapter].weight.detach().to("cpu", copy=True)
+    return out

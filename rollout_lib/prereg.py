@@ -1,0 +1,404 @@
+"""Strict preregistration loader: YAML -> frozen dataclasses; any fault names its key path.
+
+The preregistration (`params/rollout-runtime-v2.yaml`) fixes the study before the first
+measurement: models and their digests, workload, protocol, memory budget, tolerances, gates,
+invalidation rules and the calculator's hash. Its SHA-256 is the SHA-256 of the file's bytes.
+Profiles under `params/profiles/` use the same schema with `preregistered: false`.
+
+    python -m rollout_lib.prereg params/rollout-runtime-v2.yaml     # validates, prints the SHA-256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rollout_lib.artifacts import REPO_ROOT, sha256_bytes, sha256_file
+from rollout_lib.models import ARCHITECTURES, Qwen3Arch
+from rollout_lib.strict import StrictLoadError, from_mapping, load_yaml
+
+DEFAULT_PREREG = REPO_ROOT / "params" / "rollout-runtime-v2.yaml"
+SMOKE_PROFILE = REPO_ROOT / "params" / "profiles" / "smoke.yaml"
+CALCULATOR_PENDING = "pending"
+SHA256_PATTERN = r"[0-9a-f]{64}"
+BACKEND_NAMES = ("hf_reference", "hf_cached", "vllm")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class PreregistrationError(StrictLoadError):
+    """The preregistration or profile is malformed; the message names the key path and what is allowed."""
+
+
+def _m(**kwargs: object) -> dict:
+    return dict(kwargs)
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    name: str = field(metadata=_m(choices=tuple(sorted(ARCHITECTURES))))
+    vocab_size: int = field(metadata=_m(min=2))
+    hidden_size: int = field(metadata=_m(min=1))
+    intermediate_size: int = field(metadata=_m(min=1))
+    num_hidden_layers: int = field(metadata=_m(min=1))
+    num_attention_heads: int = field(metadata=_m(min=1))
+    num_key_value_heads: int = field(metadata=_m(min=1))
+    head_dim: int = field(metadata=_m(min=1))
+    tie_word_embeddings: bool
+    rope_theta: float = field(metadata=_m(min_exclusive=0))
+    rms_norm_eps: float = field(metadata=_m(min_exclusive=0))
+    max_position_embeddings: int = field(metadata=_m(min=1))
+    first_special_id: int = field(metadata=_m(min=1))
+    bos_token_id: int = field(metadata=_m(min=0))
+    eos_token_id: int = field(metadata=_m(min=0))
+
+
+@dataclass(frozen=True)
+class LogitCalibration:
+    target_mean_entropy_nats: float = field(metadata=_m(min_exclusive=0))
+    measured_mean_entropy_nats: float = field(metadata=_m(min_exclusive=0))
+    unscaled_mean_entropy_nats: float = field(metadata=_m(min_exclusive=0))
+    positions: int = field(metadata=_m(min=1))
+    compute_dtype: Literal["float32"]
+    method: str
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    method: Literal["bitsandbytes"]
+    quant_type: Literal["nf4", "fp4"]
+    double_quant: bool
+    compute_dtype: Literal["bfloat16", "float32"]
+    quant_storage: Literal["uint8"]
+    skip_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = field(metadata=_m(min=1, max=1024))
+    alpha: float = field(metadata=_m(min_exclusive=0))
+    dropout: float = field(metadata=_m(min=0, max=0))  # rollouts are inference: dropout must be 0
+    target_modules: tuple[str, ...] = field(metadata=_m(min_items=1))
+    seed: int = field(metadata=_m(min=0))
+    dtype: Literal["float32"]
+    init_a_bound: Literal["kaiming_uniform_1_over_sqrt_in"]
+    update_std_b: float = field(metadata=_m(min_exclusive=0))
+    update_std_a: float = field(metadata=_m(min=0))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    role: Literal["actor", "teacher"]
+    source: Literal["synthetic"]
+    architecture: ArchitectureSpec
+    synthetic_seed: int = field(metadata=_m(min=0))
+    weights_dtype: Literal["bfloat16"]
+    logit_scale: float = field(metadata=_m(min_exclusive=0))
+    logit_calibration: LogitCalibration
+    payload_digest: str = field(metadata=_m(pattern=SHA256_PATTERN, pattern_help="64 lowercase hex digits"))
+    serving_dtype: Literal["bfloat16"]
+    quantization: QuantizationSpec | None = None
+    lora: LoraSpec | None = None
+
+    def arch(self) -> Qwen3Arch:
+        return ARCHITECTURES[self.architecture.name]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    name: Literal["greedy", "stochastic"]
+    temperature: float = field(metadata=_m(min=0))
+    top_p: float = field(metadata=_m(min_exclusive=0, max=1))
+    top_k: int | None = field(metadata=_m(min=1))
+    seeded: bool
+
+
+@dataclass(frozen=True)
+class StopRule:
+    eos_token_ids: tuple[int, ...] = field(metadata=_m(min_items=1, min=0))
+    max_new_tokens: Literal["response_tokens"]
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    logical_prompts: int = field(metadata=_m(min=1, max=64))
+    prompt_tokens: tuple[int, ...] = field(metadata=_m(min_items=1, min=1))
+    response_tokens: tuple[int, ...] = field(metadata=_m(min_items=1, min=1))
+    samples_per_prompt: tuple[int, ...] = field(metadata=_m(min_items=1, min=1))
+    samples_are_independent_requests: bool
+    samplings: tuple[SamplingSpec, ...] = field(metadata=_m(min_items=1))
+    prompt_seeds: tuple[int, ...] = field(metadata=_m(min=0))
+    sample_seeds: tuple[tuple[int, ...], ...]
+    measured_partition: tuple[int, ...] = field(metadata=_m(min_items=1, min=1))
+    batch_partitions: tuple[tuple[int, ...], ...] = field(metadata=_m(min_items=1))
+    stop_rule: StopRule
+
+
+@dataclass(frozen=True)
+class ProtocolSpec:
+    warmup_repetitions: int = field(metadata=_m(min=0, max=10))
+    measured_repetitions: int = field(metadata=_m(min=1, max=100))
+    statistic: Literal["median"]
+    cuda_synchronize_at_boundaries: bool
+    reset_peak_memory_per_cell: bool
+    fresh_process_per_backend: bool
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    budget_bytes: int = field(metadata=_m(min=1))
+    gate_peak_total_bytes: int = field(metadata=_m(min=1))
+    enforce_budget_on_larger_gpus: bool
+    oom_downshift: Literal["none"]
+
+
+@dataclass(frozen=True)
+class TolerancesSpec:
+    nf4_sampled_logprob_abs: float = field(metadata=_m(min_exclusive=0))
+    lm_head_compute_dtype: Literal["float32"]
+    greedy_exactness_compute_dtype: Literal["float32"]
+    bf16_teacher_forced_tie_margin_logits: float = field(metadata=_m(min=0))
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    id: str = field(metadata=_m(pattern=r"[a-z][a-z0-9_]*", pattern_help="lower_snake_case"))
+    kind: Literal["speedup", "peak_memory", "policy_refresh", "conformance"]
+    description: str
+    candidate: str = field(metadata=_m(choices=(*BACKEND_NAMES, "all")))
+    baseline: str | None = field(metadata=_m(choices=BACKEND_NAMES))
+    comparison: Literal[">=", "<", "<="]
+    threshold: float = field(metadata=_m(min=0))
+    unit: Literal["ratio", "bytes", "nats", "count"]
+    response_tokens: tuple[int, ...] = field(metadata=_m(min_items=1, min=1))
+    rule: Literal["every_paired_cell", "every_cell", "every_version", "every_request"]
+
+
+@dataclass(frozen=True)
+class PolicyRefreshSpec:
+    versions: int = field(metadata=_m(min=1, max=64))
+    require_unique_identities: bool
+    forbid_monotonic_memory_growth: bool
+    require_port_closed_after_teardown: bool
+
+
+@dataclass(frozen=True)
+class InvalidationRule:
+    id: str = field(metadata=_m(pattern=r"INV-[A-Z0-9-]+", pattern_help="INV-UPPER-CASE"))
+    definition: str
+
+
+@dataclass(frozen=True)
+class SelectionSpec:
+    direct_gkd_requires: tuple[str, ...]
+    pg_k1_requires: tuple[str, ...]
+    candidate: str = field(metadata=_m(choices=BACKEND_NAMES))
+    fallback: str = field(metadata=_m(choices=BACKEND_NAMES))
+
+
+@dataclass(frozen=True)
+class CalculatorSpec:
+    path: str
+    sha256: str = field(metadata=_m(pattern=f"{SHA256_PATTERN}|{CALCULATOR_PENDING}",
+                                    pattern_help=f"64 lowercase hex digits, or {CALCULATOR_PENDING!r} "
+                                                 "before the calculator exists"))
+
+
+@dataclass(frozen=True)
+class Preregistration:
+    schema_version: Literal[1]
+    study_id: str = field(metadata=_m(pattern=r"[a-z0-9][a-z0-9-]*"))
+    preregistered: bool
+    description: str
+    actor: ModelSpec
+    teacher: ModelSpec
+    workload: WorkloadSpec
+    protocol: ProtocolSpec
+    memory: MemorySpec
+    tolerances: TolerancesSpec
+    gates: tuple[GateSpec, ...] = field(metadata=_m(min_items=1))
+    policy_refresh: PolicyRefreshSpec
+    invalidation_rules: tuple[InvalidationRule, ...] = field(metadata=_m(min_items=1))
+    selection: SelectionSpec
+    calculator: CalculatorSpec
+    # Filled by load(): not part of the YAML.
+    source_path: str = field(default="", compare=False, init=True)
+    sha256: str = field(default="", compare=False, init=True)
+
+    def model_for_arch(self, arch_name: str, role: str | None = None) -> ModelSpec:
+        for spec in (self.actor, self.teacher):
+            if spec.architecture.name == arch_name and role in (None, spec.role):
+                return spec
+        raise PreregistrationError("actor.architecture.name",
+                                   f"no model with architecture {arch_name!r} in {self.source_path}; "
+                                   f"have {self.actor.architecture.name!r}, {self.teacher.architecture.name!r}")
+
+    def gate(self, gate_id: str) -> GateSpec:
+        for gate in self.gates:
+            if gate.id == gate_id:
+                return gate
+        raise KeyError(f"unknown gate {gate_id!r}; known: {', '.join(g.id for g in self.gates)}")
+
+    @property
+    def status_label(self) -> str:
+        return "preregistered" if self.preregistered else "NOT PREREGISTERED (profile)"
+
+    def require_calculator_pinned(self) -> str:
+        """The pinned calculator hash; a placeholder fails loudly instead of passing."""
+        if self.calculator.sha256 == CALCULATOR_PENDING:
+            raise PreregistrationError("calculator.sha256",
+                                       f"is the placeholder {CALCULATOR_PENDING!r}: the calculator is not "
+                                       "frozen yet, so nothing may be computed with it")
+        return self.calculator.sha256
+
+
+def _validate(study: Preregistration) -> None:
+    """Cross-field rules the per-field schema cannot express."""
+    err = PreregistrationError
+    for role in ("actor", "teacher"):
+        spec: ModelSpec = getattr(study, role)
+        if spec.role != role:
+            raise err(f"{role}.role", f"must be {role!r}, got {spec.role!r}")
+        registry = ARCHITECTURES[spec.architecture.name]
+        for name, value in vars(spec.architecture).items():
+            if getattr(registry, name) != value:
+                raise err(f"{role}.architecture.{name}",
+                          f"{value!r} differs from the {registry.name!r} architecture ({getattr(registry, name)!r})")
+    actor = study.actor
+    if actor.quantization is None:
+        raise err("actor.quantization", "missing required key: the actor is NF4 (bitsandbytes) + LoRA")
+    if actor.lora is None:
+        raise err("actor.lora", "missing required key: the actor is NF4 (bitsandbytes) + LoRA")
+    for index, target in enumerate(actor.lora.target_modules):
+        if target not in LORA_TARGETS:
+            raise err(f"actor.lora.target_modules[{index}]",
+                      f"{target!r} is not allowed; allowed: {', '.join(LORA_TARGETS)}")
+    if study.teacher.quantization is not None or study.teacher.lora is not None:
+        raise err("teacher", "the teacher is a plain bf16 model: no quantization or lora keys")
+
+    work = study.workload
+    for key in ("prompt_tokens", "response_tokens", "samples_per_prompt"):
+        values = getattr(work, key)
+        if len(set(values)) != len(values):
+            raise err(f"workload.{key}", f"values must be unique, got {list(values)}")
+    names = [s.name for s in work.samplings]
+    if len(set(names)) != len(names):
+        raise err("workload.samplings", f"sampling names must be unique, got {names}")
+    for index, sampling in enumerate(work.samplings):
+        path = f"workload.samplings[{index}]"
+        if sampling.name == "greedy" and (sampling.temperature != 0 or sampling.seeded):
+            raise err(f"{path}.temperature", "greedy means temperature 0 and seeded false")
+        if sampling.name == "stochastic" and (sampling.temperature <= 0 or not sampling.seeded):
+            raise err(f"{path}.temperature", "stochastic sampling needs temperature > 0 and seeded true")
+    if len(work.prompt_seeds) != work.logical_prompts:
+        raise err("workload.prompt_seeds",
+                  f"needs one seed per logical prompt ({work.logical_prompts}), got {len(work.prompt_seeds)}")
+    if len(work.sample_seeds) != work.logical_prompts:
+        raise err("workload.sample_seeds", f"needs one row per logical prompt ({work.logical_prompts}), "
+                                           f"got {len(work.sample_seeds)}")
+    max_n = max(work.samples_per_prompt)
+    flat = []
+    for index, row in enumerate(work.sample_seeds):
+        if len(row) != max_n:
+            raise err(f"workload.sample_seeds[{index}]",
+                      f"needs one seed per sample index (max samples_per_prompt = {max_n}), got {len(row)}")
+        for j, seed in enumerate(row):
+            if isinstance(seed, bool) or seed < 0:
+                raise err(f"workload.sample_seeds[{index}][{j}]", "seeds are integers >= 0")
+        flat.extend(row)
+    if len(set(flat)) != len(flat):
+        raise err("workload.sample_seeds", "each (prompt, sample index) needs its own seed; duplicates found")
+    partitions = (("measured_partition", (work.measured_partition,)), ("batch_partitions", work.batch_partitions))
+    for key, parts in partitions:
+        for index, partition in enumerate(parts):
+            path = f"workload.{key}" + (f"[{index}]" if key == "batch_partitions" else "")
+            if sum(partition) != work.logical_prompts or any(p < 1 for p in partition):
+                raise err(path, f"a partition of the {work.logical_prompts} logical prompts into positive batch "
+                                f"sizes is needed, got {list(partition)}")
+    vocab = actor.architecture.vocab_size
+    for index, token in enumerate(work.stop_rule.eos_token_ids):
+        if token >= vocab:
+            raise err(f"workload.stop_rule.eos_token_ids[{index}]", f"{token} is outside the vocabulary (< {vocab})")
+    max_len = max(work.prompt_tokens) + max(work.response_tokens)
+    if max_len > actor.architecture.max_position_embeddings:
+        raise err("workload.response_tokens", f"prompt + response ({max_len}) exceeds max_position_embeddings")
+
+    if study.memory.gate_peak_total_bytes > study.memory.budget_bytes:
+        raise err("memory.gate_peak_total_bytes", "the gate must not exceed the memory budget")
+    ids = [g.id for g in study.gates]
+    if len(set(ids)) != len(ids):
+        raise err("gates", f"gate ids must be unique, got {ids}")
+    for index, gate in enumerate(study.gates):
+        for j, tokens in enumerate(gate.response_tokens):
+            if tokens not in work.response_tokens:
+                raise err(f"gates[{index}].response_tokens[{j}]",
+                          f"{tokens} is not a workload response length; allowed: {list(work.response_tokens)}")
+        if gate.kind == "speedup" and gate.baseline is None:
+            raise err(f"gates[{index}].baseline", "a speedup gate needs a baseline backend")
+    for key in ("direct_gkd_requires", "pg_k1_requires"):
+        for index, gate_id in enumerate(getattr(study.selection, key)):
+            if gate_id not in ids:
+                raise err(f"selection.{key}[{index}]", f"unknown gate {gate_id!r}; allowed: {', '.join(ids)}")
+    rule_ids = [r.id for r in study.invalidation_rules]
+    if len(set(rule_ids)) != len(rule_ids):
+        raise err("invalidation_rules", f"rule ids must be unique, got {rule_ids}")
+
+
+def loads(text: str, source_path: str = "<string>") -> Preregistration:
+    """Parse and validate preregistration text; raise PreregistrationError naming the key path."""
+    try:
+        data = load_yaml(text)
+    except StrictLoadError as exc:
+        raise PreregistrationError(exc.key_path, exc.message) from None
+    except Exception as exc:  # yaml.YAMLError and friends: not a mapping we can read
+        raise PreregistrationError("<root>", f"not valid YAML: {exc}") from None
+    if isinstance(data, dict) and ("source_path" in data or "sha256" in data):
+        bad = "source_path" if "source_path" in data else "sha256"
+        raise PreregistrationError(bad, "unknown key (set by the loader, not by the file)")
+    try:
+        study = from_mapping(Preregistration, data)
+    except StrictLoadError as exc:
+        raise PreregistrationError(exc.key_path, exc.message) from None
+    _validate(study)
+    object.__setattr__(study, "source_path", source_path)
+    object.__setattr__(study, "sha256", sha256_bytes(text.encode("utf-8")))
+    return study
+
+
+def load(path: str | Path = DEFAULT_PREREG) -> Preregistration:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"preregistration {path} does not exist")
+    data = path.read_bytes()
+    study = loads(data.decode("utf-8"), str(path))
+    assert study.sha256 == sha256_file(path)
+    return study
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout_lib.prereg",
+                                     description="Validate a preregistration or profile and print its SHA-256.")
+    parser.add_argument("path", nargs="?", default=str(DEFAULT_PREREG))
+    args = parser.parse_args(argv)
+    try:
+        study = load(args.path)
+    except (PreregistrationError, FileNotFoundError) as exc:
+        print(f"INVALID {args.path}: {exc}", file=sys.stderr)
+        return 2
+    calc = study.calculator.sha256
+    print(f"valid: {args.path} ({study.status_label}); study {study.study_id}", file=sys.stderr)
+    print(f"  actor   {study.actor.architecture.name} digest {study.actor.payload_digest}", file=sys.stderr)
+    print(f"  teacher {study.teacher.architecture.name} digest {study.teacher.payload_digest}", file=sys.stderr)
+    if calc == CALCULATOR_PENDING:
+        print("  calculator: PENDING (not frozen: any use of the calculator refuses to run)", file=sys.stderr)
+    else:
+        print(f"  calculator {study.calculator.path} sha256 {calc}", file=sys.stderr)
+    print(study.sha256)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

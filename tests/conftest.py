@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PREREG = REPO / "params" / "rollout-runtime-v2.yaml"
+SMOKE = REPO / "params" / "profiles" / "smoke.yaml"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA GPU; torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smoke_study():
+    from rollout_lib.prereg import load
+
+    return load(SMOKE)
+
+
+@pytest.fixture(scope="session")
+def prereg_study():
+    from rollout_lib.prereg import load
+
+    return load(PREREG)
+
+
+@pytest.fixture(scope="session")
+def snapshot_cache(tmp_path_factory) -> str:
+    """One synthetic-snapshot cache per test session (tiny snapshots build in well under a second)."""
+    return os.environ.get("ROLLOUT_TEST_CACHE") or str(tmp_path_factory.mktemp("snapshots"))

@@ -1,0 +1,203 @@
+"""hf_reference (legacy oracle) and hf_cached on the tiny synthetic Qwen3, CPU, real NF4 (bitsandbytes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rollout_lib.backends import UnknownBackendError, create_backend, known_backends
+from rollout_lib.conformance import ConformanceSettings, compare_free_running, run_conformance
+from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
+from rollout_lib.workload import Workload
+
+
+def _pair(study, cache, dtype):
+    backends = {}
+    for name in ("hf_reference", "hf_cached"):
+        backend = create_backend(name, study, device="cpu", compute_dtype=dtype, cache_dir=cache)
+        backend.cold_start()
+        backends[name] = backend
+    return backends
+
+
+@pytest.fixture(scope="module")
+def policies(smoke_study):
+    return policy_versions(Workload(smoke_study).arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 8)
+
+
+@pytest.fixture(scope="module")
+def f32(smoke_study, snapshot_cache, policies):
+    pair = _pair(smoke_study, snapshot_cache, "float32")
+    for backend in pair.values():
+        backend.sync_policy(policies[0])
+    return pair
+
+
+@pytest.fixture(scope="module")
+def bf16(smoke_study, snapshot_cache, policies):
+    pair = _pair(smoke_study, snapshot_cache, "bfloat16")
+    for backend in pair.values():
+        backend.sync_policy(policies[0])
+    return pair
+
+
+def _tokens(batch):
+    return [(r.token_ids, r.stop_reason) for r in batch.results]
+
+
+def test_registry_lists_known_backends():
+    assert {"hf_reference", "hf_cached"} <= set(known_backends())
+    with pytest.raises(UnknownBackendError, match="known backends: hf_cached, hf_reference"):
+        create_backend("hf_turbo", None)
+
+
+def test_unknown_option_and_dtype_fail_loudly(smoke_study):
+    with pytest.raises(ValueError, match="unknown option 'batch'"):
+        create_backend("hf_cached", smoke_study, batch=4)
+    with pytest.raises(ValueError, match="allowed: bfloat16, float32"):
+        create_backend("hf_cached", smoke_study, compute_dtype="float16")
+
+
+def test_actor_is_real_nf4_and_mirror_holds_dequantized_weights(f32):
+    import bitsandbytes as bnb
+
+    from rollout_lib.actor import dequantized_linear_weights
+
+    cached = f32["hf_cached"]
+    nf4_layers = [m for m in cached.actor.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(nf4_layers) == 2 * 7
+    assert nf4_layers[0].weight.quant_state.quant_type == "nf4"
+    weights = dequantized_linear_weights(cached.actor.get_base_model())
+    mirror_modules = dict(cached.mirror.get_base_model().named_modules())
+    for name, weight in weights.items():
+        assert name.endswith(".base_layer")
+        assert torch.equal(mirror_modules[name].weight, weight.to(torch.float32)), name
+
+
+@pytest.mark.parametrize("cell_index", range(8))
+def test_float32_greedy_identical_on_every_smoke_cell_shape(smoke_study, f32, cell_index):
+    work = Workload(smoke_study)
+    cells = [c for c in work.cells() if c.sampling.name == "greedy"]
+    assert len(cells) == 8
+    requests = work.requests(cells[cell_index])
+    reference = f32["hf_reference"].generate(requests)
+    cached = f32["hf_cached"].generate(requests)
+    comparison = compare_free_running(reference.results, cached.results)
+    assert comparison["identical"] == len(requests), comparison
+    assert all(len(r.token_ids) == cells[cell_index].response_tokens for r in cached.results)
+
+
+def test_float32_seeded_samples_identical_across_backends(smoke_study, f32):
+    work = Workload(smoke_study)
+    requests = work.requests(work.cell("p48-r24-n2-stochastic"))
+    reference = f32["hf_reference"].generate(requests)  # sequential, one request at a time
+    cached = f32["hf_cached"].generate(requests)  # one batch of 8
+    assert _tokens(reference) == _tokens(cached)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "stochastic"])
+def test_partition_invariance_float32(smoke_study, f32, sampling):
+    work = Workload(smoke_study)
+    cell = work.cell(f"p48-r24-n2-{sampling}")
+    outputs = []
+    for partition in smoke_study.workload.batch_partitions:
+        results = [r for batch in work.partition_batches(cell, partition)
+                   for r in f32["hf_cached"].generate(batch).results]
+        outputs.append([(r.request_id, r.token_ids) for r in results])
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_same_seed_same_samples_other_seed_other_samples(smoke_study, bf16):
+    work = Workload(smoke_study)
+    requests = work.requests(work.cell("p16-r24-n1-stochastic"))
+    cached = bf16["hf_cached"]
+    first, again = cached.generate(requests), cached.generate(requests)
+    assert _tokens(first) == _tokens(again)
+    reseeded = [dataclasses.replace(r, seed=r.seed + 1000) for r in requests]
+    other = cached.generate(reseeded)
+    assert all(a.token_ids != b.token_ids for a, b in zip(first.results, other.results, strict=True))
+    # a request's samples do not depend on its batch mates
+    alone = cached.generate(requests[2:3])
+    assert alone.results[0].token_ids == first.results[2].token_ids
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "stochastic"])
+def test_eos_stop_decisions_identical(smoke_study, f32, sampling):
+    """Make EOS really occur: declare as EOS a token that row 0 emits at step 3."""
+    work = Workload(smoke_study)
+    requests = work.requests(work.cell(f"p16-r24-n2-{sampling}"))
+    free = f32["hf_cached"].generate(requests).results[0].token_ids
+    eos = free[3]
+    stop_requests = [dataclasses.replace(r, eos_token_ids=(eos,)) for r in requests]
+    reference = f32["hf_reference"].generate(stop_requests)
+    cached = f32["hf_cached"].generate(stop_requests)
+    assert _tokens(reference) == _tokens(cached)
+    first = cached.results[0]
+    assert first.stop_reason == "eos" and first.token_ids[-1] == eos and len(first.token_ids) == free.index(eos) + 1
+    assert any(r.stop_reason == "length" and len(r.token_ids) == 24 for r in cached.results) or all(
+        r.stop_reason == "eos" for r in cached.results)
+    assert all(len(r.logprobs) == len(r.token_ids) for r in cached.results)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "stochastic"])
+def test_policy_refresh_changes_identity_and_output(smoke_study, bf16, policies, sampling):
+    work = Workload(smoke_study)
+    requests = work.requests(work.cell(f"p48-r24-n1-{sampling}"))
+    cached = bf16["hf_cached"]
+    before = cached.generate(requests)
+    identity_2 = cached.sync_policy(policies[1])
+    after = cached.generate(requests)
+    cached.sync_policy(policies[0])
+    assert identity_2 == policies[1].identity != policies[0].identity
+    assert len({p.identity for p in policies}) == 8
+    assert all(r.policy_identity == identity_2 for r in after.results)
+    # the served distribution changed: every request's log-probabilities move
+    assert all(a.logprobs != b.logprobs for a, b in zip(before.results, after.results, strict=True))
+    if sampling == "stochastic":  # and seeded samples follow the new policy
+        assert _tokens(before) != _tokens(after)
+    restored = cached.generate(requests)
+    assert _tokens(restored) == _tokens(before)
+    assert [r.logprobs for r in restored.results] == [r.logprobs for r in before.results]
+
+
+def test_served_identity_is_checked_against_live_tensors(smoke_study, snapshot_cache, policies):
+    cached = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", cache_dir=snapshot_cache)
+    cached.cold_start()
+    work = Workload(smoke_study)
+    with pytest.raises(RuntimeError, match="before sync_policy"):
+        cached.generate(work.requests(work.cell("p16-r8-n1-greedy")))
+    cached.sync_policy(policies[0])
+    with torch.no_grad():
+        next(p for n, p in cached.mirror.named_parameters() if "lora_B" in n).add_(1e-3)
+    with pytest.raises(PolicyIdentityMismatch, match="serves identity"):
+        cached._served_identity(cached.mirror, policies[0])
+    cached.teardown()
+
+
+def test_phase_statuses(smoke_study, bf16):
+    work = Workload(smoke_study)
+    requests = work.requests(work.cell("p16-r8-n1-greedy"))
+    reference = bf16["hf_reference"].generate(requests)
+    cached = bf16["hf_cached"].generate(requests)
+    assert {p.status for p in reference.phases.values()} == {"not_measured"}
+    assert all(p.seconds is None for p in reference.phases.values())
+    assert {p.status for p in cached.phases.values()} == {"measured"}
+    assert cached.phases["prefill_s"].seconds > 0 and cached.phases["decode_s"].seconds > 0
+    assert reference.wall_s > 0 and cached.wall_s > 0
+
+
+def test_conformance_two_part_check_on_tiny(smoke_study, snapshot_cache):
+    settings = ConformanceSettings(prompt_tokens=(16,), response_tokens=(8, 24))
+    report = run_conformance(smoke_study, settings, device="cpu", cache_dir=snapshot_cache, show_progress=False)
+    checks = report["verdict"]["checks"]
+    assert checks["a_float32_greedy_exact"] and checks["a_float32_partitions_exact"] and checks["d_identity_exact"]
+    tf = report["bfloat16"]["teacher_forced"]
+    assert tf["positions"] == 4 * (8 + 24)
+    assert all({"oracle_margin_logits", "near_tie", "position"} <= set(d) for d in tf["disagreements"])
+    assert tf["passed"] == (tf["disagreements_beyond_tie_margin"] == 0)
+    sampled = report["bfloat16"]["sampled_logprob"]
+    assert sampled["passed"] == (sampled["max_abs_diff"] <= smoke_study.tolerances.nf4_sampled_logprob_abs)
+    # float32 compute: the mirror's sampled-token log-probabilities match the NF4 scorer far inside tolerance
+    assert report["float32"]["sampled_logprob"]["max_abs_diff"] < 1e-4
