@@ -30,7 +30,10 @@ class HFBackendBase(Backend):
         super().__init__(study, **options)
         import torch
 
-        self.device = torch.device(options.get("device") or default_device())
+        device = torch.device(options.get("device") or default_device())
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # memory APIs need an index
+        self.device = device
         dtype_name = options.get("compute_dtype") or study.actor.quantization.compute_dtype
         if dtype_name not in DTYPES:
             raise ValueError(f"{self.name}: compute_dtype {dtype_name!r} is not allowed; allowed: {', '.join(DTYPES)}")
