@@ -5,7 +5,10 @@ PY := $(VENV)/bin/python
 PARAMS ?= params/rollout-runtime-v2.yaml
 SMOKE ?= params/profiles/smoke.yaml
 
-.PHONY: setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
+source-stamp: setup  ## commit + dirty flag for a tree copied to the GPU machine without .git (carry it)
+	$(PY) -m rollout_lib.artifacts
+
+.PHONY: source-stamp setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
 
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -99,8 +99,24 @@ def package_version(name: str) -> str:
         return "absent"
 
 
-def git_identity(repo: Path = REPO_ROOT) -> dict[str, Any]:
-    """Source commit and dirty flag; `not_measured` outside a git checkout (e.g. a copied tree)."""
+SOURCE_STAMP = REPO_ROOT / ".source-commit"
+
+
+def write_source_stamp(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """Record commit + dirty flag in `.source-commit` for a copied tree without .git (the GPU machine
+    receives the working tree only; `make source-stamp` writes this file and device calls carry it)."""
+    identity = git_identity(repo, use_stamp=False)
+    SOURCE_STAMP.write_text(json.dumps(identity, sort_keys=True) + "\n")
+    return identity
+
+
+def git_identity(repo: Path = REPO_ROOT, use_stamp: bool = True) -> dict[str, Any]:
+    """Source commit and dirty flag; from `.source-commit` in a copied tree without .git;
+    `not_measured` when neither exists."""
+    if use_stamp and not (repo / ".git").exists() and SOURCE_STAMP.exists():
+        stamp = json.loads(SOURCE_STAMP.read_text())
+        return {"source_commit": stamp.get("source_commit"), "source_dirty": stamp.get("source_dirty"),
+                "status": "measured", "from": ".source-commit (tree copied without .git)"}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                                 check=True, timeout=10).stdout.strip()
@@ -153,3 +169,7 @@ def environment_identity(*, model_digests: dict[str, str] | None = None,
         "model_digests": dict(sorted((model_digests or {}).items())),
         "preregistration_sha256": preregistration_sha256,
     }
+
+
+if __name__ == "__main__":
+    print(json.dumps(write_source_stamp(), sort_keys=True))

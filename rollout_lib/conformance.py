@@ -225,6 +225,36 @@ def _teacher_forced(ref, cached, workload: Workload, cells: list[Cell], oracle: 
             "tie_margin_logits": tie_margin, "passed": not beyond, "rows": rows}
 
 
+def oracle_self_consistency(study: Preregistration, settings: ConformanceSettings, device: str | None = None,
+                            cache_dir: str | None = None) -> dict[str, Any]:
+    """Diagnostic noise floor: the oracle's own generation-time log-probabilities (sequential KV-cache
+    path, NF4, measured dtype) against the same NF4 actor scoring the same tokens teacher-forced.
+    If the oracle disagrees with itself by X, no incremental decoder can be expected to beat X."""
+    workload = Workload(study)
+    dtype = study.actor.quantization.compute_dtype
+    policy = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest,
+                             settings.policy_version)[-1]
+    ref = create_backend("hf_reference", study, device=device, compute_dtype=dtype, cache_dir=cache_dir)
+    ref.cold_start()
+    ref.sync_policy(policy)
+    cells, worst = {}, 0.0
+    for cell in _cells(workload, settings, "stochastic"):
+        requests = workload.requests(cell)
+        rows = []
+        for request, result in zip(requests, ref.generate(requests).results, strict=True):
+            scored = teacher_forced(ref.model, request.prompt_token_ids, list(result.token_ids), ref.device)
+            diffs = [abs(a - b) for a, b in zip(result.logprobs, scored.logprobs, strict=True)]
+            rows.append({"request_id": request.request_id, "max_abs_logprob_diff": max(diffs),
+                         "mean_abs_logprob_diff": sum(diffs) / len(diffs)})
+            worst = max(worst, max(diffs))
+        cells[cell.cell_id] = rows
+    ref.teardown()
+    return {"kind": "oracle_self_consistency", "dtype": dtype, "policy_identity": policy.identity,
+            "preregistration_sha256": study.sha256, "preregistered": study.preregistered,
+            "generation_path": "hf_reference sequential KV cache (NF4 + LoRA)",
+            "scorer": "same NF4 actor, teacher-forced full sequence", "cells": cells, "max_abs_diff": worst}
+
+
 def verdict(report: dict[str, Any], study: Preregistration) -> dict[str, Any]:
     f32 = report["float32"]
     measured = report[study.actor.quantization.compute_dtype]
@@ -252,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples-per-prompt", type=int, default=1)
     parser.add_argument("--policy-version", type=int, default=1)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--oracle-self-check", action="store_true",
+                        help="only the diagnostic: the oracle's generation log-probs vs its own teacher-forced scoring")
     args = parser.parse_args(argv)
     study = load(args.params)
     out = Path(args.out)
@@ -263,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         response_tokens=tuple(args.response_tokens or study.workload.response_tokens),
         samples_per_prompt=args.samples_per_prompt, policy_version=args.policy_version,
         partitions_response_tokens=tuple(args.partitions_response_tokens) if args.partitions_response_tokens else None)
+    if args.oracle_self_check:
+        report = oracle_self_consistency(study, settings, device=args.device)
+        report["environment"] = environment_identity(model_digests={"actor": study.actor.payload_digest},
+                                                     preregistration_sha256=study.sha256)
+        sha = write_json_atomic(out, report)
+        print(f"oracle self-consistency max |d logprob| {report['max_abs_diff']:.6f}; wrote {out} sha256 {sha}")
+        return 0
     report = run_conformance(study, settings, device=args.device)
     report["environment"] = environment_identity(model_digests={"actor": study.actor.payload_digest},
                                                  preregistration_sha256=study.sha256)
