@@ -8,7 +8,7 @@ SMOKE ?= params/profiles/smoke.yaml
 source-stamp: setup  ## commit + dirty flag for a tree copied to the GPU machine without .git (carry it)
 	$(PY) -m rollout_lib.artifacts
 
-.PHONY: source-stamp setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
+.PHONY: source-stamp measure missing smoke-measure notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
 
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,11 +33,32 @@ prereg: setup  ## validate the preregistration and the smoke profile, print thei
 	$(PY) -m rollout_lib.prereg $(PARAMS)
 	$(PY) -m rollout_lib.prereg $(SMOKE)
 
+BACKEND ?= hf_cached
+CAMPAIGN ?= default
+RUN_ID ?= $(shell date -u +%Y%m%dT%H%M%SZ)
+OUTPUT_DIR ?= outputs
+
+measure: setup  ## papermill notebooks/measure.ipynb for BACKEND, PARAMS, CAMPAIGN (CELLS="a,b" optional)
+	mkdir -p $(OUTPUT_DIR)/runs/$(CAMPAIGN)
+	$(VENV)/bin/papermill notebooks/measure.ipynb $(OUTPUT_DIR)/runs/$(CAMPAIGN)/measure-$(BACKEND)-$(RUN_ID).ipynb \
+	  -p backend $(BACKEND) -p params $(PARAMS) -p campaign $(CAMPAIGN) -p run_id $(RUN_ID) -p output_dir $(OUTPUT_DIR) \
+	  $(if $(CELLS),-y "cells: [$(CELLS)]")
+
+missing: setup  ## which cells of CAMPAIGN are still missing, per backend
+	$(PY) -m rollout_lib.runner missing --params $(PARAMS) --campaign $(CAMPAIGN) --output-dir $(OUTPUT_DIR)
+
+smoke-measure: setup  ## smoke profile: both HF backends through the measure notebook (CPU)
+	$(MAKE) measure BACKEND=hf_reference PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID)
+	$(MAKE) measure BACKEND=hf_cached PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID)
+
+notebooks:  ## regenerate notebooks/*.ipynb from tools/build_notebooks.py
+	$(PY) tools/build_notebooks.py
+
 conformance-smoke: setup  ## local conformance (hf_cached vs hf_reference) on the tiny smoke model
 	$(PY) -m rollout_lib.conformance --params $(SMOKE) --device cpu \
 	  --out outputs/smoke/conformance/conformance-$$(date -u +%Y%m%dT%H%M%SZ).json
 
-smoke: prereg conformance-smoke  ## the README's main command on a CPU-only machine
+smoke: prereg conformance-smoke smoke-measure  ## the README's main command on a CPU-only machine
 
 clean-cache:  ## synthetic snapshots are rebuilt bit-identically from seeds
 	rm -rf .cache/snapshots

@@ -1,0 +1,508 @@
+"""Runner: one backend over a selection of cells, with warmup, repetitions, invalidation and memory,
+written to an append-only, crash-safe, resumable raw file.
+
+Regime measured: end-to-end rollout of one cell (all `logical_prompts x n` requests served as one
+batch by the backend, as the preregistration's `measured_partition` says), after a timed cold start
+and one policy sync. Per cell: `warmup_repetitions` recorded and excluded, then
+`measured_repetitions`; each repetition records `wall_s` (device synchronized at both ends), actual
+prompt and generated token counts, prefill/decode/TTFT with a status, torch peak memory, NVML
+process-tree peak, and validity under the preregistered invalidation rules.
+
+Raw file: `outputs/raw/<campaign>/<backend>/<run_id>.jsonl`; line 1 is the header (environment
+identity), then one canonical-JSON record per line, each flushed and fsynced. The same run id
+resumes: completed cells are skipped, never rewritten; an interrupted cell is restarted as a new
+`attempt` (the old attempt's records stay); a torn last line is moved to a `.torn-N` sidecar.
+A different environment identity (another GPU, commit, package, model, preregistration) is refused.
+
+    python -m rollout_lib.runner measure --backend hf_cached --campaign smoke --params params/profiles/smoke.yaml
+    python -m rollout_lib.runner missing --campaign smoke --params params/profiles/smoke.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.artifacts import OUTPUTS_DIR, REPO_ROOT, canonical_json, environment_identity, sha256_bytes
+from rollout_lib.backends import create_backend, known_backends
+from rollout_lib.backends.base import Backend, BatchResult
+from rollout_lib.memory import CellMemory, NVMLSampler
+from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
+from rollout_lib.prereg import BACKEND_NAMES, Preregistration, load
+from rollout_lib.timing import PhaseTimer
+from rollout_lib.workload import Cell, GenerationRequest, Workload
+
+RAW_SCHEMA = 1
+CAMPAIGN_PATTERN = r"[a-z0-9][a-z0-9._-]*"
+RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+IMPLEMENTED_RULES = ("INV-WARMUP", "INV-OOM", "INV-IDENTITY", "INV-TOKEN-COUNT", "INV-BUDGET",
+                     "INV-FOREIGN-GPU-PROCESS", "INV-SERVER-DIED", "INV-TIME")
+MEASUREMENT_POLICY_VERSION = 1
+
+
+class ParameterError(ValueError):
+    """A measure parameter is invalid; the message names it and what is allowed."""
+
+
+class RawIdentityDrift(RuntimeError):
+    """Resuming a raw file from another environment (GPU, commit, packages, models, preregistration)."""
+
+
+class ServerDied(RuntimeError):
+    """A managed engine process exited during a repetition (raised by engine backends)."""
+
+
+def default_run_id() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def raw_path(output_dir: str | Path, campaign: str, backend: str, run_id: str) -> Path:
+    return Path(output_dir) / "raw" / campaign / backend / f"{run_id}.jsonl"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    backend: str
+    params_path: str
+    campaign: str
+    cells: tuple[str, ...]
+    run_id: str
+    output_dir: str
+    device: str | None
+
+    @property
+    def path(self) -> Path:
+        return raw_path(self.output_dir, self.campaign, self.backend, self.run_id)
+
+
+def _as_cell_list(cells: Any) -> list[str]:
+    if cells is None or cells == "" or cells == []:
+        return []
+    if isinstance(cells, str):
+        return [c.strip() for c in cells.split(",") if c.strip()]
+    if isinstance(cells, (list, tuple)) and all(isinstance(c, str) for c in cells):
+        return list(cells)
+    raise ParameterError(f"cells: expected a list of cell ids or a comma-separated string, got {cells!r}")
+
+
+def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any = None, run_id: str = "",
+                        output_dir: str = "outputs", device: str = "", profile_cell: str = ""
+                        ) -> tuple[RunSpec, Preregistration, Workload]:
+    """Strict check of the measure notebook's parameters; every error names the parameter."""
+    if backend not in known_backends():
+        allowed = ", ".join(known_backends())
+        raise ParameterError(f"backend: unknown backend {backend!r}; known backends: {allowed}")
+    params_path = Path(params)
+    if not params_path.is_absolute():
+        params_path = (REPO_ROOT / params_path) if not params_path.exists() else params_path
+    if not params_path.is_file():
+        raise ParameterError(f"params: {params!r} is not a file (a preregistration or a profile YAML)")
+    study = load(params_path)
+    if not isinstance(campaign, str) or not re.fullmatch(CAMPAIGN_PATTERN, campaign):
+        raise ParameterError(f"campaign: {campaign!r} must match {CAMPAIGN_PATTERN} (e.g. 'h200-v1', 'smoke')")
+    workload = Workload(study)
+    cell_ids = _as_cell_list(cells)
+    known = workload.cell_ids()
+    for cell_id in cell_ids:
+        if cell_id not in known:
+            raise ParameterError(f"cells: unknown cell id {cell_id!r}; valid cell ids: {', '.join(known)}")
+    if profile_cell and profile_cell not in known:
+        raise ParameterError(f"profile_cell: unknown cell id {profile_cell!r}; valid cell ids: {', '.join(known)}")
+    run_id = run_id or default_run_id()
+    if not re.fullmatch(RUN_ID_PATTERN, run_id):
+        raise ParameterError(f"run_id: {run_id!r} must match {RUN_ID_PATTERN}")
+    if device and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ParameterError(f"device: {device!r} is not allowed; allowed: '' (auto), 'cpu', 'cuda', 'cuda:N'")
+    for rule in study.invalidation_rules:
+        if rule.id not in IMPLEMENTED_RULES:
+            raise ParameterError(f"params: invalidation rule {rule.id} has no implementation; implemented: "
+                                 + ", ".join(IMPLEMENTED_RULES))
+    spec = RunSpec(backend=backend, params_path=str(params_path), campaign=campaign,
+                   cells=tuple(c.cell_id for c in workload.select(cell_ids)), run_id=run_id,
+                   output_dir=str(output_dir), device=device or None)
+    return spec, study, workload
+
+
+# ------------------------------------------------------------------------------------------
+# Raw file: append-only JSON lines, crash-safe, resumable
+# ------------------------------------------------------------------------------------------
+
+def identity_key(environment: dict[str, Any]) -> dict[str, Any]:
+    """The part of the environment a resumed run must share with the file's header."""
+    gpu = environment.get("gpu", {})
+    return {"source": {k: environment.get("source", {}).get(k) for k in ("source_commit", "source_dirty")},
+            "python": environment.get("python"), "packages": environment.get("packages"),
+            "gpu": {k: gpu.get(k) for k in ("name", "driver", "cuda_runtime", "status")},
+            "model_digests": environment.get("model_digests"),
+            "preregistration_sha256": environment.get("preregistration_sha256")}
+
+
+def read_raw(path: str | Path) -> tuple[list[dict[str, Any]], bytes]:
+    """Complete records of a raw file, and the bytes of a torn last line (b'' if none)."""
+    data = Path(path).read_bytes()
+    end = data.rfind(b"\n") + 1
+    records = []
+    for number, line in enumerate(data[:end].splitlines(), start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {number} is not JSON ({exc}); "
+                             "only a torn last line is repairable") from None
+    return records, data[end:]
+
+
+class RawWriter:
+    def __init__(self, path: Path):
+        self.path = path
+        self._handle = None
+
+    def open(self, header: dict[str, Any]) -> list[dict[str, Any]]:
+        """Create the file with `header`, or resume it; returns the existing records."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        existing: list[dict[str, Any]] = []
+        torn = b""
+        if self.path.exists():
+            existing, torn = read_raw(self.path)
+            if not existing or existing[0].get("record") != "header":
+                raise ValueError(f"{self.path}: no header record; not a raw file of this project")
+            old, new = identity_key(existing[0]["environment"]), identity_key(header["environment"])
+            if old != new:
+                diff = {k: (old[k], new[k]) for k in old if old[k] != new.get(k)}
+                raise RawIdentityDrift(f"{self.path}: resuming from another environment is refused "
+                                       f"(file vs now): {json.dumps(diff, sort_keys=True)}; use a new run_id")
+            for key in ("campaign", "backend", "run_id"):
+                if existing[0][key] != header[key]:
+                    raise RawIdentityDrift(f"{self.path}: header {key} {existing[0][key]!r} != {header[key]!r}")
+        self._handle = open(self.path, "ab")  # noqa: SIM115 - kept open for the run
+        if torn:
+            sidecar = self._sidecar()
+            sidecar.write_bytes(torn)
+            os.truncate(self.path, self.path.stat().st_size - len(torn))
+            self.append({"record": "repair", "torn_bytes": len(torn), "moved_to": sidecar.name,
+                         "torn_sha256": sha256_bytes(torn)})
+        if not existing:
+            self.append(header)
+        return existing
+
+    def _sidecar(self) -> Path:
+        n = 1
+        while (candidate := self.path.with_name(f"{self.path.name}.torn-{n}")).exists():
+            n += 1
+        return candidate
+
+    def append(self, record: dict[str, Any]) -> None:
+        record = {"utc": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")} | record
+        self._handle.write((canonical_json(record) + "\n").encode("utf-8"))
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+# ------------------------------------------------------------------------------------------
+# Invalidation rules
+# ------------------------------------------------------------------------------------------
+
+def check_repetition(study: Preregistration, requests: list[GenerationRequest], batch: BatchResult | None,
+                     wall_s: float | None, requested_identity: str, torch_peak_reserved: int | None,
+                     foreign_pids: list[int], error: BaseException | None) -> list[dict[str, str]]:
+    """Reasons (rule id + detail) that make a repetition invalid; [] when it is valid."""
+    reasons = []
+    if error is not None:
+        import torch
+
+        rule = ("INV-OOM" if isinstance(error, torch.OutOfMemoryError) else
+                "INV-SERVER-DIED" if isinstance(error, ServerDied) else
+                "INV-IDENTITY" if isinstance(error, PolicyIdentityMismatch) else None)
+        reasons.append({"rule": rule or "error", "detail": f"{type(error).__name__}: {error}"[:2000]})
+    if batch is not None:
+        for request, result in zip(requests, batch.results, strict=True):
+            if result.policy_identity != requested_identity:
+                reasons.append({"rule": "INV-IDENTITY",
+                                "detail": f"{request.request_id} served {result.policy_identity}"})
+            count = len(result.token_ids)
+            if count > request.max_new_tokens:
+                reasons.append({"rule": "INV-TOKEN-COUNT", "detail": f"{request.request_id}: {count} > max"})
+            elif count < request.max_new_tokens and result.stop_reason != "eos":
+                reasons.append({"rule": "INV-TOKEN-COUNT",
+                                "detail": f"{request.request_id}: stopped at {count} without EOS"})
+    if wall_s is not None and not (math.isfinite(wall_s) and wall_s > 0):
+        reasons.append({"rule": "INV-TIME", "detail": f"wall_s {wall_s!r}"})
+    if torch_peak_reserved is not None and torch_peak_reserved > study.memory.budget_bytes:
+        reasons.append({"rule": "INV-BUDGET", "detail": f"peak reserved {torch_peak_reserved} > budget"})
+    if foreign_pids:
+        reasons.append({"rule": "INV-FOREIGN-GPU-PROCESS", "detail": f"pids {foreign_pids}"})
+    return reasons
+
+
+# ------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------
+
+@dataclass
+class CellSummary:
+    """Live view for the notebook (simple median; the frozen calculator decides what counts)."""
+
+    cell_id: str
+    status: str
+    measured_wall_s: list[float]
+    generated_tokens: int | None
+    valid_repetitions: int
+    peak_reserved_bytes: int | None
+
+    def row(self) -> dict[str, Any]:
+        median = statistics.median(self.measured_wall_s) if self.measured_wall_s else None
+        rate = self.generated_tokens / median if median and self.generated_tokens else None
+        return {"cell_id": self.cell_id, "status": self.status, "valid_reps": self.valid_repetitions,
+                "median_wall_s": median, "live_tokens_per_s": rate,
+                "peak_reserved_GiB": None if self.peak_reserved_bytes is None else self.peak_reserved_bytes / 2**30}
+
+
+def completed_cells(records: list[dict[str, Any]]) -> set[str]:
+    return {r["cell_id"] for r in records if r.get("record") == "cell_complete"}
+
+
+def _request_summary(request: GenerationRequest, result) -> dict[str, Any]:
+    return {"request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids),
+            "generated_tokens": len(result.token_ids), "stop_reason": result.stop_reason,
+            "token_ids_sha256": sha256_bytes(json.dumps(list(result.token_ids)).encode())}
+
+
+def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
+        on_progress: Callable[[str, int, int], None] | None = None,
+        backend_factory: Callable[[], Backend] | None = None) -> Iterator[CellSummary]:
+    """Measure the selected cells; yields a CellSummary per finished cell (skipped cells included)."""
+    import torch
+
+    backend = backend_factory() if backend_factory else create_backend(spec.backend, study, device=spec.device)
+    environment = environment_identity(
+        model_digests={"actor": study.actor.payload_digest, "teacher": study.teacher.payload_digest},
+        preregistration_sha256=study.sha256)
+    header = {"record": "header", "schema": RAW_SCHEMA, "campaign": spec.campaign, "backend": spec.backend,
+              "run_id": spec.run_id, "preregistered": study.preregistered, "study_id": study.study_id,
+              "params_path": os.path.relpath(spec.params_path, REPO_ROOT), "environment": environment,
+              "protocol": {"warmup_repetitions": study.protocol.warmup_repetitions,
+                           "measured_repetitions": study.protocol.measured_repetitions,
+                           "measured_partition": list(study.workload.measured_partition)}}
+    writer = RawWriter(spec.path)
+    existing = writer.open(header)
+    done = completed_cells(existing)
+    attempts: dict[str, int] = {}
+    for record in existing:
+        if record.get("record") == "cell_start":
+            attempts[record["cell_id"]] = attempts.get(record["cell_id"], 0) + 1
+    if existing:
+        writer.append({"record": "resume", "completed_cells": sorted(done), "selected_cells": list(spec.cells)})
+    todo = [workload.cell(c) for c in spec.cells if c not in done]
+    for cell_id in spec.cells:
+        if cell_id in done:
+            yield CellSummary(cell_id, "skipped (already complete)", [], None, 0, None)
+    if not todo:
+        writer.close()
+        return
+    try:
+        cold = backend.cold_start()
+        writer.append({"record": "cold_start", "cold_start_s": cold.to_json(),
+                       "backend_environment": backend.environment(),
+                       "budget": {"budget_bytes": study.memory.budget_bytes,
+                                  "memory_fraction": getattr(backend, "budget_fraction", None)}})
+        policy = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest,
+                                 MEASUREMENT_POLICY_VERSION)[-1]
+        device = getattr(backend, "device", torch.device("cpu"))
+        with PhaseTimer(device) as sync_timer:
+            identity = backend.sync_policy(policy)
+        writer.append({"record": "policy_sync", "version": policy.version, "requested_identity": policy.identity,
+                       "served_identity": identity,
+                       "policy_sync_s": {"status": "measured", "seconds": sync_timer.seconds}})
+        for cell in todo:
+            summary = _run_cell(cell, spec, study, workload, backend, writer, policy.identity, device,
+                                attempts.get(cell.cell_id, 0), on_progress)
+            yield summary
+    finally:
+        try:
+            teardown = backend.teardown()
+            writer.append({"record": "teardown", "teardown_s": teardown.to_json()})
+        finally:
+            writer.close()
+
+
+def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workload, backend: Backend,
+              writer: RawWriter, identity: str, device, attempt: int,
+              on_progress: Callable[[str, int, int], None] | None) -> CellSummary:
+    import torch
+
+    requests = workload.requests(cell)
+    warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
+    writer.append({"record": "cell_start", "cell_id": cell.cell_id, "attempt": attempt, "requests": len(requests),
+                   "prompt_tokens": cell.prompt_tokens, "response_tokens": cell.response_tokens,
+                   "samples_per_prompt": cell.samples_per_prompt, "sampling": cell.sampling.name})
+    walls, valid_count, generated, status = [], 0, None, "completed"
+    started = time.perf_counter()
+    with CellMemory(device) as memory:
+        for index in range(warmups + measured):
+            warmup = index < warmups
+            batch, error, wall = None, None, None
+            with NVMLSampler(device.index or 0) if device.type == "cuda" else _NullSampler() as sampler:
+                try:
+                    with PhaseTimer(device) as timer:
+                        batch = backend.generate(requests)
+                    wall = timer.seconds
+                except (torch.OutOfMemoryError, ServerDied, PolicyIdentityMismatch) as exc:
+                    error = exc
+            snap = memory.snapshot()
+            peak_reserved = snap["torch"].get("peak_reserved_bytes")
+            reasons = check_repetition(study, requests, batch, wall, identity, peak_reserved,
+                                       sampler.to_json().get("foreign_pids", []), error)
+            record = {"record": "repetition", "cell_id": cell.cell_id, "attempt": attempt, "repetition": index,
+                      "warmup": warmup, "excluded_by": "INV-WARMUP" if warmup else None,
+                      "valid": not reasons, "invalid_reasons": reasons,
+                      "wall_s": wall if wall is not None else None,
+                      "prompt_tokens_total": sum(len(r.prompt_token_ids) for r in requests),
+                      "generated_tokens": batch.generated_tokens if batch else None,
+                      "phases": {k: v.to_json() for k, v in batch.phases.items()} if batch else None,
+                      "decode_steps": getattr(batch, "decode_steps", None),
+                      "policy_identity": identity, "memory": snap, "nvml_repetition": sampler.to_json(),
+                      "requests": [_request_summary(q, r) for q, r in zip(requests, batch.results, strict=True)]
+                      if batch else None}
+            writer.append(record)
+            if on_progress:
+                on_progress(cell.cell_id, index + 1, warmups + measured)
+            if error is not None:
+                status = "failed"
+                if isinstance(error, torch.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                if isinstance(error, PolicyIdentityMismatch):
+                    writer.append({"record": "cell_complete", "cell_id": cell.cell_id, "attempt": attempt,
+                                   "status": "failed", "reason": "INV-IDENTITY: run stopped"})
+                    raise error
+                break  # no downshift is preregistered: the cell fails and stays in the record
+            if not warmup:
+                walls.append(wall)
+                generated = batch.generated_tokens
+                valid_count += not reasons
+        final = memory.snapshot()
+    writer.append({"record": "cell_complete", "cell_id": cell.cell_id, "attempt": attempt, "status": status,
+                   "elapsed_s": time.perf_counter() - started, "memory": final,
+                   "nvml_cell": memory.nvml.to_json() if memory.nvml else final["nvml"]})
+    return CellSummary(cell.cell_id, status, walls, generated, valid_count, final["torch"].get("peak_reserved_bytes"))
+
+
+class _NullSampler:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": "not_applicable", "reason": "CPU run: no GPU memory", "foreign_pids": []}
+
+
+# ------------------------------------------------------------------------------------------
+# Campaign slices and profiling
+# ------------------------------------------------------------------------------------------
+
+def missing_cells(study: Preregistration, campaign: str, output_dir: str | Path = OUTPUTS_DIR,
+                  backends: tuple[str, ...] = BACKEND_NAMES) -> dict[str, list[str]]:
+    """Cells of the campaign without a completed record in any raw file, per backend."""
+    all_cells = Workload(study).cell_ids()
+    out = {}
+    for backend in backends:
+        done: set[str] = set()
+        folder = Path(output_dir) / "raw" / campaign / backend
+        for path in sorted(folder.glob("*.jsonl")):
+            records, _ = read_raw(path)
+            if records and records[0].get("environment", {}).get("preregistration_sha256") == study.sha256:
+                done |= {r["cell_id"] for r in records if r.get("record") == "cell_complete"
+                         and r.get("status") == "completed"}
+        out[backend] = [c for c in all_cells if c not in done]
+    return out
+
+
+def profile_cell(backend: Backend, requests: list[GenerationRequest], trace_path: Path,
+                 row_limit: int = 25) -> tuple[str, Path]:
+    """One named warmup pass (excluded), then one profiled pass; returns the operator table and
+    the gzipped Chrome trace path (open in Perfetto or chrome://tracing)."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    backend.generate(requests)  # warmup: caches, allocator, lazy init are not profiled
+    activities = [ProfilerActivity.CPU]
+    cuda = getattr(backend, "device", None) is not None and backend.device.type == "cuda"
+    if cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        backend.generate(requests)
+        if cuda:
+            torch.cuda.synchronize(backend.device)
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    plain = trace_path.with_suffix("")
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as src, gzip.open(trace_path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+    return table, trace_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout_lib.runner", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    measure = sub.add_parser("measure", help="measure one backend (same as the measure notebook, no display)")
+    measure.add_argument("--backend", required=True)
+    measure.add_argument("--params", default="params/rollout-runtime-v2.yaml")
+    measure.add_argument("--campaign", required=True)
+    measure.add_argument("--cells", default="", help="comma-separated cell ids (default: all)")
+    measure.add_argument("--run-id", default="")
+    measure.add_argument("--output-dir", default=str(OUTPUTS_DIR))
+    measure.add_argument("--device", default="")
+    missing = sub.add_parser("missing", help="which cells of a campaign are still missing, per backend")
+    missing.add_argument("--params", default="params/rollout-runtime-v2.yaml")
+    missing.add_argument("--campaign", required=True)
+    missing.add_argument("--output-dir", default=str(OUTPUTS_DIR))
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "missing":
+            study = load(args.params)
+            for backend, cells in missing_cells(study, args.campaign, args.output_dir).items():
+                print(f"{backend}: {len(cells)} missing" + (f": {', '.join(cells)}" if cells else ""))
+            return 0
+        spec, study, workload = validate_parameters(backend=args.backend, params=args.params, campaign=args.campaign,
+                                                    cells=args.cells, run_id=args.run_id,
+                                                    output_dir=args.output_dir, device=args.device)
+    except (ParameterError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"raw file: {spec.path}", file=sys.stderr)
+    for summary in run(spec, study, workload):
+        print(json.dumps(summary.row(), sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        raise SystemExit(main())
+    except RawIdentityDrift as exc:
+        traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(3) from None
