@@ -36,11 +36,23 @@ def process_tree(root: int | None = None) -> set[int]:
 
 
 class NVMLSampler:
-    """Background sampler of process-tree GPU memory; use as a context manager around a cell."""
+    """Background sampler of process-tree GPU memory; use as a context manager around a cell.
 
-    def __init__(self, device_index: int = 0, interval_s: float = 0.005):
+    The sampler shares the GIL with the decode loop it observes, so it must stay cheap: seen on the
+    H200 (2026-11-29), two samplers at 5 ms that walked /proc on every sample slowed a CPU-bound HF
+    decode step by roughly 1.5-2x. Defaults: one sampler per cell, 20 ms, process tree refreshed once a
+    second (a child process lives far longer than that). `start_window()`/`window_json()` give the peak
+    and foreign processes of one repetition without a second thread.
+    """
+
+    def __init__(self, device_index: int = 0, interval_s: float = 0.02, tree_refresh_s: float = 1.0):
         self.device_index = device_index
         self.interval_s = interval_s
+        self.tree_refresh_s = tree_refresh_s
+        self._tree: set[int] = set()
+        self._tree_at = -1e9
+        self._window_peak: int | None = None
+        self._window_foreign: set[int] = set()
         self.peak_tree_bytes: int | None = None
         self.peak_device_used_bytes: int | None = None
         self.foreign_pids: set[int] = set()
@@ -69,7 +81,10 @@ class NVMLSampler:
     def _sample(self) -> None:
         import pynvml
 
-        tree = process_tree()
+        now = time.perf_counter()
+        if now - self._tree_at >= self.tree_refresh_s:
+            self._tree, self._tree_at = process_tree(), now
+        tree = self._tree
         info = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
         self.peak_device_used_bytes = max(self.peak_device_used_bytes or 0, int(info.used))
         total, attributed = 0, True
@@ -82,8 +97,10 @@ class NVMLSampler:
                     total += int(used)
             elif used:
                 self.foreign_pids.add(int(proc.pid))
+                self._window_foreign.add(int(proc.pid))
         if attributed:
             self.peak_tree_bytes = max(self.peak_tree_bytes or 0, total)
+            self._window_peak = max(self._window_peak or 0, total)
         else:
             self.reason = "NVML reports no per-process memory here"
         self.samples += 1
@@ -107,6 +124,24 @@ class NVMLSampler:
                 pynvml.nvmlShutdown()
             except Exception:
                 pass
+
+    def start_window(self) -> None:
+        """Begin a repetition: its peak and foreign processes are tracked separately."""
+        self._window_peak, self._window_foreign = None, set()
+        if self.status == "measured":
+            self._tree_at = -1e9  # refresh the tree at the boundary
+            self._sample()
+
+    def window_json(self) -> dict[str, Any]:
+        if self.status != "measured":
+            return {"status": self.status, "reason": self.reason, "foreign_pids": []}
+        self._sample()
+        out: dict[str, Any] = {"status": "measured", "foreign_pids": sorted(self._window_foreign)}
+        if self._window_peak is None:
+            out["peak_process_tree_bytes_status"] = "not_measured"
+        else:
+            out["peak_process_tree_bytes"] = self._window_peak
+        return out
 
     def to_json(self) -> dict[str, Any]:
         if self.status != "measured":

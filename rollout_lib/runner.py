@@ -38,7 +38,7 @@ from typing import Any
 from rollout_lib.artifacts import OUTPUTS_DIR, REPO_ROOT, canonical_json, environment_identity, sha256_bytes
 from rollout_lib.backends import create_backend, known_backends
 from rollout_lib.backends.base import Backend, BatchResult
-from rollout_lib.memory import CellMemory, NVMLSampler
+from rollout_lib.memory import CellMemory
 from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
 from rollout_lib.prereg import BACKEND_NAMES, Preregistration, load
 from rollout_lib.timing import PhaseTimer
@@ -357,17 +357,19 @@ def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workl
         for index in range(warmups + measured):
             warmup = index < warmups
             batch, error, wall = None, None, None
-            with NVMLSampler(device.index or 0) if device.type == "cuda" else _NullSampler() as sampler:
-                try:
-                    with PhaseTimer(device) as timer:
-                        batch = backend.generate(requests)
-                    wall = timer.seconds
-                except (torch.OutOfMemoryError, ServerDied, PolicyIdentityMismatch) as exc:
-                    error = exc
+            if memory.nvml is not None:
+                memory.nvml.start_window()
+            try:
+                with PhaseTimer(device) as timer:
+                    batch = backend.generate(requests)
+                wall = timer.seconds
+            except (torch.OutOfMemoryError, ServerDied, PolicyIdentityMismatch) as exc:
+                error = exc
+            window = memory.nvml.window_json() if memory.nvml is not None else _CPU_WINDOW
             snap = memory.snapshot()
             peak_reserved = snap["torch"].get("peak_reserved_bytes")
             reasons = check_repetition(study, requests, batch, wall, identity, peak_reserved,
-                                       sampler.to_json().get("foreign_pids", []), error)
+                                       window.get("foreign_pids", []), error)
             record = {"record": "repetition", "cell_id": cell.cell_id, "attempt": attempt, "repetition": index,
                       "warmup": warmup, "excluded_by": "INV-WARMUP" if warmup else None,
                       "valid": not reasons, "invalid_reasons": reasons,
@@ -376,7 +378,7 @@ def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workl
                       "generated_tokens": batch.generated_tokens if batch else None,
                       "phases": {k: v.to_json() for k, v in batch.phases.items()} if batch else None,
                       "decode_steps": getattr(batch, "decode_steps", None),
-                      "policy_identity": identity, "memory": snap, "nvml_repetition": sampler.to_json(),
+                      "policy_identity": identity, "memory": snap, "nvml_repetition": window,
                       "requests": [_request_summary(q, r) for q, r in zip(requests, batch.results, strict=True)]
                       if batch else None}
             writer.append(record)
@@ -402,15 +404,7 @@ def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workl
     return CellSummary(cell.cell_id, status, walls, generated, valid_count, final["torch"].get("peak_reserved_bytes"))
 
 
-class _NullSampler:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"status": "not_applicable", "reason": "CPU run: no GPU memory", "foreign_pids": []}
+_CPU_WINDOW = {"status": "not_applicable", "reason": "CPU run: no GPU memory", "foreign_pids": []}
 
 
 # ------------------------------------------------------------------------------------------
