@@ -111,12 +111,8 @@ def write_source_stamp(repo: Path = REPO_ROOT) -> dict[str, Any]:
 
 
 def git_identity(repo: Path = REPO_ROOT, use_stamp: bool = True) -> dict[str, Any]:
-    """Source commit and dirty flag; from `.source-commit` in a copied tree without .git;
-    `not_measured` when neither exists."""
-    if use_stamp and not (repo / ".git").exists() and SOURCE_STAMP.exists():
-        stamp = json.loads(SOURCE_STAMP.read_text())
-        return {"source_commit": stamp.get("source_commit"), "source_dirty": stamp.get("source_dirty"),
-                "status": "measured", "from": ".source-commit (tree copied without .git)"}
+    """Source commit and dirty flag from git; else from `.source-commit` (a tree copied without a
+    usable git checkout, as on the GPU machine); `not_measured` when neither is available."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                                 check=True, timeout=10).stdout.strip()
@@ -124,7 +120,12 @@ def git_identity(repo: Path = REPO_ROOT, use_stamp: bool = True) -> dict[str, An
                                 capture_output=True, text=True, check=True, timeout=10).stdout
         return {"source_commit": commit, "source_dirty": bool(status.strip()), "status": "measured"}
     except (OSError, subprocess.SubprocessError):
-        return {"source_commit": None, "source_dirty": None, "status": "not_measured"}
+        pass
+    if use_stamp and SOURCE_STAMP.exists():
+        stamp = json.loads(SOURCE_STAMP.read_text())
+        return {"source_commit": stamp.get("source_commit"), "source_dirty": stamp.get("source_dirty"),
+                "status": "measured", "from": ".source-commit (tree copied without a git checkout)"}
+    return {"source_commit": None, "source_dirty": None, "status": "not_measured"}
 
 
 def gpu_identity() -> dict[str, Any]:
