@@ -112,10 +112,11 @@ def test_preregistration_and_profile_load(prereg_study, smoke_study):
 
 
 def test_calculator_placeholder_fails_loudly(prereg_study):
-    if prereg_study.calculator.sha256 != CALCULATOR_PENDING:
-        pytest.skip("calculator is pinned")
+    pinned = prereg_study.require_calculator_pinned()
+    assert len(pinned) == 64
+    placeholder = loads(PREREG.read_text().replace(f"sha256: {pinned}", f"sha256: {CALCULATOR_PENDING}"))
     with pytest.raises(PreregistrationError, match="placeholder"):
-        prereg_study.require_calculator_pinned()
+        placeholder.require_calculator_pinned()
 
 
 def test_sha256_is_of_the_file_bytes(prereg_study):

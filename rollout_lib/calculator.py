@@ -1,0 +1,282 @@
+"""FROZEN calculator: raw records -> aggregate (rates, medians, speedups, gates, selection).
+
+Its SHA-256 is pinned in the preregistration (`calculator.sha256`); every code path that uses it
+checks the hash first and refuses a calculator that differs. Pure: standard library only, no
+clock, no randomness, no I/O, no imports from this project. Same inputs, same output, byte for byte.
+
+Rules (the preregistration fixes thresholds; this file fixes arithmetic):
+- A cell of a backend is taken from the completed attempt of the raw file with the greatest
+  run id that completed it; other completed copies are listed as superseded, never dropped.
+- Measured repetitions = non-warmup repetitions of that attempt. The cell is valid when exactly
+  `measured_repetitions` measured repetitions exist and all are valid.
+- Cell rate = median generated tokens / median wall_s of the measured repetitions (generated tokens
+  are the actual counts; they are equal across repetitions when the outputs are deterministic).
+- Spread = max wall_s / min wall_s, reported beside the median; it changes no gate.
+- Speedup of a paired cell (same prompt, response, n, sampling) = candidate rate / baseline rate.
+- Gates are conservative: every covered cell must be present, valid and pass; a missing or
+  invalid cell fails the gate and is named. Missing evidence fails its gate.
+- Peak total GPU memory = NVML peak of the backend's process tree over the cell; a cell without
+  that measurement fails the memory gate (named with its status).
+- Selection: for each algorithm, the candidate backend where all its required gates pass, else the
+  fallback (fail closed).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+CALCULATOR_VERSION = 1
+
+
+def _cell_id(prompt: int, response: int, n: int, sampling: str) -> str:
+    return f"p{prompt}-r{response}-n{n}-{sampling}"
+
+
+def workload_cells(prereg: dict[str, Any]) -> list[dict[str, Any]]:
+    work = prereg["workload"]
+    return [{"cell_id": _cell_id(p, r, n, s["name"]), "prompt_tokens": p, "response_tokens": r,
+             "samples_per_prompt": n, "sampling": s["name"]}
+            for p in work["prompt_tokens"] for r in work["response_tokens"]
+            for n in work["samples_per_prompt"] for s in work["samplings"]]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _phase(reps: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    statuses = {(r.get("phases") or {}).get(name, {}).get("status", "not_measured") for r in reps}
+    if statuses == {"measured"}:
+        return {"status": "measured", "median_s": _median([r["phases"][name]["seconds"] for r in reps])}
+    if len(statuses) == 1:
+        status = statuses.pop()
+        reason = (reps[0].get("phases") or {}).get(name, {}).get("reason")
+        return {"status": status, "reason": reason} if reason else {"status": status}
+    return {"status": "mixed", "statuses": sorted(statuses)}
+
+
+def _cell_from_attempt(meta: dict[str, Any], reps: list[dict[str, Any]], complete: dict[str, Any],
+                       expected_reps: int) -> dict[str, Any]:
+    measured = [r for r in reps if not r["warmup"]]
+    invalid = [{"repetition": r["repetition"], "reasons": r["invalid_reasons"]} for r in measured if not r["valid"]]
+    walls = [r["wall_s"] for r in measured if r.get("wall_s") is not None]
+    tokens = [r["generated_tokens"] for r in measured if r.get("generated_tokens") is not None]
+    valid = (complete["status"] == "completed" and len(measured) == expected_reps and not invalid
+             and len(walls) == expected_reps)
+    cell: dict[str, Any] = dict(meta)
+    cell.update({"status": complete["status"], "valid": valid, "invalid_repetitions": invalid,
+                 "measured_repetitions": len(measured), "wall_s": walls,
+                 "warmup_wall_s": [r["wall_s"] for r in reps if r["warmup"] and r.get("wall_s") is not None]})
+    if not valid:
+        cell["invalid_reason"] = ("cell " + complete["status"] if complete["status"] != "completed" else
+                                  f"{len(measured)} measured repetitions, {len(invalid)} invalid")
+    if walls and tokens:
+        median_wall = _median(walls)
+        generated = _median(tokens)
+        cell.update({"generated_tokens": generated, "median_wall_s": median_wall,
+                     "tokens_per_s": generated / median_wall, "spread_max_over_min": max(walls) / min(walls),
+                     "prompt_tokens_total": measured[0].get("prompt_tokens_total")})
+    torch_peaks = [r["memory"]["torch"].get("peak_reserved_bytes") for r in measured
+                   if r.get("memory", {}).get("torch", {}).get("status") == "measured"]
+    torch_alloc = [r["memory"]["torch"].get("peak_allocated_bytes") for r in measured
+                   if r.get("memory", {}).get("torch", {}).get("status") == "measured"]
+    nvml = complete.get("nvml_cell") or {}
+    cell["memory"] = {
+        "torch_peak_reserved_bytes": max(torch_peaks) if torch_peaks else None,
+        "torch_peak_allocated_bytes": max(torch_alloc) if torch_alloc else None,
+        "nvml_peak_process_tree_bytes": nvml.get("peak_process_tree_bytes"),
+        "nvml_peak_device_used_bytes": nvml.get("peak_device_used_bytes"),
+        "status": "measured" if nvml.get("peak_process_tree_bytes") is not None else
+        (nvml.get("status") or "not_measured") + ("" if not nvml.get("reason") else f": {nvml['reason']}"),
+    }
+    cell["phases"] = {name: _phase(measured, name) for name in ("prefill_s", "decode_s", "ttft_s")} \
+        if measured else {}
+    return cell
+
+
+def _attempts(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """cell_id -> the last *completed-or-failed* attempt of this file: start, reps, complete."""
+    starts, reps, completes = {}, {}, {}
+    for record in records:
+        kind = record.get("record")
+        if kind == "cell_start":
+            starts[(record["cell_id"], record["attempt"])] = record
+        elif kind == "repetition":
+            reps.setdefault((record["cell_id"], record["attempt"]), []).append(record)
+        elif kind == "cell_complete":
+            completes[record["cell_id"]] = (record["attempt"], record)
+    out = {}
+    for cell_id, (attempt, complete) in completes.items():
+        out[cell_id] = {"start": starts.get((cell_id, attempt), {}), "reps": reps.get((cell_id, attempt), []),
+                        "complete": complete, "attempt": attempt}
+    return out
+
+
+def aggregate_cells(prereg: dict[str, Any], raw_files: list[dict[str, Any]]) -> tuple[list, list]:
+    """(cells, raw_file_summaries). raw_files: {path, sha256, backend, run_id, accepted, records}."""
+    expected = prereg["protocol"]["measured_repetitions"]
+    meta = {c["cell_id"]: c for c in workload_cells(prereg)}
+    chosen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+    summaries = []
+    for raw in sorted(raw_files, key=lambda f: (f["backend"], f["run_id"], f["path"])):
+        summary = {k: raw[k] for k in ("path", "sha256", "backend", "run_id", "accepted")}
+        if raw.get("binding"):
+            summary["binding"] = raw["binding"]
+        if not raw["accepted"]:
+            summary["excluded_reason"] = raw.get("excluded_reason", "not accepted")
+            summaries.append(summary)
+            continue
+        attempts = _attempts(raw["records"])
+        summary["completed_cells"] = sorted(c for c, a in attempts.items() if a["complete"]["status"] == "completed")
+        summary["failed_cells"] = sorted(c for c, a in attempts.items() if a["complete"]["status"] != "completed")
+        summaries.append(summary)
+        for cell_id, attempt in attempts.items():
+            if cell_id in meta:
+                chosen[(raw["backend"], cell_id)] = (raw["path"], attempt)  # later run ids win
+    cells = []
+    for (backend, cell_id), (path, attempt) in sorted(chosen.items()):
+        cell = _cell_from_attempt(meta[cell_id], attempt["reps"], attempt["complete"], expected)
+        cell.update({"backend": backend, "raw_file": path, "attempt": attempt["attempt"]})
+        cells.append(cell)
+    for summary in summaries:
+        used = {c["cell_id"] for c in cells if c["raw_file"] == summary["path"]}
+        if summary["accepted"]:
+            listed = set(summary["completed_cells"]) | set(summary["failed_cells"])
+            summary["superseded_cells"] = sorted(listed - used)
+    return cells, summaries
+
+
+def _index(cells: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(c["backend"], c["cell_id"]): c for c in cells}
+
+
+def speedups(prereg: dict[str, Any], cells: list[dict[str, Any]], pairs: list[tuple[str, str]]) -> list[dict]:
+    index = _index(cells)
+    out = []
+    for candidate, baseline in pairs:
+        for meta in workload_cells(prereg):
+            cand, base = index.get((candidate, meta["cell_id"])), index.get((baseline, meta["cell_id"]))
+            if not cand or not base or "tokens_per_s" not in cand or "tokens_per_s" not in base:
+                continue
+            out.append({"candidate": candidate, "baseline": baseline, "cell_id": meta["cell_id"],
+                        "response_tokens": meta["response_tokens"],
+                        "ratio": cand["tokens_per_s"] / base["tokens_per_s"],
+                        "both_valid": cand["valid"] and base["valid"],
+                        "candidate_spread": cand["spread_max_over_min"],
+                        "baseline_spread": base["spread_max_over_min"]})
+    return out
+
+
+def _compare(value: float, comparison: str, threshold: float) -> bool:
+    return {">=": value >= threshold, "<": value < threshold, "<=": value <= threshold}[comparison]
+
+
+def _speedup_gate(gate: dict[str, Any], prereg: dict[str, Any], index: dict) -> dict[str, Any]:
+    failing, ratios = [], []
+    for meta in workload_cells(prereg):
+        if meta["response_tokens"] not in gate["response_tokens"]:
+            continue
+        cell_id = meta["cell_id"]
+        for backend in (gate["candidate"], gate["baseline"]):
+            cell = index.get((backend, cell_id))
+            if cell is None:
+                failing.append({"cell_id": cell_id, "reason": f"{backend}: missing"})
+            elif not cell["valid"]:
+                failing.append({"cell_id": cell_id, "reason": f"{backend}: invalid ({cell.get('invalid_reason')})"})
+        cand, base = index.get((gate["candidate"], cell_id)), index.get((gate["baseline"], cell_id))
+        if cand and base and cand["valid"] and base["valid"]:
+            ratio = cand["tokens_per_s"] / base["tokens_per_s"]
+            ratios.append(ratio)
+            if not _compare(ratio, gate["comparison"], gate["threshold"]):
+                failing.append({"cell_id": cell_id, "reason": f"ratio {ratio:.4f} not {gate['comparison']} "
+                                                              f"{gate['threshold']}"})
+    return {"observed_min": min(ratios) if ratios else None, "observed_max": max(ratios) if ratios else None,
+            "failing_cells": failing, "passed": bool(ratios) and not failing, "paired_cells": len(ratios)}
+
+
+def _memory_gate(gate: dict[str, Any], prereg: dict[str, Any], index: dict, backends: list[str]) -> dict[str, Any]:
+    failing, peaks = [], []
+    targets = backends if gate["candidate"] == "all" else [gate["candidate"]]
+    for backend in targets:
+        for meta in workload_cells(prereg):
+            if meta["response_tokens"] not in gate["response_tokens"]:
+                continue
+            cell = index.get((backend, meta["cell_id"]))
+            if cell is None:
+                failing.append({"cell_id": meta["cell_id"], "backend": backend, "reason": "missing"})
+                continue
+            peak = cell["memory"]["nvml_peak_process_tree_bytes"]
+            if peak is None:
+                failing.append({"cell_id": meta["cell_id"], "backend": backend,
+                                "reason": f"peak total GPU memory {cell['memory']['status']}"})
+                continue
+            peaks.append(peak)
+            if not _compare(peak, gate["comparison"], gate["threshold"]):
+                failing.append({"cell_id": meta["cell_id"], "backend": backend, "reason": f"{peak} bytes"})
+    return {"observed_min": min(peaks) if peaks else None, "observed_max": max(peaks) if peaks else None,
+            "failing_cells": failing, "passed": bool(peaks) and not failing, "backends": targets}
+
+
+EVIDENCE_KINDS = {("conformance", "hf_cached"): "local_conformance", ("conformance", "vllm"): "vllm_conformance",
+                  ("policy_refresh", "all"): "policy_refresh"}
+
+
+def _evidence_gate(gate: dict[str, Any], evidence: list[dict[str, Any]]) -> dict[str, Any]:
+    """Conformance and policy-refresh gates read the verdict of their latest accepted evidence file."""
+    kind = EVIDENCE_KINDS.get((gate["kind"], gate["candidate"]), f"{gate['kind']}:{gate['candidate']}")
+    relevant = sorted((e for e in evidence if e["kind"] == kind and e["accepted"]), key=lambda e: e["path"])
+    if not relevant:
+        return {"observed_min": None, "observed_max": None, "passed": False, "evidence": [], "used_evidence": None,
+                "failing_cells": [{"cell_id": None, "reason": f"no accepted {kind} evidence"}]}
+    latest = relevant[-1]
+    verdict = latest["verdict"]
+    observed = verdict.get("max_abs_logprob_diff")
+    failing = [{"cell_id": None, "reason": f"check {name} failed"}
+               for name, ok in sorted(verdict.get("checks", {}).items()) if not ok]
+    if observed is not None and not _compare(observed, gate["comparison"], gate["threshold"]):
+        failing.append({"cell_id": None, "reason": f"max |d logprob| {observed:.6f} > {gate['threshold']}"})
+    return {"observed_min": observed, "observed_max": observed, "failing_cells": failing,
+            "passed": not failing and bool(verdict.get("passed")),
+            "evidence": [e["path"] for e in relevant], "used_evidence": latest["path"]}
+
+
+def compute_aggregate(prereg: dict[str, Any], *, campaign: str, preregistration_sha256: str,
+                      calculator_sha256: str, raw_files: list[dict[str, Any]],
+                      evidence: list[dict[str, Any]]) -> dict[str, Any]:
+    """The aggregate of a campaign. Inputs are plain data (publish.py reads and hashes the files)."""
+    cells, raw_summaries = aggregate_cells(prereg, raw_files)
+    index = _index(cells)
+    backends = sorted({"hf_reference", "hf_cached", "vllm"})
+    pairs = [("hf_cached", "hf_reference"), ("vllm", "hf_cached")]
+    gates = []
+    for gate in prereg["gates"]:
+        if gate["kind"] == "speedup":
+            outcome = _speedup_gate(gate, prereg, index)
+        elif gate["kind"] == "peak_memory":
+            outcome = _memory_gate(gate, prereg, index, backends)
+        else:
+            outcome = _evidence_gate(gate, evidence)
+        gates.append({"id": gate["id"], "kind": gate["kind"], "description": gate["description"],
+                      "candidate": gate["candidate"], "baseline": gate["baseline"], "comparison": gate["comparison"],
+                      "threshold": gate["threshold"], "unit": gate["unit"],
+                      "response_tokens": list(gate["response_tokens"]), **outcome})
+    passed = {g["id"]: g["passed"] for g in gates}
+    selection_spec = prereg["selection"]
+    selection = {}
+    for algorithm, key in (("direct_gkd", "direct_gkd_requires"), ("pg_k1", "pg_k1_requires")):
+        required = list(selection_spec[key])
+        ok = all(passed.get(g, False) for g in required)
+        selection[algorithm] = {"backend": selection_spec["candidate"] if ok else selection_spec["fallback"],
+                                "requires": required, "failed_requirements": [g for g in required if not passed.get(g)],
+                                "candidate_qualified": ok}
+    all_ids = [c["cell_id"] for c in workload_cells(prereg)]
+    missing = {b: [c for c in all_ids if (b, c) not in index] for b in backends}
+    invalid = {b: [c for c in all_ids if (b, c) in index and not index[(b, c)]["valid"]] for b in backends}
+    return {"calculator_version": CALCULATOR_VERSION, "campaign": campaign,
+            "preregistered": prereg["preregistered"], "study_id": prereg["study_id"],
+            "preregistration_sha256": preregistration_sha256, "calculator_sha256": calculator_sha256,
+            "raw_files": raw_summaries,
+            "evidence_files": [{k: e[k] for k in ("path", "sha256", "kind", "accepted")} for e in evidence],
+            "cells": cells, "speedups": speedups(prereg, cells, pairs), "gates": gates,
+            "selection": selection, "missing_cells": missing, "invalid_cells": invalid}
