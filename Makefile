@@ -8,7 +8,7 @@ SMOKE ?= params/profiles/smoke.yaml
 source-stamp: setup  ## commit + dirty flag for a tree copied to the GPU machine without .git (carry it)
 	$(PY) -m rollout_lib.artifacts
 
-.PHONY: source-stamp measure missing smoke-measure notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
+.PHONY: source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
 
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,14 +51,28 @@ smoke-measure: setup  ## smoke profile: both HF backends through the measure not
 	$(MAKE) measure BACKEND=hf_reference PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID)
 	$(MAKE) measure BACKEND=hf_cached PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID)
 
+publish: setup  ## write outputs/aggregate/<CAMPAIGN>.json with the frozen calculator
+	$(PY) -m rollout_lib.publish --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
+
+check: setup  ## re-derive the aggregate byte for byte (fails on any changed raw file or calculator)
+	$(PY) -m rollout_lib.publish --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR) --check
+
+report: publish  ## summary notebook (papermill) -> <OUTPUT_DIR>/report/<CAMPAIGN>.html (nbconvert, code hidden)
+	$(PY) -m rollout_lib.report --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
+
+smoke-report: setup
+	$(MAKE) report PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke
+	$(MAKE) check PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke
+
 notebooks:  ## regenerate notebooks/*.ipynb from tools/build_notebooks.py
 	$(PY) tools/build_notebooks.py
 
 conformance-smoke: setup  ## local conformance (hf_cached vs hf_reference) on the tiny smoke model
+	# exit 1 = a conformance check failed: recorded in the JSON and the report, not a pipeline error
 	$(PY) -m rollout_lib.conformance --params $(SMOKE) --device cpu \
-	  --out outputs/smoke/conformance/conformance-$$(date -u +%Y%m%dT%H%M%SZ).json
+	  --out outputs/smoke/conformance/conformance-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ]
 
-smoke: prereg conformance-smoke smoke-measure  ## the README's main command on a CPU-only machine
+smoke: prereg conformance-smoke smoke-measure smoke-report  ## the README's main command: ends in outputs/smoke/report/smoke.html
 
 clean-cache:  ## synthetic snapshots are rebuilt bit-identically from seeds
 	rm -rf .cache/snapshots

@@ -117,7 +117,7 @@ def run_conformance(study: Preregistration, settings: ConformanceSettings, devic
     partition_cells = [c for c in greedy_cells + stochastic_cells if settings.partitions_response_tokens is None
                        or c.response_tokens in settings.partitions_response_tokens]
     total_steps = 2 * (2 * len(greedy_cells) + len(stochastic_cells) + len(partition_cells) * n_partitions)
-    progress = tqdm(total=total_steps, desc="conformance", disable=not show_progress)
+    progress = tqdm(total=total_steps, desc="conformance", disable=None if show_progress else True)
     report: dict[str, Any] = {"kind": "local_conformance", "candidate": "hf_cached", "oracle": "hf_reference",
                               "preregistered": study.preregistered, "preregistration_sha256": study.sha256,
                               "policy_version": policy.version, "policy_identity": policy.identity,

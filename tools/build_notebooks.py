@@ -1,4 +1,4 @@
-"""Write notebooks/measure.ipynb from this source (code review happens here, not in JSON).
+"""Write notebooks/measure.ipynb and notebooks/summary.ipynb from this source (code review happens here, not in JSON).
 
     python tools/build_notebooks.py
 """
@@ -93,6 +93,100 @@ PROFILE = """if profile_cell:
     print(f"Chrome trace: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")"""
 
 
+SUMMARY_PARAMETERS = """campaign: str = "h200-v1"
+params: str = "params/rollout-runtime-v2.yaml"
+output_dir: str = "outputs"
+"""
+
+SUMMARY_LOAD = """import os
+import sys
+from pathlib import Path
+
+ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "rollout_lib").is_dir())
+os.chdir(ROOT)
+sys.path.insert(0, str(ROOT))
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from IPython.display import Markdown, display  # noqa: E402
+
+from rollout_lib import report  # noqa: E402
+from rollout_lib.prereg import load  # noqa: E402
+from rollout_lib.publish import aggregate_path, collect_inputs, derive  # noqa: E402
+
+pd.set_option("display.max_colwidth", None)
+pd.set_option("display.max_rows", 500)
+study = load(params)
+out = Path(output_dir)
+derived_bytes, aggregate = derive(study, campaign, out)  # refuses a calculator whose hash differs
+inputs = collect_inputs(study, campaign, out)
+stored = aggregate_path(out, campaign)
+matches = stored.exists() and stored.read_bytes() == derived_bytes
+banner = [f"**Campaign `{campaign}`** — {study.study_id}, {study.status_label}.",
+          f"Frozen calculator verified (sha256 `{aggregate['calculator_sha256'][:16]}…`).",
+          "Published aggregate " + (f"`{stored.relative_to(ROOT) if stored.is_relative_to(ROOT) else stored}` "
+                                    "re-derives byte for byte." if matches else
+                                    "**not published or stale** (run `python -m rollout_lib.publish`).")]
+if not study.preregistered:
+    banner.insert(0, "> **NOT PREREGISTERED — smoke profile on a tiny synthetic model. These numbers say nothing "
+                     "about the study.**")
+display(Markdown("\\n\\n".join(banner)))"""
+
+
+CONFORMANCE = """table = report.conformance_table(aggregate)
+display(report.styled(table) if len(table) else Markdown("No conformance evidence for this campaign yet."))
+for gate in (g for g in aggregate["gates"] if g["kind"] == "policy_refresh"):
+    reasons = ", ".join(f["reason"] for f in gate["failing_cells"]) or "ok"
+    display(Markdown(f"Policy refresh gate `{gate['id']}`: **{'PASS' if gate['passed'] else 'FAIL'}** ({reasons})"))"""
+
+
+def summary_notebook() -> nbformat.NotebookNode:
+    hide = {"tags": ["hide-input"]}
+
+    def code(source: str) -> nbformat.NotebookNode:
+        return new_code_cell(source, metadata=hide)
+
+    nb = new_notebook()
+    nb.cells = [
+        new_markdown_cell("# Rollout Runtime v2 — campaign report\n\nHow fast, how exactly and in how much GPU "
+                          "memory the rollout backends generate on the preregistered workload; every number below "
+                          "is computed from the raw files by the frozen calculator."),
+        new_code_cell(SUMMARY_PARAMETERS, metadata={"tags": ["parameters", "remove-cell"]}),
+        code(SUMMARY_LOAD),
+        new_markdown_cell("## Frozen setup"),
+        code("display(report.styled(report.setup_table(study, aggregate, inputs)))"),
+        new_markdown_cell("## Throughput per cell\n\nTokens/s = actual generated tokens / median wall time of "
+                          "the measured repetitions; peak = NVML process-tree peak over the cell."),
+        code("display(report.styled(report.throughput_table(aggregate)))"),
+        new_markdown_cell("## Speedups per paired cell"),
+        code("fig = report.speedup_figure(aggregate, study)\nplt.show()"),
+        new_markdown_cell("## Memory against budget and gate"),
+        code("fig = report.memory_figure(aggregate, study)\nplt.show()"),
+        new_markdown_cell("## Phase breakdown\n\nMedians over measured repetitions; a phase the backend "
+                          "cannot expose shows its status (`not_measured`), never 0."),
+        code("display(report.styled(report.phase_table(aggregate)))"),
+        new_markdown_cell("## Conformance and policy refresh"),
+        code(CONFORMANCE),
+        new_markdown_cell("## Gate outcome\n\nConservative: every covered cell must be present, valid and pass."),
+        code("display(report.styled(report.gate_table(aggregate)))"),
+        new_markdown_cell("## Backend selection (fail closed)"),
+        code("display(report.styled(report.selection_table(aggregate)))"),
+        new_markdown_cell("## Cells still missing"),
+        code("display(report.styled(report.missing_table(aggregate)))"),
+        new_markdown_cell("## Campaign notes"),
+        code("notes = report.campaign_notes(out, campaign)\n"
+             "display(Markdown(notes or 'No notes for this campaign.'))"),
+        new_markdown_cell("## Earlier and failed candidates\n\nEvery raw file stays listed: excluded files with "
+                          "their reason, superseded and failed cells counted."),
+        code("display(report.styled(report.candidates_table(aggregate)))"),
+        new_markdown_cell("## Integrity"),
+        code("display(report.styled(report.integrity_table(study, aggregate, stored if matches else None)))"),
+    ]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    return nb
+
+
 def measure_notebook() -> nbformat.NotebookNode:
     nb = new_notebook()
     nb.cells = [new_markdown_cell(MEASURE_INTRO),
@@ -107,6 +201,7 @@ def main() -> None:
     out = ROOT / "notebooks" / "measure.ipynb"
     out.parent.mkdir(exist_ok=True)
     nbformat.write(measure_notebook(), str(out))
+    nbformat.write(summary_notebook(), str(ROOT / "notebooks" / "summary.ipynb"))
     print(out)
 
 

@@ -1,0 +1,316 @@
+"""Tables and plots of the summary notebook, and the HTML rendering.
+
+The summary notebook calls these on the aggregate that `publish.derive` computes with the
+hash-checked frozen calculator; nothing here changes a number, it only lays numbers out.
+
+    python -m rollout_lib.report --campaign h200-v1       # papermill summary + nbconvert HTML
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.artifacts import OUTPUTS_DIR, REPO_ROOT, sha256_file
+from rollout_lib.prereg import DEFAULT_PREREG, Preregistration
+
+GIB = 2**30
+BACKEND_ORDER = ("hf_reference", "hf_cached", "vllm")
+
+
+def styled(frame):
+    """Left-aligned text, PASS/FAIL coloured: what a reader scans first."""
+    def colour(value: Any) -> str:
+        return {"PASS": "color:#276749;font-weight:bold", "FAIL": "color:#c53030;font-weight:bold"}.get(value, "")
+
+    if not frame.index.is_unique:  # Styler needs unique labels (e.g. several "raw" artifacts)
+        frame = frame.reset_index()
+    return (frame.style.map(colour)
+            .set_properties(**{"text-align": "left"})
+            .set_table_styles([{"selector": "th", "props": [("text-align", "left")]}]))
+
+
+def _fmt_status(phase: dict[str, Any]) -> str:
+    if phase.get("status") == "measured":
+        return f"{phase['median_s']:.3f} s"
+    return phase.get("status", "not_measured")
+
+
+def setup_table(study: Preregistration, aggregate: dict[str, Any], inputs: dict[str, Any]):
+    import pandas as pd
+
+    rows = [("study", f"{study.study_id} ({study.status_label})"),
+            ("preregistration", f"{Path(study.source_path).name} sha256 {study.sha256}"),
+            ("calculator", f"{study.calculator.path} sha256 {aggregate['calculator_sha256']}"),
+            ("actor", f"{study.actor.architecture.name} synthetic seed {study.actor.synthetic_seed}, logit scale "
+                      f"{study.actor.logit_scale}, digest {study.actor.payload_digest[:16]}…, NF4 + LoRA r"
+                      f"{study.actor.lora.rank}"),
+            ("memory budget", f"{study.memory.budget_bytes / GIB:.1f} GiB emulated; gate < "
+                              f"{study.memory.gate_peak_total_bytes / GIB:.1f} GiB peak total (NVML, process tree)"),
+            ("protocol", f"{study.protocol.warmup_repetitions} warmup + {study.protocol.measured_repetitions} "
+                         f"measured repetitions per cell, median")]
+    seen = set()
+    for raw in inputs["raw_files"]:
+        header = raw["records"][0] if raw["records"] else {}
+        env = header.get("environment", {})
+        gpu = env.get("gpu", {})
+        budget = next((r.get("budget", {}) for r in raw["records"] if r.get("record") == "cold_start"), {})
+        key = (raw["backend"], raw["run_id"])
+        if key in seen:
+            continue
+        seen.add(key)
+        source = env.get("source", {})
+        packages = env.get("packages", {})
+        commit = (source.get("source_commit") or "not_measured")[:12]
+        commit += " (dirty)" if source.get("source_dirty") else ""
+        rows.append((f"run {raw['backend']}/{raw['run_id']}",
+                     f"GPU {gpu.get('name', gpu.get('status'))} driver {gpu.get('driver')}; torch "
+                     f"{packages.get('torch')}, transformers {packages.get('transformers')}, bitsandbytes "
+                     f"{packages.get('bitsandbytes')}; source {commit}; torch memory fraction "
+                     f"{_fraction(budget.get('memory_fraction'))}"))
+    return pd.DataFrame(rows, columns=["item", "value"]).set_index("item")
+
+
+def _fraction(value: float | None) -> str:
+    return "not set (CPU or GPU <= budget)" if value is None else f"{value:.4f} of the GPU = budget"
+
+
+def throughput_table(aggregate: dict[str, Any]):
+    """Rows prompt/response/n; columns backend x sampling tokens/s, and peak memory."""
+    import pandas as pd
+
+    rows: dict[tuple, dict[str, Any]] = {}
+    for cell in aggregate["cells"]:
+        key = (cell["prompt_tokens"], cell["response_tokens"], cell["samples_per_prompt"])
+        row = rows.setdefault(key, {})
+        rate = cell.get("tokens_per_s")
+        label = f"{cell['backend']} {cell['sampling']} tok/s"
+        row[label] = (f"{rate:.1f}" if rate is not None else "—") + ("" if cell["valid"] else " (invalid)")
+        peak = cell["memory"]["nvml_peak_process_tree_bytes"]
+        mem_label = f"{cell['backend']} peak GiB"
+        value = peak / GIB if peak is not None else None
+        row[mem_label] = max(filter(None, [row.get(mem_label), value]), default=None)
+    frame = pd.DataFrame.from_dict(rows, orient="index")
+    if frame.empty:
+        return frame
+    frame.index = pd.MultiIndex.from_tuples(frame.index, names=["prompt", "response", "n"])
+    ordered = [c for b in BACKEND_ORDER for c in sorted(frame.columns) if c.startswith(b + " ")]
+    frame = frame[ordered].sort_index()
+    def fmt(value: Any) -> Any:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "—"
+        return f"{value:.3f}" if isinstance(value, float) else value
+
+    return frame.map(fmt)
+
+
+def speedup_figure(aggregate: dict[str, Any], study: Preregistration):
+    import matplotlib.pyplot as plt
+
+    pairs = [("hf_cached", "hf_reference"), ("vllm", "hf_cached")]
+    cells = {(c["backend"], c["cell_id"]): c for c in aggregate["cells"]}
+    fig, axes = plt.subplots(len(pairs), 1, figsize=(11, 3.6 * len(pairs)), squeeze=False)
+    for ax, (candidate, baseline) in zip(axes[:, 0], pairs, strict=True):
+        points = [s for s in aggregate["speedups"] if s["candidate"] == candidate and s["baseline"] == baseline]
+        gate = next((g for g in study.gates if g.kind == "speedup" and g.candidate == candidate), None)
+        if not points:
+            ax.text(0.5, 0.5, f"{candidate} / {baseline}: no paired cells measured yet", ha="center", va="center",
+                    transform=ax.transAxes)
+            ax.set_axis_off()
+            continue
+        labels, ratios, lows, highs, colors = [], [], [], [], []
+        for point in points:
+            cand, base = cells[(candidate, point["cell_id"])], cells[(baseline, point["cell_id"])]
+            low = (cand["generated_tokens"] / max(cand["wall_s"])) / (base["generated_tokens"] / min(base["wall_s"]))
+            high = (cand["generated_tokens"] / min(cand["wall_s"])) / (base["generated_tokens"] / max(base["wall_s"]))
+            labels.append(point["cell_id"])
+            ratios.append(point["ratio"])
+            lows.append(point["ratio"] - low)
+            highs.append(high - point["ratio"])
+            covered = gate is not None and point["response_tokens"] in gate.response_tokens
+            colors.append("#2b6cb0" if covered else "#a0aec0")
+        x = range(len(points))
+        ax.bar(x, ratios, color=colors, yerr=[lows, highs], capsize=3)
+        if gate is not None:
+            ax.axhline(gate.threshold, color="#c53030", linestyle="--",
+                       label=f"gate {gate.id}: >= {gate.threshold}x (response {list(gate.response_tokens)})")
+            ax.legend(loc="upper left", fontsize=8)
+        ax.set_xticks(list(x), labels, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("speedup (tokens/s ratio)")
+        ax.set_title(f"{candidate} / {baseline} per paired cell (whiskers: repetition extremes; grey: not gated)")
+    fig.tight_layout()
+    return fig
+
+
+def memory_figure(aggregate: dict[str, Any], study: Preregistration):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 3.6))
+    cells = [c for c in aggregate["cells"] if c["memory"]["nvml_peak_process_tree_bytes"] is not None]
+    if not cells:
+        ax.text(0.5, 0.5, "no NVML peak memory measured (CPU run: not_applicable)", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_axis_off()
+        return fig
+    for backend, color in zip(BACKEND_ORDER, ("#718096", "#2b6cb0", "#38a169"), strict=True):
+        mine = [c for c in cells if c["backend"] == backend]
+        if mine:
+            ax.scatter([c["cell_id"] for c in mine], [c["memory"]["nvml_peak_process_tree_bytes"] / GIB for c in mine],
+                       label=f"{backend} (NVML process tree)", color=color)
+            ax.scatter([c["cell_id"] for c in mine],
+                       [(c["memory"]["torch_peak_reserved_bytes"] or 0) / GIB for c in mine], marker="x",
+                       color=color, label=f"{backend} (torch peak reserved)")
+    ax.axhline(study.memory.gate_peak_total_bytes / GIB, color="#c53030", linestyle="--", label="gate 14.5 GiB")
+    ax.axhline(study.memory.budget_bytes / GIB, color="#dd6b20", linestyle=":", label="budget 16 GiB")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(0, study.memory.budget_bytes / GIB * 1.08)
+    ax.tick_params(axis="x", rotation=35, labelsize=8)
+    ax.legend(fontsize=8, loc="center right")
+    ax.set_title("peak GPU memory per cell against budget and gate")
+    fig.tight_layout()
+    return fig
+
+
+def phase_table(aggregate: dict[str, Any]):
+    import pandas as pd
+
+    rows = [{"backend": c["backend"], "cell_id": c["cell_id"], "median wall": f"{c['median_wall_s']:.3f} s"
+             if "median_wall_s" in c else "—", **{k: _fmt_status(v) for k, v in c.get("phases", {}).items()}}
+            for c in aggregate["cells"]]
+    return pd.DataFrame(rows).set_index(["backend", "cell_id"]) if rows else pd.DataFrame()
+
+
+def gate_table(aggregate: dict[str, Any]):
+    import pandas as pd
+
+    rows = []
+    for g in aggregate["gates"]:
+        def fmt(v, unit=g["unit"]):
+            if v is None:
+                return "—"
+            return f"{v / GIB:.3f} GiB" if unit == "bytes" else f"{v:.4g}"
+        failing = "; ".join(f"{f.get('backend', '') + ' ' if f.get('backend') else ''}{f['cell_id'] or ''} "
+                            f"{f['reason']}".strip() for f in g["failing_cells"][:6])
+        more = len(g["failing_cells"]) - 6
+        rows.append({"gate": g["id"], "rule": f"{g['candidate']} {g['comparison']} "
+                     f"{fmt(g['threshold']) if g['unit'] == 'bytes' else g['threshold']}"
+                     f"{'x' if g['unit'] == 'ratio' else ''}", "response": ", ".join(map(str, g["response_tokens"])),
+                     "passed": "PASS" if g["passed"] else "FAIL", "observed min": fmt(g["observed_min"]),
+                     "observed max": fmt(g["observed_max"]),
+                     "failing cells": failing + (f"; … {more} more" if more > 0 else "")})
+    return pd.DataFrame(rows).set_index("gate")
+
+
+def selection_table(aggregate: dict[str, Any]):
+    import pandas as pd
+
+    rows = [{"algorithm": name, "backend": s["backend"], "candidate qualified": s["candidate_qualified"],
+             "failed requirements": ", ".join(s["failed_requirements"]) or "none"}
+            for name, s in aggregate["selection"].items()]
+    return pd.DataFrame(rows).set_index("algorithm")
+
+
+def missing_table(aggregate: dict[str, Any]):
+    import pandas as pd
+
+    rows = [{"backend": b, "missing": len(cells), "invalid": len(aggregate["invalid_cells"].get(b, [])),
+             "missing cells": ", ".join(cells) if len(cells) <= 8 else ", ".join(cells[:8]) + f", … ({len(cells)})"}
+            for b, cells in aggregate["missing_cells"].items()]
+    return pd.DataFrame(rows).set_index("backend")
+
+
+def candidates_table(aggregate: dict[str, Any]):
+    import pandas as pd
+
+    rows = [{"raw file": f["path"], "backend": f["backend"], "accepted": f["accepted"],
+             "binding": f.get("binding") or f.get("excluded_reason"),
+             "completed": len(f.get("completed_cells", [])), "failed": ", ".join(f.get("failed_cells", [])) or "—",
+             "superseded": len(f.get("superseded_cells", []))} for f in aggregate["raw_files"]]
+    return pd.DataFrame(rows).set_index("raw file") if rows else pd.DataFrame()
+
+
+def conformance_table(aggregate: dict[str, Any]):
+    import pandas as pd
+
+    rows = []
+    for entry in aggregate["evidence_files"]:
+        report = json.loads((REPO_ROOT / entry["path"]).read_text()) if not Path(entry["path"]).is_absolute() \
+            else json.loads(Path(entry["path"]).read_text())
+        verdict = report.get("verdict", {})
+        measured = report.get("bfloat16") or report.get("float32", {})
+        tf = measured.get("teacher_forced", {})
+        f32 = report.get("float32", {})
+        rows.append({"evidence": entry["path"], "kind": entry["kind"], "accepted": entry["accepted"],
+                     "passed": verdict.get("passed"),
+                     "float32 greedy identical": f"{f32.get('greedy_free_running_identical')}/"
+                                                 f"{f32.get('greedy_free_running_requests')}",
+                     "float32 partitions identical": f"{f32.get('partitions_identical')}/"
+                                                     f"{f32.get('partitions_requests')}",
+                     "bf16 free-running identical": f"{verdict.get('bf16_free_running_identical')}/"
+                                                    f"{verdict.get('bf16_free_running_requests')}",
+                     "bf16 teacher-forced argmax agreement": tf.get("argmax_agreement_rate"),
+                     "beyond tie margin": tf.get("disagreements_beyond_tie_margin"),
+                     "max |d logprob| bf16": verdict.get("max_abs_logprob_diff"),
+                     "max |d logprob| float32": f32.get("sampled_logprob", {}).get("max_abs_diff")})
+    return pd.DataFrame(rows).set_index("evidence") if rows else pd.DataFrame()
+
+
+def integrity_table(study: Preregistration, aggregate: dict[str, Any], aggregate_file: Path | None):
+    import pandas as pd
+
+    rows = [("preregistration", Path(study.source_path).name, study.sha256),
+            ("calculator", study.calculator.path, aggregate["calculator_sha256"])]
+    if aggregate_file is not None and aggregate_file.exists():
+        rows.append(("aggregate", str(aggregate_file.relative_to(REPO_ROOT)) if aggregate_file.is_relative_to(REPO_ROOT)
+                     else str(aggregate_file), sha256_file(aggregate_file)))
+    rows += [("raw", f["path"], f["sha256"]) for f in aggregate["raw_files"]]
+    rows += [("evidence", e["path"], e["sha256"]) for e in aggregate["evidence_files"]]
+    return pd.DataFrame(rows, columns=["artifact", "path", "sha256"]).set_index("artifact")
+
+
+def campaign_notes(output_dir: Path, campaign: str) -> str | None:
+    path = output_dir / "notes" / f"{campaign}.md"
+    return path.read_text() if path.exists() else None
+
+
+def render(campaign: str, params: str, output_dir: Path) -> Path:
+    """Execute notebooks/summary.ipynb with papermill, render HTML with code hidden and images embedded."""
+    import nbformat
+    import papermill as pm
+    from nbconvert import HTMLExporter
+    from nbconvert.preprocessors import TagRemovePreprocessor
+
+    report_dir = output_dir / "report"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    executed = report_dir / f"{campaign}.ipynb"
+    pm.execute_notebook(str(REPO_ROOT / "notebooks" / "summary.ipynb"), str(executed),
+                        parameters={"campaign": campaign, "params": params, "output_dir": str(output_dir)},
+                        cwd=str(REPO_ROOT), progress_bar=False, kernel_name="python3")
+    nb = nbformat.read(str(executed), as_version=4)
+    exporter = HTMLExporter(exclude_input_prompt=True, exclude_output_prompt=True)
+    hide = TagRemovePreprocessor(remove_input_tags={"hide-input"},
+                                 remove_cell_tags={"remove-cell", "injected-parameters"})
+    exporter.register_preprocessor(hide, enabled=True)
+    body, _ = exporter.from_notebook_node(nb)
+    html = report_dir / f"{campaign}.html"
+    html.write_text(body, encoding="utf-8")
+    return html
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout_lib.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--campaign", required=True)
+    parser.add_argument("--params", default=str(DEFAULT_PREREG.relative_to(REPO_ROOT)))
+    parser.add_argument("--output-dir", default=str(OUTPUTS_DIR))
+    args = parser.parse_args(argv)
+    html = render(args.campaign, args.params, Path(args.output_dir))
+    print(f"wrote {html}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
