@@ -13,11 +13,12 @@ from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
 from rollout_lib.workload import Workload
 
 
-def _pair(study, cache, dtype):
+def _pair(study, cache, dtype, policy):
     backends = {}
     for name in ("hf_reference", "hf_cached"):
         backend = create_backend(name, study, device="cpu", compute_dtype=dtype, cache_dir=cache)
         backend.cold_start()
+        backend.sync_policy(policy)
         backends[name] = backend
     return backends
 
@@ -29,18 +30,12 @@ def policies(smoke_study):
 
 @pytest.fixture(scope="module")
 def f32(smoke_study, snapshot_cache, policies):
-    pair = _pair(smoke_study, snapshot_cache, "float32")
-    for backend in pair.values():
-        backend.sync_policy(policies[0])
-    return pair
+    return _pair(smoke_study, snapshot_cache, "float32", policies[0])
 
 
 @pytest.fixture(scope="module")
 def bf16(smoke_study, snapshot_cache, policies):
-    pair = _pair(smoke_study, snapshot_cache, "bfloat16")
-    for backend in pair.values():
-        backend.sync_policy(policies[0])
-    return pair
+    return _pair(smoke_study, snapshot_cache, "bfloat16", policies[0])
 
 
 def _tokens(batch):
