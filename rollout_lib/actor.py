@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollout_lib.models import load_causal_lm
@@ -162,3 +163,33 @@ def load_actor(snapshot_dir: str, quant: QuantizationSpec, lora: LoraSpec, compu
     nf4 = load_nf4_base(snapshot_dir, quant, compute_dtype, device)
     mirror = build_mirror_base(snapshot_dir, nf4, compute_dtype, device) if with_mirror else None
     return ActorPair(actor=add_lora(nf4, lora), mirror=add_lora(mirror, lora) if mirror is not None else None)
+
+
+def write_mirror_snapshot(snapshot_dir: str, quant: QuantizationSpec, out_dir: str | Path, device: str) -> str:
+    """An HF snapshot of the BF16 mirror (exact dequantized NF4 projections, other tensors as in the
+    actor snapshot), for engines that load weights from disk (vLLM). Returns its payload digest."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from rollout_lib.models import payload_digest_of_tensors, read_snapshot_tensors
+
+    out = Path(out_dir)
+    tensors = read_snapshot_tensors(snapshot_dir)
+    nf4 = load_nf4_base(snapshot_dir, quant, torch.bfloat16, device)
+    for name, weight in dequantized_linear_weights(nf4).items():
+        key = f"{name}.weight"
+        if key not in tensors or tuple(tensors[key].shape) != tuple(weight.shape):
+            raise RuntimeError(f"{key}: no matching tensor in {snapshot_dir}")
+        tensors[key] = weight.to("cpu", torch.bfloat16).contiguous()
+    del nf4
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(snapshot_dir) / name, tmp / name)
+    digest = payload_digest_of_tensors(tensors)
+    (tmp / "rollout_mirror.json").write_text(f'{{"mirror_payload_digest": "{digest}", "source": "{snapshot_dir}"}}\n')
+    tmp.rename(out)
+    return digest

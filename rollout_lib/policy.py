@@ -146,3 +146,29 @@ def read_policy_from_peft(model, adapter: str = "default") -> dict[str, torch.Te
         out[f"{path}.lora_A"] = module.lora_A[adapter].weight.detach().to("cpu", copy=True)
         out[f"{path}.lora_B"] = module.lora_B[adapter].weight.detach().to("cpu", copy=True)
     return out
+
+
+def write_peft_adapter(policy: PolicyVersion, out_dir) -> str:
+    """A peft-format LoRA adapter of the exact float32 tensors (adapter_config.json +
+    adapter_model.safetensors), for engines that load adapters from disk. Returns the identity
+    recomputed from the file as written (read back), which must equal the policy's."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    peft_names = {f"base_model.model.{name}.weight": tensor for name, tensor in policy.tensors.items()}
+    save_file(peft_names, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"base_model_name_or_path": None, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "init_lora_weights": True, "lora_alpha": policy.lora.alpha, "lora_dropout": policy.lora.dropout,
+              "peft_type": "LORA", "r": policy.lora.rank, "target_modules": sorted(policy.lora.target_modules),
+              "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    back = {name.removeprefix("base_model.model.").removesuffix(".weight"): tensor
+            for name, tensor in load_file(str(out / "adapter_model.safetensors")).items()}
+    identity = policy_identity(policy.base_digest, back)
+    if identity != policy.identity:
+        raise PolicyIdentityMismatch(f"adapter written to {out} has identity {identity}, policy {policy.identity}")
+    return identity

@@ -37,7 +37,7 @@ from typing import Any
 
 from rollout_lib.artifacts import OUTPUTS_DIR, REPO_ROOT, canonical_json, environment_identity, sha256_bytes
 from rollout_lib.backends import create_backend, known_backends
-from rollout_lib.backends.base import Backend, BatchResult
+from rollout_lib.backends.base import Backend, BatchResult, ServerDied
 from rollout_lib.memory import CellMemory, NVMLSampler
 from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
 from rollout_lib.prereg import BACKEND_NAMES, Preregistration, load
@@ -58,10 +58,6 @@ class ParameterError(ValueError):
 
 class RawIdentityDrift(RuntimeError):
     """Resuming a raw file from another environment (GPU, commit, packages, models, preregistration)."""
-
-
-class ServerDied(RuntimeError):
-    """A managed engine process exited during a repetition (raised by engine backends)."""
 
 
 def default_run_id() -> str:
@@ -339,7 +335,8 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
     finally:
         try:
             teardown = backend.teardown()
-            writer.append({"record": "teardown", "teardown_s": teardown.to_json()})
+            writer.append({"record": "teardown", "teardown_s": teardown.to_json(),
+                           "proof": backend.teardown_report()})
         finally:
             writer.close()
 
@@ -391,6 +388,8 @@ def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workl
                 status = "failed"
                 if isinstance(error, torch.OutOfMemoryError):
                     torch.cuda.empty_cache()
+                if isinstance(error, ServerDied):  # the next cell's generate starts a fresh server
+                    writer.append({"record": "server_died", "cell_id": cell.cell_id, "detail": str(error)[:8000]})
                 if isinstance(error, PolicyIdentityMismatch):
                     writer.append({"record": "cell_complete", "cell_id": cell.cell_id, "attempt": attempt,
                                    "status": "failed", "reason": "INV-IDENTITY: run stopped"})

@@ -44,7 +44,7 @@ def _tokens(batch):
 
 def test_registry_lists_known_backends():
     assert {"hf_reference", "hf_cached"} <= set(known_backends())
-    with pytest.raises(UnknownBackendError, match="known backends: hf_cached, hf_reference"):
+    with pytest.raises(UnknownBackendError, match="known backends: hf_cached, hf_reference, vllm"):
         create_backend("hf_turbo", None)
 
 

@@ -1,6 +1,6 @@
 """Backend registry. Importing this package registers the built-in backends."""
 
-from rollout_lib.backends import hf_cached, hf_reference  # noqa: F401  (registration)
+from rollout_lib.backends import hf_cached, hf_reference, vllm_managed  # noqa: F401  (registration)
 from rollout_lib.backends.base import (
     Backend,
     BatchResult,

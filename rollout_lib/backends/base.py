@@ -54,6 +54,10 @@ class Phase:
 StopReason = Literal["eos", "length"]
 
 
+class ServerDied(RuntimeError):
+    """A managed engine process exited during a request (invalidation rule INV-SERVER-DIED)."""
+
+
 @dataclass(frozen=True)
 class RequestResult:
     request_id: str
@@ -112,6 +116,10 @@ class Backend(ABC):
 
     @abstractmethod
     def _stop(self) -> None: ...
+
+    def teardown_report(self) -> dict[str, Any]:
+        """Proof of a clean teardown (port closed, no child left) for backends that own processes."""
+        return {}
 
     def _synchronize(self) -> None:  # noqa: B027 - optional hook: CPU-only backends have nothing to wait for
         """Wait for queued GPU work, so a timing boundary means what it says."""

@@ -1,0 +1,231 @@
+"""`vllm`: a managed vLLM 0.26.0 OpenAI-compatible server, started and stopped by the project.
+
+- Serves the BF16 mirror snapshot of the NF4 actor (exact dequantized projections, written once
+  per actor digest) with the synthetic tokenizer (the server refuses log-probabilities without one).
+- Binds 127.0.0.1 on a free port; waits for `/health` with a deadline and fails with the log tail.
+- CUDA graphs on (no `--enforce-eager`); KV cache sized explicitly from the 16 GiB budget
+  (`--kv-cache-memory-bytes`, recorded), so the process fits the emulated card.
+- Requests: token-id prompts on `/v1/completions`, one HTTP request per (prompt, sample) sent
+  concurrently like a rollout client, per-request `seed`, greedy (temperature 0) or temperature/top_p,
+  `logprobs: 0` (the sampled token's log-probability), `return_token_ids`, the preregistered stop
+  ids, streaming (so TTFT is measured per request; prefill/decode are `not_measured`: the API
+  exposes no such boundary).
+- Policy refresh: the exact float32 LoRA tensors are written as a peft adapter and loaded with
+  `/v1/load_lora_adapter` (runtime LoRA updating); requests name that adapter. vLLM 0.26 keeps
+  LoRA weights in the model dtype (`lora_dtype` allows only auto/float16/bfloat16), so the served
+  tensors are the bf16 rounding of the exact ones: the raw file records both identities.
+- A server that dies mid-cell raises `ServerDied` with the log tail; the next `generate` starts a
+  fresh server and re-loads the current policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult, ServerDied, register_backend
+from rollout_lib.models import DEFAULT_CACHE_DIR, ensure_snapshot
+from rollout_lib.policy import PolicyVersion, policy_identity, write_peft_adapter
+from rollout_lib.server import ManagedServer, ServerStartError
+
+SERVED_BASE_NAME = "actor"
+_NOT_EXPOSED = "the OpenAI completions API exposes no prefill/decode boundary (TTFT is measured by streaming)"
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        text = response.read().decode()
+    return json.loads(text) if text.strip() else {}
+
+
+def stream_completion(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One streamed completion: token ids, sampled-token log-probabilities, finish reason, TTFT."""
+    request = urllib.request.Request(url, data=json.dumps(body | {"stream": True}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    sent = time.perf_counter()
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    finish, ttft = None, None
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:"):].strip()
+            if payload == "[DONE]":
+                break
+            choice = json.loads(payload)["choices"][0]
+            new = choice.get("token_ids") or []
+            if new and ttft is None:
+                ttft = time.perf_counter() - sent
+            tokens.extend(new)
+            logprobs.extend((choice.get("logprobs") or {}).get("token_logprobs") or [])
+            finish = choice.get("finish_reason") or finish
+    return {"token_ids": tokens, "logprobs": logprobs, "finish_reason": finish, "ttft_s": ttft}
+
+
+@register_backend
+class VLLMManagedBackend(Backend):
+    """Options: server_command (list with `{port}`, for tests), model_dir (skip building the mirror),
+    start_timeout_s, request_timeout_s, kv_cache_fraction_of_budget, cache_dir, extra_server_args."""
+
+    name = "vllm"
+    description = "managed vLLM OpenAI server on 127.0.0.1, CUDA graphs, runtime LoRA refresh"
+    allowed_options = ("server_command", "model_dir", "start_timeout_s", "request_timeout_s",
+                       "kv_cache_fraction_of_budget", "cache_dir", "extra_server_args", "device", "log_dir")
+
+    def __init__(self, study, **options: Any):
+        unknown = sorted(set(options) - set(self.allowed_options))
+        if unknown:
+            raise ValueError(f"vllm: unknown option {unknown[0]!r}; allowed: {', '.join(self.allowed_options)}")
+        super().__init__(study, **{k: v for k, v in options.items() if v is not None})
+        self.server: ManagedServer | None = None
+        self.restarts = 0
+        self.policy: PolicyVersion | None = None
+        self.lora_name: str | None = None
+        self.mirror_digest: str | None = None
+        self.kv_cache_bytes = int(study.memory.budget_bytes * float(options.get("kv_cache_fraction_of_budget") or 0.25))
+        self.teardown_proof: dict[str, Any] | None = None
+        self.cache_dir = Path(options.get("cache_dir") or DEFAULT_CACHE_DIR)
+        self.log_dir = Path(options.get("log_dir") or self.cache_dir / "vllm-logs")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _model_dir(self) -> str:
+        if self.options.get("model_dir"):
+            return str(self.options["model_dir"])
+        from rollout_lib.actor import write_mirror_snapshot
+
+        actor = self.study.actor
+        snapshot = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale,
+                                   expected_digest=actor.payload_digest, cache_dir=self.cache_dir)
+        quant = actor.quantization
+        out = self.cache_dir / f"mirror-{actor.payload_digest[:16]}-{quant.quant_type}-dq{int(quant.double_quant)}"
+        marker = out / "rollout_mirror.json"
+        if marker.exists():
+            self.mirror_digest = json.loads(marker.read_text())["mirror_payload_digest"]
+        else:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.mirror_digest = write_mirror_snapshot(snapshot.path, quant, out, device)
+        return str(out)
+
+    def _command(self, model_dir: str):
+        custom = self.options.get("server_command")
+        if custom:
+            return lambda port: [part.replace("{port}", str(port)) for part in custom]
+        lora = self.study.actor.lora
+        max_len = max(self.study.workload.prompt_tokens) + max(self.study.workload.response_tokens) + 8
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--served-model-name", SERVED_BASE_NAME, "--host", "127.0.0.1", "--dtype", "bfloat16",
+                "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+                "--enable-lora", "--max-loras", "1", "--max-lora-rank", str(lora.rank), "--seed", "0",
+                "--generation-config", "vllm", *self.options.get("extra_server_args", [])]
+        return lambda port: [*args, "--port", str(port)]
+
+    def _start(self) -> None:
+        model_dir = self._model_dir()
+        env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_USE_FLASHINFER_SAMPLER="0",
+                   VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"server-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{self.restarts}.log"
+        self.server = ManagedServer(self._command(model_dir), log, env=env,
+                                    start_timeout_s=float(self.options.get("start_timeout_s", 900)))
+        self.healthy_after_s = self.server.start()
+
+    def _restart_if_dead(self) -> None:
+        if self.server is not None and self.server.alive():
+            return
+        self.restarts += 1
+        if self.server is not None:
+            self.server.stop(grace_s=5)
+        self._start()
+        if self.policy is not None:
+            self.sync_policy(self.policy)
+
+    def _stop(self) -> None:
+        self.teardown_proof = self.server.stop() if self.server else {"note": "never started"}
+
+    def teardown_report(self) -> dict[str, Any]:
+        return self.teardown_proof or {}
+
+    # -- policy --------------------------------------------------------------------------------
+    def sync_policy(self, policy: PolicyVersion) -> str:
+        import torch
+
+        folder = self.cache_dir / "adapters" / f"policy-v{policy.version}-{policy.identity[:16]}"
+        identity = write_peft_adapter(policy, folder)
+        name = f"policy-{policy.identity[:16]}"
+        url = self.server.base_url
+        timeout = float(self.options.get("request_timeout_s", 600))
+        _post(f"{url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, timeout)
+        if self.lora_name and self.lora_name != name:
+            _post(f"{url}/v1/unload_lora_adapter", {"lora_name": self.lora_name}, timeout)
+        self.lora_name, self.policy = name, policy
+        # what the engine holds: the bf16 rounding of the exact tensors (lora_dtype = model dtype)
+        self.served_bf16_identity = policy_identity(
+            policy.base_digest, {k: v.to(torch.bfloat16) for k, v in policy.tensors.items()})
+        self.served_identity = identity
+        return identity
+
+    # -- generation ----------------------------------------------------------------------------
+    def _body(self, request) -> dict[str, Any]:
+        body = {"model": self.lora_name or SERVED_BASE_NAME, "prompt": list(request.prompt_token_ids),
+                "max_tokens": request.max_new_tokens, "logprobs": 0, "return_token_ids": True,
+                "stop_token_ids": list(request.eos_token_ids), "ignore_eos": not request.eos_token_ids,
+                "skip_special_tokens": False}
+        if request.greedy:
+            body.update(temperature=0.0)
+        else:
+            body.update(temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+            if request.top_k is not None:
+                body["top_k"] = request.top_k
+        return body
+
+    def generate(self, requests) -> BatchResult:
+        if self.served_identity is None:
+            raise RuntimeError("vllm: generate() before sync_policy(): no policy version is being served")
+        self._restart_if_dead()
+        url = f"{self.server.base_url}/v1/completions"
+        timeout = float(self.options.get("request_timeout_s", 600))
+        start = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
+                outputs = list(pool.map(lambda r: stream_completion(url, self._body(r), timeout), requests))
+        except OSError as exc:  # connection refused/reset: did the engine die?
+            time.sleep(0.5)
+            if not self.server.alive():
+                raise ServerDied(f"vLLM server exited (code {self.server.process.returncode}) during the request: "
+                                 f"{exc}; log tail:\n{self.server.log_tail()}") from exc
+            raise
+        wall = time.perf_counter() - start
+        results = []
+        for request, out in zip(requests, outputs, strict=True):
+            reason = "eos" if out["finish_reason"] == "stop" else "length"
+            results.append(RequestResult(request.request_id, tuple(out["token_ids"]), reason,
+                                         tuple(out["logprobs"]) if out["logprobs"] else None, self.served_identity))
+        ttfts = sorted(o["ttft_s"] for o in outputs if o["ttft_s"] is not None)
+        phases = {"prefill_s": Phase.not_measured(_NOT_EXPOSED), "decode_s": Phase.not_measured(_NOT_EXPOSED),
+                  "ttft_s": Phase.measured(ttfts[len(ttfts) // 2]) if ttfts else Phase.not_measured("no tokens")}
+        return BatchResult(results, wall, phases)
+
+    def environment(self) -> dict[str, Any]:
+        return {"engine": "vllm OpenAI server", "port": self.server.port if self.server else None,
+                "port_note": self.server.port_note if self.server else None,
+                "kv_cache_memory_bytes": self.kv_cache_bytes, "mirror_payload_digest": self.mirror_digest,
+                "cuda_graphs": "on (no --enforce-eager)", "lora_refresh": "runtime load_lora_adapter (peft files)",
+                "lora_dtype_served": "bfloat16 (vLLM 0.26 lora_dtype = model dtype)",
+                "served_bf16_identity": getattr(self, "served_bf16_identity", None),
+                "healthy_after_s": getattr(self, "healthy_after_s", None), "restarts": self.restarts,
+                "log": str(self.server.log_path) if self.server else None}
+
+
+__all__ = ["ServerDied", "ServerStartError", "VLLMManagedBackend"]

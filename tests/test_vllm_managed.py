@@ -1,0 +1,115 @@
+"""The managed-server plumbing of the vllm backend, on CPU, against a stand-in OpenAI server.
+
+The real engine is GPU-only here (see README: vLLM on CPU); these tests pin the parts that do not
+need it: port selection, health deadline and its error, teardown of a process that ignores
+SIGTERM, request/response mapping, policy refresh through adapter files, a server that dies mid-cell.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from rollout_lib.backends import create_backend
+from rollout_lib.policy import policy_versions
+from rollout_lib.runner import read_raw, run, validate_parameters
+from rollout_lib.server import ManagedServer, ServerStartError, port_open
+from rollout_lib.workload import Workload
+
+from .conftest import REPO, SMOKE
+
+FAKE = str(REPO / "tests" / "fake_openai_server.py")
+
+
+def fake(*flags):
+    return lambda port: [sys.executable, FAKE, "--port", str(port), *flags]
+
+
+def test_port_in_use_picks_another_and_stop_closes_it(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        server = ManagedServer(fake(), tmp_path / "s.log", preferred_port=taken, start_timeout_s=30)
+        server.start()
+        assert server.port != taken and f"preferred port {taken} was in use" in server.port_note
+        assert server.healthy()
+        proof = server.stop()
+    assert proof["signal"] == "SIGTERM" and proof["port_closed"] and proof["leftover_pids"] == []
+    assert not port_open(server.port)
+
+
+def test_health_deadline_error_carries_the_log_tail(tmp_path):
+    server = ManagedServer(fake("--never-healthy"), tmp_path / "s.log", start_timeout_s=3)
+    with pytest.raises(ServerStartError, match=r"not healthy within 3 s[\s\S]*fake-server: starting"):
+        server.start()
+    assert not server.alive() and not port_open(server.port)
+
+
+def test_exit_before_healthy_is_reported(tmp_path):
+    server = ManagedServer(fake("--exit-at-start"), tmp_path / "s.log", start_timeout_s=30)
+    with pytest.raises(ServerStartError, match=r"exited with code 3[\s\S]*simulated start-up failure"):
+        server.start()
+
+
+def test_teardown_of_a_process_that_ignores_sigterm(tmp_path):
+    server = ManagedServer(fake("--ignore-sigterm"), tmp_path / "s.log", start_timeout_s=30)
+    server.start()
+    proof = server.stop(grace_s=1.0)
+    assert proof["signal"] == "SIGKILL after SIGTERM timeout"
+    assert proof["port_closed"] and proof["leftover_pids"] == [] and proof["exit_code"] == -9
+    assert "ignoring SIGTERM" in server.log_tail()
+
+
+@pytest.fixture()
+def vllm_fake(smoke_study, tmp_path):
+    backend = create_backend("vllm", smoke_study, server_command=[sys.executable, FAKE, "--port", "{port}"],
+                             model_dir=str(tmp_path), cache_dir=str(tmp_path / "cache"), start_timeout_s=30)
+    yield backend
+    if backend.server is not None and backend.server.alive():
+        backend.teardown()
+
+
+def test_request_response_mapping_and_refresh(smoke_study, vllm_fake):
+    work = Workload(smoke_study)
+    policies = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)
+    assert vllm_fake.cold_start().status == "measured"
+    assert vllm_fake.sync_policy(policies[0]) == policies[0].identity
+    assert (vllm_fake.cache_dir / "adapters").is_dir()
+    requests = work.requests(work.cell("p16-r8-n2-stochastic"))
+    batch = vllm_fake.generate(requests)
+    for request, result in zip(requests, batch.results, strict=True):
+        expected = tuple((sum(request.prompt_token_ids) + 7 * i + request.seed) % 997 for i in range(8))
+        assert result.token_ids == expected and result.stop_reason == "length"
+        assert result.logprobs == tuple(-0.01 * (i + 1) for i in range(8))
+        assert result.policy_identity == policies[0].identity
+    assert batch.phases["ttft_s"].status == "measured" and batch.phases["prefill_s"].status == "not_measured"
+    greedy = vllm_fake.generate(work.requests(work.cell("p16-r8-n1-greedy")))
+    assert all(len(r.token_ids) == 8 for r in greedy.results)
+    second = vllm_fake.sync_policy(policies[1])
+    assert second == policies[1].identity and vllm_fake.lora_name.endswith(policies[1].identity[:16])
+    assert vllm_fake.environment()["served_bf16_identity"] not in (None, second)
+    vllm_fake.teardown()
+    proof = vllm_fake.teardown_report()
+    assert proof["port_closed"] and proof["leftover_pids"] == []
+
+
+def test_server_death_mid_cell_is_recorded_and_the_next_cell_gets_a_fresh_server(smoke_study, tmp_path):
+    marker = tmp_path / "died-once"
+    cmd = [sys.executable, FAKE, "--port", "{port}", "--die-after", "6", "--die-once-file", str(marker)]
+    spec, study, workload = validate_parameters(backend="vllm", params=str(SMOKE), campaign="die",
+                                                cells=["p16-r8-n1-greedy", "p16-r8-n1-stochastic"],
+                                                output_dir=str(tmp_path / "out"), run_id="r1")
+    factory = lambda: create_backend("vllm", study, server_command=cmd, model_dir=str(tmp_path),  # noqa: E731
+                                     cache_dir=str(tmp_path / "cache"), start_timeout_s=30)
+    summaries = list(run(spec, study, workload, backend_factory=factory))
+    assert [s.status for s in summaries] == ["failed", "completed"]
+    records, _ = read_raw(spec.path)
+    died = [r for r in records if r["record"] == "repetition" and not r["valid"]]
+    assert died and died[0]["invalid_reasons"][0]["rule"] == "INV-SERVER-DIED"
+    assert "simulated crash mid-request" in died[0]["invalid_reasons"][0]["detail"]
+    assert any(r["record"] == "server_died" for r in records)
+    teardown = records[-1]
+    assert teardown["record"] == "teardown" and teardown["proof"]["port_closed"]
