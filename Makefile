@@ -8,7 +8,7 @@ SMOKE ?= params/profiles/smoke.yaml
 source-stamp: setup  ## commit + dirty flag for a tree copied to the GPU machine without .git (carry it)
 	$(PY) -m rollout_lib.artifacts
 
-.PHONY: source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
+.PHONY: wheelhouse install-offline source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
 
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,22 @@ smoke-report: setup
 	$(MAKE) report PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke
 	$(MAKE) check PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke
 
+WHEELHOUSE ?= wheelhouse
+GPU_PYTHON ?= 3.12
+GPU_PLATFORM ?= manylinux_2_28_x86_64
+
+wheelhouse:  ## download every wheel of requirements/gpu.txt (with dependencies) for an offline GPU machine
+	mkdir -p $(WHEELHOUSE)
+	$(PYTHON) -m pip download -d $(WHEELHOUSE) -r requirements/gpu.txt --only-binary=:all: \
+	  --python-version $(GPU_PYTHON) --platform $(GPU_PLATFORM) --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform linux_x86_64 --platform any
+	cd $(WHEELHOUSE) && sha256sum *.whl > SHA256SUMS
+
+install-offline:  ## on the GPU machine: install from $(WHEELHOUSE) with no network, then this project
+	cd $(WHEELHOUSE) && sha256sum -c --quiet SHA256SUMS
+	python3 -m pip install --no-index --find-links $(WHEELHOUSE) -r requirements/gpu.txt
+	python3 -m pip install --no-index --no-deps --no-build-isolation -e .
+
 notebooks:  ## regenerate notebooks/*.ipynb from tools/build_notebooks.py
 	$(PY) tools/build_notebooks.py
 
@@ -71,6 +87,8 @@ conformance-smoke: setup  ## local conformance (hf_cached vs hf_reference) on th
 	# exit 1 = a conformance check failed: recorded in the JSON and the report, not a pipeline error
 	$(PY) -m rollout_lib.conformance --params $(SMOKE) --device cpu \
 	  --out outputs/smoke/conformance/conformance-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ]
+	$(PY) -m rollout_lib.refresh --backend hf_cached --params $(SMOKE) --device cpu \
+	  --out outputs/smoke/conformance/refresh-hf_cached-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ]
 
 smoke: prereg conformance-smoke smoke-measure smoke-report  ## the README's main command: ends in outputs/smoke/report/smoke.html
 

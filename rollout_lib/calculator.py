@@ -218,27 +218,46 @@ def _memory_gate(gate: dict[str, Any], prereg: dict[str, Any], index: dict, back
             "failing_cells": failing, "passed": bool(peaks) and not failing, "backends": targets}
 
 
-EVIDENCE_KINDS = {("conformance", "hf_cached"): "local_conformance", ("conformance", "vllm"): "vllm_conformance",
-                  ("policy_refresh", "all"): "policy_refresh"}
+EVIDENCE_KINDS = {("conformance", "hf_cached"): "local_conformance", ("conformance", "vllm"): "vllm_conformance"}
+REFRESH_BACKENDS = ("hf_cached", "vllm")  # the backends that serve a policy which changes every step
+
+
+def _verdict_failures(entry: dict[str, Any], gate: dict[str, Any], label: str) -> list[dict[str, Any]]:
+    verdict = entry["verdict"]
+    failing = [{"cell_id": None, "reason": f"{label}check {name} failed"}
+               for name, ok in sorted(verdict.get("checks", {}).items()) if not ok]
+    observed = verdict.get("max_abs_logprob_diff")
+    if observed is not None and not _compare(observed, gate["comparison"], gate["threshold"]):
+        failing.append({"cell_id": None, "reason": f"{label}max |d logprob| {observed:.6f} > {gate['threshold']}"})
+    if not failing and not verdict.get("passed"):
+        failing.append({"cell_id": None, "reason": f"{label}verdict not passed"})
+    return failing
 
 
 def _evidence_gate(gate: dict[str, Any], evidence: list[dict[str, Any]]) -> dict[str, Any]:
-    """Conformance and policy-refresh gates read the verdict of their latest accepted evidence file."""
-    kind = EVIDENCE_KINDS.get((gate["kind"], gate["candidate"]), f"{gate['kind']}:{gate['candidate']}")
-    relevant = sorted((e for e in evidence if e["kind"] == kind and e["accepted"]), key=lambda e: e["path"])
-    if not relevant:
-        return {"observed_min": None, "observed_max": None, "passed": False, "evidence": [], "used_evidence": None,
-                "failing_cells": [{"cell_id": None, "reason": f"no accepted {kind} evidence"}]}
-    latest = relevant[-1]
-    verdict = latest["verdict"]
-    observed = verdict.get("max_abs_logprob_diff")
-    failing = [{"cell_id": None, "reason": f"check {name} failed"}
-               for name, ok in sorted(verdict.get("checks", {}).items()) if not ok]
-    if observed is not None and not _compare(observed, gate["comparison"], gate["threshold"]):
-        failing.append({"cell_id": None, "reason": f"max |d logprob| {observed:.6f} > {gate['threshold']}"})
-    return {"observed_min": observed, "observed_max": observed, "failing_cells": failing,
-            "passed": not failing and bool(verdict.get("passed")),
-            "evidence": [e["path"] for e in relevant], "used_evidence": latest["path"]}
+    """Conformance and policy-refresh gates read the verdict of their latest accepted evidence file
+    (per backend for policy refresh: every backend in REFRESH_BACKENDS needs its own)."""
+    accepted = sorted((e for e in evidence if e["accepted"]), key=lambda e: e["path"])
+    if gate["kind"] == "policy_refresh":
+        wanted = [("policy_refresh", b) for b in (REFRESH_BACKENDS if gate["candidate"] == "all" else
+                                                  (gate["candidate"],))]
+    else:
+        wanted = [(EVIDENCE_KINDS.get((gate["kind"], gate["candidate"]), f"{gate['kind']}:{gate['candidate']}"),
+                   None)]
+    failing, used, observed = [], [], []
+    for kind, backend in wanted:
+        label = f"{backend}: " if backend else ""
+        relevant = [e for e in accepted if e["kind"] == kind and (backend is None or e.get("backend") == backend)]
+        if not relevant:
+            failing.append({"cell_id": None, "reason": f"{label}no accepted {kind} evidence"})
+            continue
+        latest = relevant[-1]
+        used.append(latest["path"])
+        failing += _verdict_failures(latest, gate, label)
+        if latest["verdict"].get("max_abs_logprob_diff") is not None:
+            observed.append(latest["verdict"]["max_abs_logprob_diff"])
+    return {"observed_min": min(observed) if observed else None, "observed_max": max(observed) if observed else None,
+            "failing_cells": failing, "passed": not failing, "used_evidence": used}
 
 
 def compute_aggregate(prereg: dict[str, Any], *, campaign: str, preregistration_sha256: str,

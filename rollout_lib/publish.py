@@ -88,6 +88,7 @@ def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> d
     for path in sorted((output_dir / "conformance").glob("*.json")):
         report = json.loads(path.read_text())
         evidence.append({"path": _rel(path), "sha256": sha256_file(path), "kind": report.get("kind", "unknown"),
+                         "backend": report.get("backend", report.get("candidate")),
                          "accepted": report.get("preregistration_sha256") in bindings,
                          "verdict": report.get("verdict", {})})
     return {"raw_files": raw_files, "evidence": evidence}

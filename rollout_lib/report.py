@@ -237,6 +237,8 @@ def conformance_table(aggregate: dict[str, Any]):
 
     rows = []
     for entry in aggregate["evidence_files"]:
+        if not entry["kind"].endswith("conformance"):
+            continue
         report = json.loads((REPO_ROOT / entry["path"]).read_text()) if not Path(entry["path"]).is_absolute() \
             else json.loads(Path(entry["path"]).read_text())
         verdict = report.get("verdict", {})
@@ -255,6 +257,29 @@ def conformance_table(aggregate: dict[str, Any]):
                      "beyond tie margin": tf.get("disagreements_beyond_tie_margin"),
                      "max |d logprob| bf16": verdict.get("max_abs_logprob_diff"),
                      "max |d logprob| float32": f32.get("sampled_logprob", {}).get("max_abs_diff")})
+    return pd.DataFrame(rows).set_index("evidence") if rows else pd.DataFrame()
+
+
+def refresh_table(aggregate: dict[str, Any]):
+    """One row per policy-refresh evidence file: checks, sync time, memory after each version."""
+    import pandas as pd
+
+    rows = []
+    for entry in aggregate["evidence_files"]:
+        if entry["kind"] != "policy_refresh":
+            continue
+        path = Path(entry["path"]) if Path(entry["path"]).is_absolute() else REPO_ROOT / entry["path"]
+        report = json.loads(path.read_text())
+        syncs = [r["sync_s"] for r in report["rows"]]
+        series = report.get("memory_series_bytes")
+        failed = [name for name, ok in report["verdict"]["checks"].items() if not ok]
+        rows.append({"evidence": entry["path"], "backend": report["backend"], "versions": report["versions"],
+                     "passed": "PASS" if report["verdict"]["passed"] else "FAIL",
+                     "failed checks": ", ".join(failed) or "none",
+                     "sync s (min-max)": f"{min(syncs):.3f}-{max(syncs):.3f}" if syncs else "—",
+                     "memory after each refresh": ", ".join(f"{v / GIB:.2f}" for v in series) + " GiB" if series
+                     else report.get("memory_status", "—"),
+                     "teardown": json.dumps(report.get("teardown_proof"), sort_keys=True)})
     return pd.DataFrame(rows).set_index("evidence") if rows else pd.DataFrame()
 
 

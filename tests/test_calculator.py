@@ -116,9 +116,10 @@ def test_memory_gate_and_selection_fail_closed():
     raws = [raw_file("hf_reference", "r1", all_cells([10.0, 10.0, 10.0])),
             raw_file("hf_cached", "r1", all_cells([4.0, 4.0, 4.0])),
             raw_file("vllm", "r1", cells, peak=12 * GIB)]
-    refresh = {"path": "outputs/conformance/refresh.json", "sha256": "2" * 64, "kind": "policy_refresh",
-               "accepted": True, "verdict": {"passed": True, "checks": {"unique": True}}}
-    agg = run(raws, [refresh, evidence("local_conformance", True, 0.002), evidence("vllm_conformance", False, 0.0196)])
+    refresh = [{"path": f"outputs/conformance/refresh-{b}.json", "sha256": "2" * 64, "kind": "policy_refresh",
+                "backend": b, "accepted": True, "verdict": {"passed": True, "checks": {"unique": True}}}
+               for b in ("hf_cached", "vllm")]
+    agg = run(raws, [*refresh, evidence("local_conformance", True, 0.002), evidence("vllm_conformance", False, 0.0196)])
     assert gate(agg, "peak_memory")["passed"] and gate(agg, "peak_memory")["observed_max"] == 12 * GIB
     assert gate(agg, "vllm_speedup")["passed"] and gate(agg, "policy_refresh")["passed"]
     assert not gate(agg, "vllm_pgk1_conformance")["passed"]
@@ -128,7 +129,10 @@ def test_memory_gate_and_selection_fail_closed():
                                          "requires": PREREG_DICT["selection"]["pg_k1_requires"]}
     over = copy.deepcopy(raws)
     over[2] = raw_file("vllm", "r1", cells, peak=15 * GIB)
-    agg_over = run(over, [refresh])
+    agg_over = run(over, refresh)
+    only_vllm = run(raws, refresh[1:])
+    assert gate(only_vllm, "policy_refresh")["failing_cells"] == [
+        {"cell_id": None, "reason": "hf_cached: no accepted policy_refresh evidence"}]
     assert not gate(agg_over, "peak_memory")["passed"]
     assert agg_over["selection"]["direct_gkd"]["backend"] == "hf_cached"
 

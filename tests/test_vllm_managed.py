@@ -113,3 +113,19 @@ def test_server_death_mid_cell_is_recorded_and_the_next_cell_gets_a_fresh_server
     assert any(r["record"] == "server_died" for r in records)
     teardown = records[-1]
     assert teardown["record"] == "teardown" and teardown["proof"]["port_closed"]
+
+
+def test_refresh_evidence_for_vllm_and_hf_cached(smoke_study, vllm_fake, snapshot_cache):
+    from rollout_lib.refresh import monotonic_growth, run_refresh
+
+    report = run_refresh(smoke_study, vllm_fake)
+    assert report["kind"] == "policy_refresh" and report["backend"] == "vllm" and report["versions"] == 8
+    checks = report["verdict"]["checks"]
+    assert checks["unique_identities"] and checks["served_exactly"] and checks["port_closed_after_teardown"]
+    assert checks["no_child_left"]
+    # the stand-in server ignores the adapter: its probe cannot change, and the verdict says so
+    assert checks["probe_changed_between_versions"] is False and report["verdict"]["passed"] is False
+    local = run_refresh(smoke_study, create_backend("hf_cached", smoke_study, device="cpu", cache_dir=snapshot_cache))
+    assert local["verdict"]["passed"], local["verdict"]
+    assert local["teardown_proof"] == {"status": "not_applicable (no server)"}
+    assert monotonic_growth([1, 2, 3, 4]) and not monotonic_growth([1, 2, 2, 3]) and not monotonic_growth([5, 6])

@@ -135,6 +135,8 @@ display(Markdown("\\n\\n".join(banner)))"""
 
 CONFORMANCE = """table = report.conformance_table(aggregate)
 display(report.styled(table) if len(table) else Markdown("No conformance evidence for this campaign yet."))
+refresh_rows = report.refresh_table(aggregate)
+display(report.styled(refresh_rows) if len(refresh_rows) else Markdown("No policy-refresh evidence yet."))
 for gate in (g for g in aggregate["gates"] if g["kind"] == "policy_refresh"):
     reasons = ", ".join(f["reason"] for f in gate["failing_cells"]) or "ok"
     display(Markdown(f"Policy refresh gate `{gate['id']}`: **{'PASS' if gate['passed'] else 'FAIL'}** ({reasons})"))"""

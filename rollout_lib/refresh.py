@@ -1,0 +1,133 @@
+"""Policy-refresh evidence: N policy versions through one backend, then teardown with proof.
+
+Per version: sync time (device synchronized), the identity served (recomputed by the backend from
+what it holds; a mismatch is an error), a short greedy probe (its tokens and log-probabilities are
+recorded so a reviewer can check that the served policy changed), and GPU memory after the refresh
+(NVML device used + torch reserved). Verdict: identities unique and each equal to the requested
+one; memory not monotonically growing across the versions (strictly increasing at every step
+fails); after teardown the port is closed and no child process is left (backends that own a
+server; `not_applicable` otherwise).
+
+    python -m rollout_lib.refresh --backend hf_cached --out outputs/conformance/refresh-hf_cached-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.artifacts import environment_identity, write_json_atomic
+from rollout_lib.backends import create_backend
+from rollout_lib.backends.base import Backend
+from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
+from rollout_lib.prereg import Preregistration, load
+from rollout_lib.workload import Workload
+
+PROBE_TOKENS = 8
+
+
+def _memory(backend: Backend) -> dict[str, Any]:
+    device = getattr(backend, "device", None)
+    out: dict[str, Any] = {}
+    try:
+        import torch
+
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+            out["torch_reserved_bytes"] = int(torch.cuda.memory_reserved(device))
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        out["nvml_device_used_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        pynvml.nvmlShutdown()
+    except Exception as exc:  # CPU machine or no NVML
+        out["nvml_status"] = f"not_applicable: {type(exc).__name__}"
+    return out
+
+
+def monotonic_growth(values: list[int]) -> bool:
+    """True when every refresh used strictly more memory than the one before (a leak's signature)."""
+    return len(values) >= 3 and all(b > a for a, b in itertools.pairwise(values))
+
+
+def run_refresh(study: Preregistration, backend: Backend, versions: int | None = None) -> dict[str, Any]:
+    workload = Workload(study)
+    count = versions or study.policy_refresh.versions
+    policies = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, count)
+    cell = next(c for c in workload.cells() if c.sampling.name == "greedy" and c.samples_per_prompt == 1)
+    probe = [dataclasses.replace(r, max_new_tokens=min(PROBE_TOKENS, r.max_new_tokens))
+             for r in workload.requests(cell)[:1]]
+    cold = backend.cold_start()
+    rows, errors = [], []
+    for policy in policies:
+        start = time.perf_counter()
+        try:
+            served = backend.sync_policy(policy)
+        except PolicyIdentityMismatch as exc:
+            served = None
+            errors.append(str(exc))
+        sync_s = time.perf_counter() - start
+        result = backend.generate(probe).results[0] if served else None
+        rows.append({"version": policy.version, "requested_identity": policy.identity, "served_identity": served,
+                     "exact": served == policy.identity, "sync_s": sync_s, "memory_after": _memory(backend),
+                     "probe_token_ids": list(result.token_ids) if result else None,
+                     "probe_logprobs": list(result.logprobs) if result and result.logprobs else None})
+    environment = backend.environment()
+    teardown = backend.teardown()
+    proof = backend.teardown_report()
+    series = [r["memory_after"].get("nvml_device_used_bytes", r["memory_after"].get("torch_reserved_bytes"))
+              for r in rows]
+    measured_series = [v for v in series if v is not None]
+    checks = {
+        "unique_identities": len({r["served_identity"] for r in rows}) == len(rows) and None not in
+        {r["served_identity"] for r in rows},
+        "served_exactly": all(r["exact"] for r in rows),
+        "no_monotonic_memory_growth": not monotonic_growth(measured_series),
+        "port_closed_after_teardown": proof.get("port_closed", True),
+        "no_child_left": not proof.get("leftover_pids"),
+        "probe_changed_between_versions": any(a["probe_logprobs"] != b["probe_logprobs"]
+                                              for a, b in itertools.pairwise(rows)),
+    }
+    return {"kind": "policy_refresh", "backend": backend.name, "versions": count,
+            "preregistration_sha256": study.sha256, "preregistered": study.preregistered,
+            "cold_start_s": cold.seconds, "rows": rows, "errors": errors,
+            "memory_series_bytes": series if measured_series else None,
+            "memory_status": "measured" if measured_series else "not_applicable (no GPU)",
+            "teardown_s": teardown.seconds, "teardown_proof": proof or {"status": "not_applicable (no server)"},
+            "backend_environment": environment, "verdict": {"passed": all(checks.values()), "checks": checks}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rollout_lib.refresh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--params", default="params/rollout-runtime-v2.yaml")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+    study = load(args.params)
+    out = Path(args.out)
+    if out.exists():
+        print(f"{out} exists: evidence is never overwritten", file=sys.stderr)
+        return 2
+    options = {"device": args.device} if args.device else {}
+    report = run_refresh(study, create_backend(args.backend, study, **options))
+    report["environment"] = environment_identity(model_digests={"actor": study.actor.payload_digest},
+                                                 preregistration_sha256=study.sha256)
+    sha = write_json_atomic(out, report)
+    print(f"policy refresh {'PASSED' if report['verdict']['passed'] else 'FAILED'}: {report['verdict']['checks']}; "
+          f"wrote {out} sha256 {sha}")
+    return 0 if report["verdict"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
