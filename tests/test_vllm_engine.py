@@ -89,3 +89,19 @@ def test_real_engine_refresh_and_teardown_proof(smoke_study, tmp_path):
     report = run_refresh(smoke_study, fresh)  # cold start, 8 versions, teardown
     assert report["verdict"]["passed"], report["verdict"]
     assert report["teardown_proof"]["port_closed"] and report["teardown_proof"]["leftover_pids"] == []
+
+
+def test_vllm_conformance_report_on_the_real_engine(smoke_study, tmp_path, snapshot_cache):
+    from rollout_lib.conformance import ConformanceSettings, vllm_conformance
+
+    backend = create_backend("vllm", smoke_study, server_python=ENGINE, cache_dir=str(tmp_path), start_timeout_s=600)
+    report = vllm_conformance(smoke_study, ConformanceSettings(prompt_tokens=(16,), response_tokens=(8,)), backend,
+                              device="cpu", cache_dir=snapshot_cache)
+    tf = report["teacher_forced"]
+    assert report["kind"] == "vllm_conformance" and tf["positions"] == 4 * 8
+    assert tf["argmax_agreement_rate"] >= 0.9
+    assert report["verdict"]["checks"]["d_identity_exact"]
+    sampled = report["sampled_logprob"]
+    assert all(row["generated_tokens"] == 8 for rows in sampled["cells"].values() for row in rows)
+    assert report["verdict"]["checks"]["c_sampled_logprob_within_tolerance"] == (sampled["max_abs_diff"] <= 0.01)
+    assert report["backend_environment"]["lora_dtype_served"].startswith("bfloat16")

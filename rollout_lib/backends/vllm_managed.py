@@ -251,6 +251,20 @@ class VLLMManagedBackend(Backend):
                   "ttft_s": Phase.measured(ttfts[len(ttfts) // 2]) if ttfts else Phase.not_measured("no tokens")}
         return BatchResult(results, wall, phases)
 
+    def teacher_forced_argmax(self, prompt: tuple[int, ...], tokens: list[int]) -> list[int | None]:
+        """The engine's own argmax at each position of `tokens` after `prompt` (prompt_logprobs=1:
+        the rank-1 token of every prompt position), for the teacher-forced exactness check."""
+        body = {"model": self.lora_name or SERVED_BASE_NAME, "prompt": list(prompt) + list(tokens), "max_tokens": 1,
+                "temperature": 0.0, "prompt_logprobs": 1, "return_token_ids": True}
+        timeout = float(self.options.get("request_timeout_s", 600))
+        choice = _post(f"{self.server.base_url}/v1/completions", body, timeout)["choices"][0]
+        per_position = choice["prompt_logprobs"][len(prompt):]
+        out: list[int | None] = []
+        for entry in per_position:
+            top = [int(k) for k, v in (entry or {}).items() if v.get("rank") == 1]
+            out.append(top[0] if top else None)
+        return out
+
     def environment(self) -> dict[str, Any]:
         return {"engine": "vllm OpenAI server", "port": self.server.port if self.server else None,
                 "port_note": self.server.port_note if self.server else None,
