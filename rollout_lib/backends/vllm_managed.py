@@ -117,6 +117,11 @@ class VLLMManagedBackend(Backend):
         self.lora_name: str | None = None
         self.mirror_digest: str | None = None
         self.on_gpu = _cuda_available()
+        import torch
+
+        # the engine runs in a child process; the runner samples NVML memory over the whole process
+        # tree (the server included) on this device
+        self.device = torch.device("cuda", 0) if self.on_gpu else torch.device("cpu")
         fraction = float(options.get("kv_cache_fraction_of_budget") or 0.25)
         self.kv_cache_bytes = int(study.memory.budget_bytes * fraction) if self.on_gpu else CPU_KV_CACHE_BYTES
         self.teardown_proof: dict[str, Any] | None = None
@@ -142,6 +147,8 @@ class VLLMManagedBackend(Backend):
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.mirror_digest = write_mirror_snapshot(snapshot.path, quant, out, device)
+            if device == "cuda":
+                torch.cuda.empty_cache()  # the parent keeps no weights: the engine loads them from disk
         return str(out)
 
     def _command(self, model_dir: str):
@@ -161,7 +168,21 @@ class VLLMManagedBackend(Backend):
             args += ["--gpu-memory-utilization", "0.1"]
         return lambda port: [*args, "--port", str(port)]
 
+    def _engine_version(self) -> str:
+        """vLLM's version in the interpreter that runs the engine (it may not be this one)."""
+        import subprocess
+
+        python = self.options.get("server_python") or os.environ.get("ROLLOUT_VLLM_PYTHON") or sys.executable
+        try:
+            out = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                 text=True, timeout=300)
+            return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "absent"
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"not_measured: {type(exc).__name__}"
+
     def _start(self) -> None:
+        if self.options.get("server_command") is None and not hasattr(self, "engine_version"):
+            self.engine_version = self._engine_version()
         if self.server is not None and self.server.alive():  # never leak a running engine
             self.server.stop(grace_s=10)
         self.lora_name = None  # a fresh engine holds no adapter
@@ -266,7 +287,9 @@ class VLLMManagedBackend(Backend):
         return out
 
     def environment(self) -> dict[str, Any]:
-        return {"engine": "vllm OpenAI server", "port": self.server.port if self.server else None,
+        return {"engine": "vllm OpenAI server",
+                "engine_vllm_version": getattr(self, "engine_version", "not_measured"),
+                "port": self.server.port if self.server else None,
                 "port_note": self.server.port_note if self.server else None,
                 "kv_cache_memory_bytes": self.kv_cache_bytes, "mirror_payload_digest": self.mirror_digest,
                 "cuda_graphs": "on (no --enforce-eager)" if self.on_gpu else "not_applicable (CPU engine)",
