@@ -92,6 +92,14 @@ def write_json_atomic(path: str | os.PathLike[str], value: Any, *, overwrite: bo
     return sha256_bytes(data)
 
 
+def write_evidence(path: str | os.PathLike[str], report: dict[str, Any], *, model_digests: dict[str, str],
+                   preregistration_sha256: str) -> str:
+    """An evidence report bound to its environment identity, written once (never overwritten)."""
+    report = dict(report, environment=environment_identity(model_digests=model_digests,
+                                                            preregistration_sha256=preregistration_sha256))
+    return write_json_atomic(path, report)
+
+
 def package_version(name: str) -> str:
     try:
         return metadata.version(name)

@@ -28,13 +28,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from rollout_lib.artifacts import environment_identity, write_json_atomic
+from rollout_lib.artifacts import write_evidence
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.base import Backend, RequestResult
 from rollout_lib.decode import teacher_forced
 from rollout_lib.policy import policy_versions
 from rollout_lib.prereg import Preregistration, load
-from rollout_lib.workload import Cell, Workload
+from rollout_lib.workload import Cell, GenerationRequest, Workload
 
 
 def first_divergence(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int | None:
@@ -56,6 +56,27 @@ def compare_free_running(oracle: list[RequestResult], candidate: list[RequestRes
                      "generated_tokens_oracle": len(o.token_ids), "generated_tokens_candidate": len(c.token_ids)})
     identical = sum(r["tokens_identical"] and r["stop_reason_identical"] for r in rows)
     return {"requests": len(rows), "identical": identical, "rows": rows}
+
+
+def score_sampled(scorer: Backend, requests: list[GenerationRequest],
+                  results: list[RequestResult]) -> tuple[list[dict[str, Any]], float, int]:
+    """Each result's sampled-token log-probabilities against the NF4 actor (`scorer.model`) scoring
+    the same tokens teacher-forced: (rows, max |diff|, requests without log-probabilities)."""
+    rows, worst, missing = [], 0.0, 0
+    for request, result in zip(requests, results, strict=True):
+        scored = teacher_forced(scorer.model, request.prompt_token_ids, list(result.token_ids), scorer.device)
+        row = {"request_id": request.request_id, "generated_tokens": len(result.token_ids),
+               "stop_reason": result.stop_reason}
+        if result.logprobs is None or len(result.logprobs) != len(scored.logprobs):
+            missing += 1
+            rows.append(row | {"max_abs_logprob_diff": None, "status": "not_measured: no log-probability per token"})
+            continue
+        diffs = [abs(a - b) for a, b in zip(result.logprobs, scored.logprobs, strict=True)]
+        here = max(diffs) if diffs else 0.0
+        rows.append(row | {"max_abs_logprob_diff": here, "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs
+                           else 0.0, "argmax_position": diffs.index(here) if diffs else None})
+        worst = max(worst, here)
+    return rows, worst, missing
 
 
 @dataclass
@@ -163,26 +184,20 @@ def run_conformance(study: Preregistration, settings: ConformanceSettings, devic
             part["teacher_forced"] = _teacher_forced(ref, cached, workload, greedy_cells, oracle_greedy, tie_margin)
         stochastic: dict[str, Any] = {}
         cached_stochastic: dict[str, list[RequestResult]] = {}
-        max_abs = 0.0
+        max_abs, missing_total = 0.0, 0
         for cell in stochastic_cells:
             requests = workload.requests(cell)
             progress.set_postfix_str(f"{dtype} {cell.cell_id}")
             c = cached.generate(requests)
             progress.update(1)
             cached_stochastic[cell.cell_id] = c.results
-            rows = []
-            for request, result in zip(requests, c.results, strict=True):
-                scored = teacher_forced(ref.model, request.prompt_token_ids, list(result.token_ids), ref.device)
-                diffs = [abs(a - b) for a, b in zip(result.logprobs, scored.logprobs, strict=True)]
-                worst = max(diffs) if diffs else 0.0
-                max_abs = max(max_abs, worst)
-                rows.append({"request_id": request.request_id, "generated_tokens": len(result.token_ids),
-                             "stop_reason": result.stop_reason, "max_abs_logprob_diff": worst,
-                             "argmax_position": diffs.index(worst) if diffs else None})
-            stochastic[cell.cell_id] = rows
+            stochastic[cell.cell_id], worst, missing = score_sampled(ref, requests, c.results)
+            max_abs, missing_total = max(max_abs, worst), missing_total + missing
         progress.update(len(stochastic_cells))  # accounting for the scoring passes
         part["sampled_logprob"] = {"cells": stochastic, "max_abs_diff": max_abs, "tolerance": logprob_tol,
-                                   "passed": max_abs <= logprob_tol, "scorer": "hf_reference NF4 actor, teacher-forced"}
+                                   "requests_without_logprobs": missing_total,
+                                   "passed": max_abs <= logprob_tol and missing_total == 0,
+                                   "scorer": "hf_reference NF4 actor, teacher-forced"}
         base = cached_greedy | cached_stochastic
         part["partitions"] = _partition_checks(cached, workload, [c for c in greedy_cells + stochastic_cells],
                                                base, settings.partitions_response_tokens, progress)
@@ -240,14 +255,8 @@ def oracle_self_consistency(study: Preregistration, settings: ConformanceSetting
     cells, worst = {}, 0.0
     for cell in _cells(workload, settings, "stochastic"):
         requests = workload.requests(cell)
-        rows = []
-        for request, result in zip(requests, ref.generate(requests).results, strict=True):
-            scored = teacher_forced(ref.model, request.prompt_token_ids, list(result.token_ids), ref.device)
-            diffs = [abs(a - b) for a, b in zip(result.logprobs, scored.logprobs, strict=True)]
-            rows.append({"request_id": request.request_id, "max_abs_logprob_diff": max(diffs),
-                         "mean_abs_logprob_diff": sum(diffs) / len(diffs)})
-            worst = max(worst, max(diffs))
-        cells[cell.cell_id] = rows
+        cells[cell.cell_id], here, _ = score_sampled(ref, requests, ref.generate(requests).results)
+        worst = max(worst, here)
     ref.teardown()
     return {"kind": "oracle_self_consistency", "dtype": dtype, "policy_identity": policy.identity,
             "preregistration_sha256": study.sha256, "preregistered": study.preregistered,
@@ -290,23 +299,17 @@ def vllm_conformance(study: Preregistration, settings: ConformanceSettings, vllm
                     disagreements.append({"request_id": request.request_id, "position": t, "oracle_token": token,
                                           "candidate_token": engine_argmax[t], "oracle_margin_logits": margin,
                                           "near_tie": margin < tie_margin})
-    sampled, worst = {}, 0.0
+    sampled, worst, missing = {}, 0.0, 0
     for cell in _cells(workload, settings, "stochastic"):
         requests = workload.requests(cell)
-        rows = []
-        for request, result in zip(requests, vllm_backend.generate(requests).results, strict=True):
-            scored = teacher_forced(ref.model, request.prompt_token_ids, list(result.token_ids), ref.device)
-            diffs = [abs(a - b) for a, b in zip(result.logprobs or (), scored.logprobs, strict=False)]
-            rows.append({"request_id": request.request_id, "generated_tokens": len(result.token_ids),
-                         "max_abs_logprob_diff": max(diffs) if diffs else None})
-            worst = max([worst, *diffs])
-        sampled[cell.cell_id] = rows
+        sampled[cell.cell_id], here, absent = score_sampled(ref, requests, vllm_backend.generate(requests).results)
+        worst, missing = max(worst, here), missing + absent
     environment = vllm_backend.environment()
     vllm_backend.teardown()
     ref.teardown()
     beyond = [d for d in disagreements if not d["near_tie"]]
     checks = {"b_teacher_forced_within_tie_margin": not beyond,
-              "c_sampled_logprob_within_tolerance": worst <= tolerance,
+              "c_sampled_logprob_within_tolerance": worst <= tolerance and missing == 0,
               "d_identity_exact": served == policy.identity}
     identical = sum(v["identical"] for v in greedy.values())
     return {"kind": "vllm_conformance", "candidate": "vllm", "backend": "vllm", "oracle": "hf_reference",
@@ -318,6 +321,7 @@ def vllm_conformance(study: Preregistration, settings: ConformanceSettings, vllm
                                else None, "disagreements": disagreements, "beyond_tie_margin": len(beyond),
                                "tie_margin_logits": tie_margin, "method": "engine prompt_logprobs rank-1"},
             "sampled_logprob": {"cells": sampled, "max_abs_diff": worst, "tolerance": tolerance,
+                                "requests_without_logprobs": missing,
                                 "scorer": "hf_reference NF4 actor, teacher-forced"},
             "float32_free_running": {"status": "not_measured", "reason": "the engine serves bf16 here; "
                                                                          "float32 exactness is checked on the HF pair"},
@@ -371,18 +375,16 @@ def main(argv: list[str] | None = None) -> int:
         partitions_response_tokens=tuple(args.partitions_response_tokens) if args.partitions_response_tokens else None)
     if args.oracle_self_check:
         report = oracle_self_consistency(study, settings, device=args.device)
-        report["environment"] = environment_identity(model_digests={"actor": study.actor.payload_digest},
-                                                     preregistration_sha256=study.sha256)
-        sha = write_json_atomic(out, report)
+        sha = write_evidence(out, report, model_digests={"actor": study.actor.payload_digest},
+                             preregistration_sha256=study.sha256)
         print(f"oracle self-consistency max |d logprob| {report['max_abs_diff']:.6f}; wrote {out} sha256 {sha}")
         return 0
     if args.candidate == "vllm":
         report = vllm_conformance(study, settings, create_backend("vllm", study), device=args.device)
     else:
         report = run_conformance(study, settings, device=args.device)
-    report["environment"] = environment_identity(model_digests={"actor": study.actor.payload_digest},
-                                                 preregistration_sha256=study.sha256)
-    sha = write_json_atomic(out, report)
+    sha = write_evidence(out, report, model_digests={"actor": study.actor.payload_digest},
+                         preregistration_sha256=study.sha256)
     v = report["verdict"]
     print(f"conformance {'PASSED' if v['passed'] else 'FAILED'}: {v['checks']}", file=sys.stderr)
     identical = v.get("bf16_free_running_identical", v.get("greedy_free_running_identical"))

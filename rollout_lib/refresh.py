@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.artifacts import environment_identity, write_json_atomic
+from rollout_lib.artifacts import write_evidence
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.base import Backend
 from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
@@ -121,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     options = {"device": args.device} if args.device else {}
     report = run_refresh(study, create_backend(args.backend, study, **options))
-    report["environment"] = environment_identity(model_digests={"actor": study.actor.payload_digest},
-                                                 preregistration_sha256=study.sha256)
-    sha = write_json_atomic(out, report)
+    sha = write_evidence(out, report, model_digests={"actor": study.actor.payload_digest},
+                         preregistration_sha256=study.sha256)
     print(f"policy refresh {'PASSED' if report['verdict']['passed'] else 'FAILED'}: {report['verdict']['checks']}; "
           f"wrote {out} sha256 {sha}")
     return 0 if report["verdict"]["passed"] else 1
