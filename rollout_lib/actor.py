@@ -119,10 +119,6 @@ def build_mirror_base(snapshot_dir: str, nf4_model, dtype: torch.dtype, device: 
     return mirror
 
 
-class Float32LMHead:
-    """Marker base; see `use_float32_lm_head`."""
-
-
 def use_float32_lm_head(model) -> None:
     """Compute the LM head in float32 (float32 copy of the tied weight, hidden states upcast).
 
@@ -138,7 +134,7 @@ def use_float32_lm_head(model) -> None:
     if getattr(head, "is_float32_lm_head", False):
         return
 
-    class _Head(nn.Module, Float32LMHead):
+    class _Head(nn.Module):
         is_float32_lm_head = True
 
         def __init__(self, weight: torch.Tensor):

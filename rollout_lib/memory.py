@@ -35,6 +35,10 @@ def process_tree(root: int | None = None) -> set[int]:
     return seen
 
 
+NVML_INTERVAL_S = 0.02
+NVML_TREE_REFRESH_S = 1.0
+
+
 class NVMLSampler:
     """Background sampler of process-tree GPU memory; use as a context manager around a cell.
 
@@ -45,7 +49,8 @@ class NVMLSampler:
     and foreign processes of one repetition without a second thread.
     """
 
-    def __init__(self, device_index: int = 0, interval_s: float = 0.02, tree_refresh_s: float = 1.0):
+    def __init__(self, device_index: int = 0, interval_s: float = NVML_INTERVAL_S,
+                 tree_refresh_s: float = NVML_TREE_REFRESH_S):
         self.device_index = device_index
         self.interval_s = interval_s
         self.tree_refresh_s = tree_refresh_s

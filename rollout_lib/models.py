@@ -269,18 +269,9 @@ def write_synthetic_tokenizer(arch: Qwen3Arch, out_dir: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     specials = list(QWEN3_SPECIAL_TOKENS)
-    vocab: dict[str, int] = {}
-    special_names: dict[int, str] = {}
-    for token_id in range(arch.vocab_size):
-        offset = token_id - arch.first_special_id
-        if 0 <= offset < len(specials):
-            name = specials[offset]
-            special_names[token_id] = name
-        elif offset >= 0:
-            name = f"<|extra_{offset}|>"
-        else:
-            name = f"<t{token_id}>"
-        vocab[name] = token_id
+    vocab = {vocab_name(arch, token_id): token_id for token_id in range(arch.vocab_size)}
+    special_names = {arch.first_special_id + i: name for i, name in enumerate(specials)
+                     if arch.first_special_id + i < arch.vocab_size}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[0]))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)

@@ -117,26 +117,32 @@ def _peft_lora_modules(model) -> dict[str, object]:
     return out
 
 
-def load_policy_into_peft(model, policy: PolicyVersion, adapter: str = "default") -> None:
-    """Copy the exact tensors into the live peft LoRA weights (dtype and values preserved)."""
+def copy_lora_tensors(model, tensors: dict[str, torch.Tensor], scaling: float, adapter: str = "default") -> None:
+    """Copy exact tensors (canonical names) into a peft model's live LoRA weights; the module set,
+    dtypes and scaling must match (a mismatch is an error, never a cast)."""
     import torch
 
     modules = _peft_lora_modules(model)
-    expected = {name.rsplit(".", 1)[0] for name in policy.tensors}
+    expected = {name.rsplit(".", 1)[0] for name in tensors}
     if set(modules) != expected:
         missing = sorted(expected - set(modules))[:3]
         extra = sorted(set(modules) - expected)[:3]
         raise PolicyIdentityMismatch(f"LoRA modules differ from the policy: missing {missing}, extra {extra}")
     with torch.no_grad():
-        for name, tensor in policy.tensors.items():
+        for name, tensor in tensors.items():
             path, which = name.rsplit(".", 1)
             layer = getattr(modules[path], which)[adapter]
             if layer.weight.dtype != tensor.dtype:
                 raise PolicyIdentityMismatch(f"{name}: live LoRA dtype {layer.weight.dtype} != policy {tensor.dtype}")
             layer.weight.copy_(tensor.to(layer.weight.device))
         for module in modules.values():
-            if module.scaling[adapter] != policy.scaling:
-                raise PolicyIdentityMismatch(f"LoRA scaling {module.scaling[adapter]} != {policy.scaling}")
+            if module.scaling[adapter] != scaling:
+                raise PolicyIdentityMismatch(f"LoRA scaling {module.scaling[adapter]} != {scaling}")
+
+
+def load_policy_into_peft(model, policy: PolicyVersion, adapter: str = "default") -> None:
+    """Make a policy version the model's live LoRA tensors (dtype and values preserved)."""
+    copy_lora_tensors(model, policy.tensors, policy.scaling, adapter)
 
 
 def read_policy_from_peft(model, adapter: str = "default") -> dict[str, torch.Tensor]:

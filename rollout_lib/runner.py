@@ -38,7 +38,7 @@ from typing import Any
 from rollout_lib.artifacts import OUTPUTS_DIR, REPO_ROOT, canonical_json, environment_identity, sha256_bytes
 from rollout_lib.backends import create_backend, known_backends
 from rollout_lib.backends.base import Backend, BatchResult, ServerDied
-from rollout_lib.memory import CellMemory, NVMLSampler
+from rollout_lib.memory import NVML_INTERVAL_S, NVML_TREE_REFRESH_S, CellMemory
 from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
 from rollout_lib.prereg import BACKEND_NAMES, Preregistration, load
 from rollout_lib.timing import PhaseTimer
@@ -295,8 +295,8 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
               "protocol": {"warmup_repetitions": study.protocol.warmup_repetitions,
                            "measured_repetitions": study.protocol.measured_repetitions,
                            "measured_partition": list(study.workload.measured_partition)},
-              "instrumentation": {"nvml_sampler": {"per": "cell", "interval_s": NVMLSampler().interval_s,
-                                                   "tree_refresh_s": NVMLSampler().tree_refresh_s},
+              "instrumentation": {"nvml_sampler": {"per": "cell", "interval_s": NVML_INTERVAL_S,
+                                                   "tree_refresh_s": NVML_TREE_REFRESH_S},
                                   "timer": "perf_counter, device synchronized at both ends"}}
     writer = RawWriter(spec.path)
     existing = writer.open(header)

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from rollout_lib.actor import add_lora, build_mirror_base, load_nf4_base
 from rollout_lib.backends.base import BatchResult, Phase, RequestResult, register_backend
 from rollout_lib.backends.hf_common import HFBackendBase
 from rollout_lib.decode import generate_kv_cache
-from rollout_lib.policy import _peft_lora_modules, load_policy_into_peft, read_policy_from_peft
+from rollout_lib.policy import copy_lora_tensors, load_policy_into_peft, read_policy_from_peft
 
 
 @register_backend
@@ -43,11 +41,7 @@ class HFCachedBackend(HFBackendBase):
     def sync_policy(self, policy) -> str:
         self.set_actor_policy(policy)
         live = read_policy_from_peft(self.actor)  # the exact live tensors of the actor
-        modules = _peft_lora_modules(self.mirror)
-        with torch.no_grad():
-            for name, tensor in live.items():
-                path, which = name.rsplit(".", 1)
-                getattr(modules[path], which)["default"].weight.copy_(tensor.to(self.device))
+        copy_lora_tensors(self.mirror, live, policy.scaling)
         self._synchronize()
         self.served_identity = self._served_identity(self.mirror, policy)
         return self.served_identity

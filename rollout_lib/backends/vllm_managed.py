@@ -157,9 +157,8 @@ class VLLMManagedBackend(Backend):
             return lambda port: [part.replace("{port}", str(port)) for part in custom]
         lora = self.study.actor.lora
         max_len = max(self.study.workload.prompt_tokens) + max(self.study.workload.response_tokens) + 8
-        python = self.options.get("server_python") or os.environ.get("ROLLOUT_VLLM_PYTHON") or sys.executable
         max_rank = next(r for r in LORA_RANKS if r >= lora.rank)
-        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        args = [self.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--served-model-name", SERVED_BASE_NAME, "--host", "127.0.0.1", "--dtype", "bfloat16",
                 "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
                 "--enable-lora", "--max-loras", "1", "--max-lora-rank", str(max_rank), "--seed", "0",
@@ -168,13 +167,18 @@ class VLLMManagedBackend(Backend):
             args += ["--gpu-memory-utilization", "0.1"]
         return lambda port: [*args, "--port", str(port)]
 
+    @property
+    def server_python(self) -> str:
+        """The interpreter that runs the engine (it may not be this one)."""
+        return self.options.get("server_python") or os.environ.get("ROLLOUT_VLLM_PYTHON") or sys.executable
+
     def _engine_version(self) -> str:
         """vLLM's version in the interpreter that runs the engine (it may not be this one)."""
         import subprocess
 
-        python = self.options.get("server_python") or os.environ.get("ROLLOUT_VLLM_PYTHON") or sys.executable
         try:
-            out = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+            out = subprocess.run([self.server_python, "-c", "import vllm; print(vllm.__version__)"],
+                                 capture_output=True,
                                  text=True, timeout=300)
             return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "absent"
         except (OSError, subprocess.SubprocessError) as exc:
@@ -293,8 +297,7 @@ class VLLMManagedBackend(Backend):
                 "port_note": self.server.port_note if self.server else None,
                 "kv_cache_memory_bytes": self.kv_cache_bytes, "mirror_payload_digest": self.mirror_digest,
                 "cuda_graphs": "on (no --enforce-eager)" if self.on_gpu else "not_applicable (CPU engine)",
-                "server_python": self.options.get("server_python") or os.environ.get("ROLLOUT_VLLM_PYTHON")
-                or sys.executable, "lora_refresh": "runtime load_lora_adapter (peft files)",
+                "server_python": self.server_python, "lora_refresh": "runtime load_lora_adapter (peft files)",
                 "lora_dtype_served": "bfloat16 (vLLM 0.26 lora_dtype = model dtype)",
                 "served_bf16_identity": getattr(self, "served_bf16_identity", None),
                 "healthy_after_s": getattr(self, "healthy_after_s", None), "restarts": self.restarts,
