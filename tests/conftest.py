@@ -30,14 +30,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smoke_study():
-    from rollout_lib.prereg import load
+    from rollout_lib.study.prereg import load
 
     return load(SMOKE)
 
 
 @pytest.fixture(scope="session")
 def prereg_study():
-    from rollout_lib.prereg import load
+    from rollout_lib.study.prereg import load
 
     return load(PREREG)
 

@@ -157,7 +157,7 @@ def test_excluded_raw_file_is_listed_not_used():
 
 
 def test_deterministic_output():
-    from rollout_lib.artifacts import canonical_json
+    from rollout_lib.core import canonical_json
 
     raws = [raw_file("hf_cached", "r1", all_cells([4.0, 3.0, 5.0]))]
     assert canonical_json(run(raws)) == canonical_json(run(copy.deepcopy(raws)))

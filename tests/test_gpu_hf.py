@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 
 from rollout_lib.backends import create_backend
-from rollout_lib.conformance import compare_free_running
-from rollout_lib.policy import policy_versions
-from rollout_lib.workload import Workload
+from rollout_lib.checks.conformance import compare_free_running
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.workload import Workload
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,7 @@ def f32(prereg_study, policies):
 
 
 def test_full_size_snapshot_digest_matches_preregistration(prereg_study):
-    from rollout_lib.models import ensure_snapshot
+    from rollout_lib.models.synthetic import ensure_snapshot
 
     spec = prereg_study.actor
     info = ensure_snapshot(spec.architecture.name, spec.synthetic_seed, spec.logit_scale, spec.payload_digest)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 def test_cell_memory_sees_a_known_allocation():
     import torch
 
-    from rollout_lib.memory import CellMemory
+    from rollout_lib.measure.memory import CellMemory
 
     device = torch.device("cuda", torch.cuda.current_device())
     size = 2 * 2**30

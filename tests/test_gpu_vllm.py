@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 
 from rollout_lib.backends import create_backend
-from rollout_lib.conformance import ConformanceSettings, vllm_conformance
-from rollout_lib.refresh import run_refresh
+from rollout_lib.checks.conformance import ConformanceSettings, vllm_conformance
+from rollout_lib.checks.refresh import run_refresh
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable here")]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rollout_lib.backends import UnknownBackendError, create_backend, known_backends
-from rollout_lib.conformance import ConformanceSettings, compare_free_running, run_conformance
-from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
-from rollout_lib.workload import Workload
+from rollout_lib.checks.conformance import ConformanceSettings, compare_free_running, run_conformance
+from rollout_lib.models.policy import PolicyIdentityMismatch, policy_versions
+from rollout_lib.study.workload import Workload
 
 
 def _pair(study, cache, dtype, policy):
@@ -58,7 +58,7 @@ def test_unknown_option_and_dtype_fail_loudly(smoke_study):
 def test_actor_is_real_nf4_and_mirror_holds_dequantized_weights(f32):
     import bitsandbytes as bnb
 
-    from rollout_lib.actor import dequantized_linear_weights
+    from rollout_lib.models.actor import dequantized_linear_weights
 
     cached = f32["hf_cached"]
     nf4_layers = [m for m in cached.actor.modules() if isinstance(m, bnb.nn.Linear4bit)]

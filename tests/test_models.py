@@ -8,17 +8,15 @@ import sys
 import pytest
 import torch
 
-from rollout_lib.models import (
-    ARCHITECTURES,
-    UnknownArchitectureError,
+from rollout_lib.models.synthetic import (
     build_snapshot,
     ensure_snapshot,
-    get_architecture,
     load_causal_lm,
     payload_digest,
     payload_digest_of_tensors,
     read_snapshot_tensors,
 )
+from rollout_lib.study.arch import ARCHITECTURES, UnknownArchitectureError, get_architecture
 
 from .conftest import REPO
 
@@ -71,7 +69,7 @@ def test_digest_ignores_sharding(tmp_path, smoke_study):
 
 def test_digest_sees_one_changed_value(smoke_study):
     spec = smoke_study.actor
-    from rollout_lib.models import synthetic_state_dict
+    from rollout_lib.models.synthetic import synthetic_state_dict
 
     tensors = synthetic_state_dict(spec.arch(), spec.synthetic_seed, spec.logit_scale)
     before = payload_digest_of_tensors(tensors)
@@ -106,7 +104,7 @@ def test_unknown_architecture_lists_known():
 
 
 def test_ensure_snapshot_refuses_digest_mismatch(tmp_path, smoke_study):
-    from rollout_lib.models import DigestMismatchError
+    from rollout_lib.models.synthetic import DigestMismatchError
 
     spec = smoke_study.actor
     with pytest.raises(DigestMismatchError, match="pins"):
@@ -114,6 +112,6 @@ def test_ensure_snapshot_refuses_digest_mismatch(tmp_path, smoke_study):
 
 
 def test_cli_build_prints_pinned_digest(tmp_path, smoke_study):
-    out = subprocess.run([sys.executable, "-m", "rollout_lib.models", "build", "--arch", "tiny", "--out",
+    out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "models", "build", "--arch", "tiny", "--out",
                           str(tmp_path / "cli")], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == smoke_study.actor.payload_digest

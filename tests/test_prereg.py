@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from rollout_lib.prereg import CALCULATOR_PENDING, PreregistrationError, loads
+from rollout_lib.study.prereg import CALCULATOR_PENDING, PreregistrationError, loads
 
 from .conftest import PREREG, REPO, SMOKE
 
@@ -126,7 +126,7 @@ def test_sha256_is_of_the_file_bytes(prereg_study):
 
 
 def test_cli_validates_and_prints_sha(prereg_study):
-    out = subprocess.run([sys.executable, "-m", "rollout_lib.prereg", str(PREREG)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "prereg", str(PREREG)], cwd=REPO,
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == prereg_study.sha256
 
@@ -134,7 +134,7 @@ def test_cli_validates_and_prints_sha(prereg_study):
 def test_cli_rejects_bad_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(SMOKE.read_text().replace("measured_repetitions: 1", "measured_repetitions: zero"))
-    out = subprocess.run([sys.executable, "-m", "rollout_lib.prereg", str(bad)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "prereg", str(bad)], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "protocol.measured_repetitions" in out.stderr

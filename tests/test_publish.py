@@ -6,16 +6,16 @@ import shutil
 
 import pytest
 
-from rollout_lib.artifacts import sha256_file
-from rollout_lib.prereg import load
-from rollout_lib.publish import (
+from rollout_lib.core import sha256_file
+from rollout_lib.evidence.publish import (
     CalculatorHashMismatch,
     PublishCheckFailed,
     aggregate_path,
     check,
     publish,
 )
-from rollout_lib.runner import run, validate_parameters
+from rollout_lib.measure.runner import run, validate_parameters
+from rollout_lib.study.prereg import load
 
 from .conftest import REPO, SMOKE
 from .test_runner import _OOMOnceBackend

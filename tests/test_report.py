@@ -7,9 +7,9 @@ import re
 import pytest
 from bs4 import BeautifulSoup
 
-from rollout_lib.publish import check, publish
-from rollout_lib.report import render
-from rollout_lib.runner import run, validate_parameters
+from rollout_lib.evidence.publish import check, publish
+from rollout_lib.measure.runner import run, validate_parameters
+from rollout_lib.report.summary import render
 
 from .conftest import SMOKE
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult
-from rollout_lib.runner import (
+from rollout_lib.measure.runner import (
     ParameterError,
     RawIdentityDrift,
     RawWriter,
@@ -23,7 +23,7 @@ from rollout_lib.runner import (
     run,
     validate_parameters,
 )
-from rollout_lib.timing import PhaseTimer
+from rollout_lib.measure.timing import PhaseTimer
 
 from .conftest import REPO, SMOKE
 
@@ -52,7 +52,7 @@ def test_validate_parameters_names_the_bad_one(tmp_path):
 
 
 def _requests(smoke_study, cell_id="p16-r8-n1-greedy"):
-    from rollout_lib.workload import Workload
+    from rollout_lib.study.workload import Workload
 
     work = Workload(smoke_study)
     return work.requests(work.cell(cell_id))
@@ -125,7 +125,8 @@ def test_oom_is_recorded_and_the_run_continues(smoke_study, tmp_path):
 
 
 def _runner_cmd(tmp_path, run_id):
-    return [sys.executable, "-m", "rollout_lib.runner", "measure", "--backend", "hf_cached", "--campaign", "crash",
+    return [sys.executable, "-m", "rollout_lib.cli", "measure", "--direct", "--backend", "hf_cached",
+            "--campaign", "crash",
             "--params", str(SMOKE), "--run-id", run_id, "--output-dir", str(tmp_path), "--device", "cpu"]
 
 
@@ -176,7 +177,7 @@ def test_resume_refuses_identity_drift(smoke_study, tmp_path):
     drifted = tmp_path / "drifted.jsonl"
     drifted.write_text(json.dumps(header) + "\n")
     new_header = dict(records[0])
-    from rollout_lib.artifacts import environment_identity
+    from rollout_lib.measure.identity import environment_identity
 
     new_header["environment"] = environment_identity(
         model_digests={"actor": study.actor.payload_digest, "teacher": study.teacher.payload_digest},

@@ -14,10 +14,10 @@ import subprocess
 import pytest
 
 from rollout_lib.backends import create_backend
-from rollout_lib.decode import teacher_forced
-from rollout_lib.policy import policy_versions
-from rollout_lib.refresh import run_refresh
-from rollout_lib.workload import Workload
+from rollout_lib.backends.decode import teacher_forced
+from rollout_lib.checks.refresh import run_refresh
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.workload import Workload
 
 
 def _engine_python() -> str | None:
@@ -92,7 +92,7 @@ def test_real_engine_refresh_and_teardown_proof(smoke_study, tmp_path):
 
 
 def test_vllm_conformance_report_on_the_real_engine(smoke_study, tmp_path, snapshot_cache):
-    from rollout_lib.conformance import ConformanceSettings, vllm_conformance
+    from rollout_lib.checks.conformance import ConformanceSettings, vllm_conformance
 
     backend = create_backend("vllm", smoke_study, server_python=ENGINE, cache_dir=str(tmp_path), start_timeout_s=600)
     report = vllm_conformance(smoke_study, ConformanceSettings(prompt_tokens=(16,), response_tokens=(8,)), backend,

@@ -13,10 +13,10 @@ import sys
 import pytest
 
 from rollout_lib.backends import create_backend
-from rollout_lib.policy import policy_versions
-from rollout_lib.runner import read_raw, run, validate_parameters
-from rollout_lib.server import ManagedServer, ServerStartError, port_open
-from rollout_lib.workload import Workload
+from rollout_lib.backends.server import ManagedServer, ServerStartError, port_open
+from rollout_lib.measure.runner import read_raw, run, validate_parameters
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.workload import Workload
 
 from .conftest import REPO, SMOKE
 
@@ -116,7 +116,7 @@ def test_server_death_mid_cell_is_recorded_and_the_next_cell_gets_a_fresh_server
 
 
 def test_refresh_evidence_for_vllm_and_hf_cached(smoke_study, vllm_fake, snapshot_cache):
-    from rollout_lib.refresh import monotonic_growth, run_refresh
+    from rollout_lib.checks.refresh import monotonic_growth, run_refresh
 
     report = run_refresh(smoke_study, vllm_fake)
     assert report["kind"] == "policy_refresh" and report["backend"] == "vllm" and report["versions"] == 8

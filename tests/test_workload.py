@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_lib.workload import UnknownCellError, Workload
+from rollout_lib.study.workload import UnknownCellError, Workload
 
 
 def test_full_grid_has_24_stable_cells(prereg_study):

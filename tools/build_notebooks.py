@@ -44,7 +44,7 @@ ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "rollout_lib").
 os.chdir(ROOT)
 sys.path.insert(0, str(ROOT))
 
-from rollout_lib.runner import validate_parameters  # noqa: E402 - after locating the repository root
+from rollout_lib.measure.runner import validate_parameters  # noqa: E402 - after locating the repository root
 
 spec, study, workload = validate_parameters(backend=backend, params=params, campaign=campaign, cells=cells,
                                             run_id=run_id, output_dir=output_dir, device=device,
@@ -56,7 +56,7 @@ MEASURE = """import pandas as pd
 from IPython.display import display
 from tqdm import tqdm
 
-from rollout_lib.runner import read_raw, run
+from rollout_lib.measure.runner import read_raw, run
 
 measured_rows = []
 if not profile_cell:
@@ -78,9 +78,9 @@ if not profile_cell:
 
 PROFILE = """if profile_cell:
     from rollout_lib.backends import create_backend
-    from rollout_lib.policy import policy_versions
-    from rollout_lib.runner import MEASUREMENT_POLICY_VERSION
-    from rollout_lib.runner import profile_cell as profile_one_cell
+    from rollout_lib.measure.runner import MEASUREMENT_POLICY_VERSION
+    from rollout_lib.measure.runner import profile_cell as profile_one_cell
+    from rollout_lib.models.policy import policy_versions
 
     profiled = create_backend(spec.backend, study, device=spec.device)
     profiled.cold_start()
@@ -110,9 +110,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from IPython.display import Markdown, display  # noqa: E402
 
-from rollout_lib import report  # noqa: E402
-from rollout_lib.prereg import load  # noqa: E402
-from rollout_lib.publish import aggregate_path, collect_inputs, derive  # noqa: E402
+from rollout_lib.evidence.publish import aggregate_path, collect_inputs, derive  # noqa: E402
+from rollout_lib.report import summary as report  # noqa: E402
+from rollout_lib.study.prereg import load  # noqa: E402
 
 pd.set_option("display.max_colwidth", None)
 pd.set_option("display.max_rows", 500)
@@ -126,7 +126,7 @@ banner = [f"**Campaign `{campaign}`** — {study.study_id}, {study.status_label}
           f"Frozen calculator verified (sha256 `{aggregate['calculator_sha256'][:16]}…`).",
           "Published aggregate " + (f"`{stored.relative_to(ROOT) if stored.is_relative_to(ROOT) else stored}` "
                                     "re-derives byte for byte." if matches else
-                                    "**not published or stale** (run `python -m rollout_lib.publish`).")]
+                                    "**not published or stale** (run `make publish` or `rollout publish`).")]
 if not study.preregistered:
     banner.insert(0, "> **NOT PREREGISTERED — smoke profile on a tiny synthetic model. These numbers say nothing "
                      "about the study.**")

@@ -17,10 +17,10 @@ from contextlib import ExitStack
 import torch
 
 from rollout_lib.backends import create_backend
-from rollout_lib.memory import NVMLSampler
-from rollout_lib.policy import policy_versions
-from rollout_lib.prereg import load
-from rollout_lib.workload import Workload
+from rollout_lib.measure.memory import NVMLSampler
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.prereg import load
+from rollout_lib.study.workload import Workload
 
 
 def main() -> None:

@@ -9,15 +9,16 @@ backend cannot expose that boundary) or `not_applicable`; never a fabricated 0.
 
 from __future__ import annotations
 
+import importlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
-    from rollout_lib.policy import PolicyVersion
-    from rollout_lib.prereg import Preregistration
-    from rollout_lib.workload import GenerationRequest
+    from rollout_lib.models.policy import PolicyVersion
+    from rollout_lib.study.prereg import Preregistration
+    from rollout_lib.study.workload import GenerationRequest
 
 PhaseStatus = Literal["measured", "not_measured", "not_applicable"]
 PHASE_FIELDS = ("prefill_s", "decode_s", "ttft_s")
@@ -131,6 +132,15 @@ class Backend(ABC):
 
 _REGISTRY: dict[str, type[Backend]] = {}
 
+# Built-in backends are imported on first lookup, not when the package is imported: a measuring
+# process then imports only its own backend's code, and the measurement-code digest of one backend
+# (measure/identity.py) does not change when another backend's module does.
+BUILTIN_BACKENDS: dict[str, str] = {
+    "hf_reference": "rollout_lib.backends.hf_reference",
+    "hf_cached": "rollout_lib.backends.hf_cached",
+    "vllm": "rollout_lib.backends.vllm_managed",
+}
+
 
 class UnknownBackendError(KeyError):
     def __init__(self, name: str):
@@ -149,10 +159,21 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
 
 
 def known_backends() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(BUILTIN_BACKENDS))
+
+
+def backend_module(name: str) -> str:
+    """The module that defines backend `name` (registered or built-in)."""
+    if name in _REGISTRY:
+        return _REGISTRY[name].__module__
+    if name in BUILTIN_BACKENDS:
+        return BUILTIN_BACKENDS[name]
+    raise UnknownBackendError(name)
 
 
 def get_backend_class(name: str) -> type[Backend]:
+    if name not in _REGISTRY and name in BUILTIN_BACKENDS:
+        importlib.import_module(BUILTIN_BACKENDS[name])
     try:
         return _REGISTRY[name]
     except KeyError:

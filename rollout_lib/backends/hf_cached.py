@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 
-from rollout_lib.actor import add_lora, build_mirror_base, load_nf4_base
 from rollout_lib.backends.base import BatchResult, Phase, RequestResult, register_backend
+from rollout_lib.backends.decode import generate_kv_cache
 from rollout_lib.backends.hf_common import HFBackendBase
-from rollout_lib.decode import generate_kv_cache
-from rollout_lib.policy import copy_lora_tensors, load_policy_into_peft, read_policy_from_peft
+from rollout_lib.models.actor import add_lora, build_mirror_base, load_nf4_base
+from rollout_lib.models.policy import copy_lora_tensors, load_policy_into_peft, read_policy_from_peft
 
 
 @register_backend

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_lib.actor import DTYPES, torch_dtype
 from rollout_lib.backends.base import Backend
-from rollout_lib.decode import synchronize
-from rollout_lib.models import ensure_snapshot, get_architecture
-from rollout_lib.policy import PolicyIdentityMismatch, PolicyVersion, policy_identity, read_policy_from_peft
+from rollout_lib.backends.decode import synchronize
+from rollout_lib.models.actor import DTYPES, torch_dtype
+from rollout_lib.models.policy import PolicyIdentityMismatch, PolicyVersion, policy_identity, read_policy_from_peft
+from rollout_lib.models.synthetic import ensure_snapshot
+from rollout_lib.study.arch import get_architecture
 
 
 def default_device() -> str:

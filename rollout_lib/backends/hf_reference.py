@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 
-from rollout_lib.actor import add_lora, load_nf4_base
 from rollout_lib.backends.base import BatchResult, Phase, RequestResult, register_backend
+from rollout_lib.backends.decode import generate_full_recompute, generate_kv_cache
 from rollout_lib.backends.hf_common import HFBackendBase
-from rollout_lib.decode import generate_full_recompute, generate_kv_cache
-from rollout_lib.policy import PolicyVersion, load_policy_into_peft
+from rollout_lib.models.actor import add_lora, load_nf4_base
+from rollout_lib.models.policy import PolicyVersion, load_policy_into_peft
 
 _LEGACY = "the legacy path exposes no prefill/decode/TTFT boundary"
 

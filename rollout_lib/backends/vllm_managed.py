@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult, ServerDied, register_backend
-from rollout_lib.models import DEFAULT_CACHE_DIR, ensure_snapshot
-from rollout_lib.policy import PolicyVersion, policy_identity, write_peft_adapter
-from rollout_lib.server import ManagedServer, ServerStartError
+from rollout_lib.backends.server import ManagedServer, ServerStartError
+from rollout_lib.models.policy import PolicyVersion, policy_identity, write_peft_adapter
+from rollout_lib.models.synthetic import DEFAULT_CACHE_DIR, ensure_snapshot
 
 SERVED_BASE_NAME = "actor"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
@@ -132,7 +132,7 @@ class VLLMManagedBackend(Backend):
     def _model_dir(self) -> str:
         if self.options.get("model_dir"):
             return str(self.options["model_dir"])
-        from rollout_lib.actor import write_mirror_snapshot
+        from rollout_lib.models.actor import write_mirror_snapshot
 
         actor = self.study.actor
         snapshot = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale,

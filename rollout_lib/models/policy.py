@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rollout_lib.models import Qwen3Arch, tensor_stream, update_with_tensor
+from rollout_lib.models.synthetic import update_with_tensor
+from rollout_lib.study.arch import Qwen3Arch
+from rollout_lib.study.seeds import tensor_stream
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout_lib.prereg import LoraSpec
+    from rollout_lib.study.prereg import LoraSpec
 
 # peft's module path of each target inside a Qwen3 decoder layer
 _TARGET_PATHS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",

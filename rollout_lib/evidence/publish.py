@@ -1,7 +1,7 @@
 """Publish a campaign's aggregate, or check that it re-derives byte for byte.
 
-    python -m rollout_lib.publish --campaign h200-v1                  # writes outputs/aggregate/h200-v1.json
-    python -m rollout_lib.publish --campaign h200-v1 --check          # re-derives and compares
+    rollout publish --campaign h200-v1                  # writes outputs/aggregate/h200-v1.json
+    rollout check --campaign h200-v1                    # re-derives and compares
 
 Before anything is computed, the calculator file's SHA-256 must equal the preregistration's pin
 (`calculator.sha256`); a placeholder or a different file is refused. `--check` also refuses a raw
@@ -14,19 +14,17 @@ accepted too and labelled `pre-pin`: every measurement-relevant byte was the sam
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rollout_lib.artifacts import OUTPUTS_DIR, REPO_ROOT, canonical_json_bytes, sha256_bytes, sha256_file
-from rollout_lib.prereg import CALCULATOR_PENDING, DEFAULT_PREREG, Preregistration, load
-from rollout_lib.runner import read_raw
+from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, canonical_json_bytes, sha256_bytes, sha256_file
+from rollout_lib.measure.runner import read_raw
+from rollout_lib.study.prereg import CALCULATOR_PENDING, Preregistration
 
 
 class CalculatorHashMismatch(RuntimeError):
@@ -143,30 +141,3 @@ def check(study: Preregistration, campaign: str, output_dir: Path = OUTPUTS_DIR)
         diff = "\n".join(list(difflib.unified_diff(old, new, "aggregate (stored)", "aggregate (re-derived)",
                                                    lineterm=""))[:80])
         raise PublishCheckFailed(f"{path} does not re-derive byte for byte:\n{diff}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout_lib.publish", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--campaign", required=True)
-    parser.add_argument("--params", default=str(DEFAULT_PREREG))
-    parser.add_argument("--output-dir", default=str(OUTPUTS_DIR))
-    parser.add_argument("--check", action="store_true", help="re-derive and compare byte for byte")
-    args = parser.parse_args(argv)
-    study = load(args.params)
-    output_dir = Path(args.output_dir)
-    try:
-        if args.check:
-            check(study, args.campaign, output_dir)
-            print(f"OK: {aggregate_path(output_dir, args.campaign)} re-derives byte for byte")
-            return 0
-        path = publish(study, args.campaign, output_dir)
-        print(f"wrote {path} sha256 {sha256_file(path)}")
-        return 0
-    except (CalculatorHashMismatch, PublishCheckFailed, ValueError) as exc:
-        print(f"FAILED: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rollout_lib.sampling import make_generators, select_tokens
+from rollout_lib.backends.sampling import make_generators, select_tokens
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout_lib.workload import GenerationRequest
+    from rollout_lib.study.workload import GenerationRequest
 
 
 def synchronize(device: torch.device) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from types import TracebackType
 
-from rollout_lib.decode import synchronize
+from rollout_lib.backends.decode import synchronize
 
 
 class PhaseTimer:

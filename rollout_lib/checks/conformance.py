@@ -14,27 +14,23 @@ agree exactly:
 (d) stop reasons and served identity exact; batch partitions [4], [2,2], [1,1,1,1] compared for
     both samplings (float32: must be identical; bf16: reported).
 
-    python -m rollout_lib.conformance --params params/rollout-runtime-v2.yaml --out outputs/conformance/...
+    rollout conformance --params params/rollout-runtime-v2.yaml --out outputs/conformance/...
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from rollout_lib.artifacts import write_evidence
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.base import Backend, RequestResult
-from rollout_lib.decode import teacher_forced
-from rollout_lib.policy import policy_versions
-from rollout_lib.prereg import Preregistration, load
-from rollout_lib.workload import Cell, GenerationRequest, Workload
+from rollout_lib.backends.decode import teacher_forced
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.prereg import Preregistration
+from rollout_lib.study.workload import Cell, GenerationRequest, Workload
 
 
 def first_divergence(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int | None:
@@ -345,55 +341,3 @@ def verdict(report: dict[str, Any], study: Preregistration) -> dict[str, Any]:
             "max_abs_logprob_diff": measured["sampled_logprob"]["max_abs_diff"],
             "bf16_free_running_identical": measured["greedy_free_running_identical"],
             "bf16_free_running_requests": measured["greedy_free_running_requests"]}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout_lib.conformance", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params", default="params/rollout-runtime-v2.yaml")
-    parser.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
-    parser.add_argument("--prompt-tokens", type=int, nargs="*", default=None)
-    parser.add_argument("--response-tokens", type=int, nargs="*", default=None)
-    parser.add_argument("--partitions-response-tokens", type=int, nargs="*", default=None)
-    parser.add_argument("--samples-per-prompt", type=int, default=1)
-    parser.add_argument("--policy-version", type=int, default=1)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--candidate", choices=("hf_cached", "vllm"), default="hf_cached",
-                        help="hf_cached (two-part local conformance) or vllm (engine vs the NF4 oracle)")
-    parser.add_argument("--oracle-self-check", action="store_true",
-                        help="only the diagnostic: the oracle's generation log-probs vs its own teacher-forced scoring")
-    args = parser.parse_args(argv)
-    study = load(args.params)
-    out = Path(args.out)
-    if out.exists():
-        print(f"{out} exists: evidence is never overwritten; choose another path", file=sys.stderr)
-        return 2
-    settings = ConformanceSettings(
-        prompt_tokens=tuple(args.prompt_tokens or study.workload.prompt_tokens),
-        response_tokens=tuple(args.response_tokens or study.workload.response_tokens),
-        samples_per_prompt=args.samples_per_prompt, policy_version=args.policy_version,
-        partitions_response_tokens=tuple(args.partitions_response_tokens) if args.partitions_response_tokens else None)
-    if args.oracle_self_check:
-        report = oracle_self_consistency(study, settings, device=args.device)
-        sha = write_evidence(out, report, model_digests={"actor": study.actor.payload_digest},
-                             preregistration_sha256=study.sha256)
-        print(f"oracle self-consistency max |d logprob| {report['max_abs_diff']:.6f}; wrote {out} sha256 {sha}")
-        return 0
-    if args.candidate == "vllm":
-        report = vllm_conformance(study, settings, create_backend("vllm", study), device=args.device)
-    else:
-        report = run_conformance(study, settings, device=args.device)
-    sha = write_evidence(out, report, model_digests={"actor": study.actor.payload_digest},
-                         preregistration_sha256=study.sha256)
-    v = report["verdict"]
-    print(f"conformance {'PASSED' if v['passed'] else 'FAILED'}: {v['checks']}", file=sys.stderr)
-    identical = v.get("bf16_free_running_identical", v.get("greedy_free_running_identical"))
-    total = v.get("bf16_free_running_requests", v.get("greedy_free_running_requests"))
-    print(f"max |d logprob| {v['max_abs_logprob_diff']:.6f}; free-running greedy identical {identical}/{total}",
-          file=sys.stderr)
-    print(f"wrote {out} sha256 {sha}")
-    return 0 if v["passed"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,20 +5,18 @@ measurement: models and their digests, workload, protocol, memory budget, tolera
 invalidation rules and the calculator's hash. Its SHA-256 is the SHA-256 of the file's bytes.
 Profiles under `params/profiles/` use the same schema with `preregistered: false`.
 
-    python -m rollout_lib.prereg params/rollout-runtime-v2.yaml     # validates, prints the SHA-256
+    rollout prereg params/rollout-runtime-v2.yaml     # validates, prints the SHA-256
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rollout_lib.artifacts import REPO_ROOT, sha256_bytes, sha256_file
-from rollout_lib.models import ARCHITECTURES, Qwen3Arch
-from rollout_lib.strict import StrictLoadError, from_mapping, load_yaml
+from rollout_lib.core import REPO_ROOT, sha256_bytes, sha256_file
+from rollout_lib.study.arch import ARCHITECTURES, Qwen3Arch
+from rollout_lib.study.strict import StrictLoadError, from_mapping, load_yaml
 
 DEFAULT_PREREG = REPO_ROOT / "params" / "rollout-runtime-v2.yaml"
 SMOKE_PROFILE = REPO_ROOT / "params" / "profiles" / "smoke.yaml"
@@ -376,29 +374,3 @@ def load(path: str | Path = DEFAULT_PREREG) -> Preregistration:
     study = loads(data.decode("utf-8"), str(path))
     assert study.sha256 == sha256_file(path)
     return study
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout_lib.prereg",
-                                     description="Validate a preregistration or profile and print its SHA-256.")
-    parser.add_argument("path", nargs="?", default=str(DEFAULT_PREREG))
-    args = parser.parse_args(argv)
-    try:
-        study = load(args.path)
-    except (PreregistrationError, FileNotFoundError) as exc:
-        print(f"INVALID {args.path}: {exc}", file=sys.stderr)
-        return 2
-    calc = study.calculator.sha256
-    print(f"valid: {args.path} ({study.status_label}); study {study.study_id}", file=sys.stderr)
-    print(f"  actor   {study.actor.architecture.name} digest {study.actor.payload_digest}", file=sys.stderr)
-    print(f"  teacher {study.teacher.architecture.name} digest {study.teacher.payload_digest}", file=sys.stderr)
-    if calc == CALCULATOR_PENDING:
-        print("  calculator: PENDING (not frozen: any use of the calculator refuses to run)", file=sys.stderr)
-    else:
-        print(f"  calculator {study.calculator.path} sha256 {calc}", file=sys.stderr)
-    print(study.sha256)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

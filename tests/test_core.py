@@ -10,13 +10,8 @@ import sys
 
 import pytest
 
-from rollout_lib.artifacts import (
-    CanonicalJSONError,
-    canonical_json,
-    environment_identity,
-    sha256_file,
-    write_json_atomic,
-)
+from rollout_lib.core import CanonicalJSONError, canonical_json, sha256_file, write_json_atomic
+from rollout_lib.measure.identity import environment_identity
 
 from .conftest import REPO
 
@@ -31,7 +26,7 @@ def test_canonical_json_is_sorted_compact_and_stable():
 
 
 def test_canonical_json_stable_across_processes():
-    code = ("from rollout_lib.artifacts import canonical_json;"
+    code = ("from rollout_lib.core import canonical_json;"
             "print(canonical_json({'b':[1,2.5,1e-7,None,True],'a':{'z':'ü','y':0.1+0.2},'c':12345678901234567890}))")
     env = dict(os.environ, PYTHONHASHSEED="123")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from rollout_lib.workload import GenerationRequest
+    from rollout_lib.study.workload import GenerationRequest
 
 
 def make_generators(requests: list[GenerationRequest], device: torch.device) -> list[torch.Generator | None]:

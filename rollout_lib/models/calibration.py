@@ -8,7 +8,7 @@ prompts at the longest prompt length; shorter prompts are their prefixes), then 
 for mean H(softmax(s * z)) = target. The scale is stored in bfloat16 (the snapshot's dtype), so the
 reported entropy is measured at the bf16-rounded scale. Compute is float32.
 
-    python -m rollout_lib.models calibrate --arch qwen3-0.6b [--device cuda]
+    rollout models calibrate --arch qwen3-0.6b [--device cuda]
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rollout_lib.models import bf16_round, ensure_snapshot, load_causal_lm
-from rollout_lib.prereg import Preregistration
+from rollout_lib.models.synthetic import bf16_round, ensure_snapshot, load_causal_lm
+from rollout_lib.study.prereg import Preregistration
 
 
 def _mean_entropy(logits, scale: float, chunk: int = 256) -> float:
@@ -36,7 +36,7 @@ def calibrate_logit_scale(study: Preregistration, arch_name: str, device: str = 
                           target_nats: float | None = None, role: str | None = None) -> dict[str, Any]:
     import torch
 
-    from rollout_lib.workload import Workload
+    from rollout_lib.study.workload import Workload
 
     spec = study.model_for_arch(arch_name, role)
     target = target_nats if target_nats is not None else spec.logit_calibration.target_mean_entropy_nats

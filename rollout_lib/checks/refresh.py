@@ -8,25 +8,20 @@ one; memory not monotonically growing across the versions (strictly increasing a
 fails); after teardown the port is closed and no child process is left (backends that own a
 server; `not_applicable` otherwise).
 
-    python -m rollout_lib.refresh --backend hf_cached --out outputs/conformance/refresh-hf_cached-h200.json
+    rollout refresh --backend hf_cached --out outputs/conformance/refresh-hf_cached-h200.json
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from rollout_lib.artifacts import write_evidence
-from rollout_lib.backends import create_backend
 from rollout_lib.backends.base import Backend
-from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
-from rollout_lib.prereg import Preregistration, load
-from rollout_lib.workload import Workload
+from rollout_lib.models.policy import PolicyIdentityMismatch, policy_versions
+from rollout_lib.study.prereg import Preregistration
+from rollout_lib.study.workload import Workload
 
 PROBE_TOKENS = 8
 
@@ -104,29 +99,3 @@ def run_refresh(study: Preregistration, backend: Backend, versions: int | None =
             "memory_status": "measured" if measured_series else "not_applicable (no GPU)",
             "teardown_s": teardown.seconds, "teardown_proof": proof or {"status": "not_applicable (no server)"},
             "backend_environment": environment, "verdict": {"passed": all(checks.values()), "checks": checks}}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout_lib.refresh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", required=True)
-    parser.add_argument("--params", default="params/rollout-runtime-v2.yaml")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default=None)
-    args = parser.parse_args(argv)
-    study = load(args.params)
-    out = Path(args.out)
-    if out.exists():
-        print(f"{out} exists: evidence is never overwritten", file=sys.stderr)
-        return 2
-    options = {"device": args.device} if args.device else {}
-    report = run_refresh(study, create_backend(args.backend, study, **options))
-    sha = write_evidence(out, report, model_digests={"actor": study.actor.payload_digest},
-                         preregistration_sha256=study.sha256)
-    print(f"policy refresh {'PASSED' if report['verdict']['passed'] else 'FAILED'}: {report['verdict']['checks']}; "
-          f"wrote {out} sha256 {sha}")
-    return 0 if report["verdict"]["passed"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout_lib.models import load_causal_lm
+from rollout_lib.models.synthetic import load_causal_lm
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout_lib.prereg import LoraSpec, QuantizationSpec
+    from rollout_lib.study.prereg import LoraSpec, QuantizationSpec
 
 DTYPES = ("bfloat16", "float32")
 
@@ -169,7 +169,7 @@ def write_mirror_snapshot(snapshot_dir: str, quant: QuantizationSpec, out_dir: s
     import torch
     from safetensors.torch import save_file
 
-    from rollout_lib.models import payload_digest_of_tensors, read_snapshot_tensors
+    from rollout_lib.models.synthetic import payload_digest_of_tensors, read_snapshot_tensors
 
     out = Path(out_dir)
     tensors = read_snapshot_tensors(snapshot_dir)

@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from rollout_lib.models import ARCHITECTURES, tensor_stream
-from rollout_lib.prereg import Preregistration, SamplingSpec
+from rollout_lib.study.arch import ARCHITECTURES
+from rollout_lib.study.prereg import Preregistration, SamplingSpec
+from rollout_lib.study.seeds import tensor_stream
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,18 @@
 The summary notebook calls these on the aggregate that `publish.derive` computes with the
 hash-checked frozen calculator; nothing here changes a number, it only lays numbers out.
 
-    python -m rollout_lib.report --campaign h200-v1       # papermill summary + nbconvert HTML
+    rollout report --campaign h200-v1       # papermill summary + nbconvert HTML
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.artifacts import OUTPUTS_DIR, REPO_ROOT, sha256_file
-from rollout_lib.prereg import DEFAULT_PREREG, Preregistration
+from rollout_lib.core import REPO_ROOT, sha256_file
+from rollout_lib.study.prereg import Preregistration
 
 GIB = 2**30
 BACKEND_ORDER = ("hf_reference", "hf_cached", "vllm")
@@ -323,19 +322,3 @@ def render(campaign: str, params: str, output_dir: Path) -> Path:
     html = report_dir / f"{campaign}.html"
     html.write_text(body, encoding="utf-8")
     return html
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout_lib.report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--campaign", required=True)
-    parser.add_argument("--params", default=str(DEFAULT_PREREG.relative_to(REPO_ROOT)))
-    parser.add_argument("--output-dir", default=str(OUTPUTS_DIR))
-    args = parser.parse_args(argv)
-    html = render(args.campaign, args.params, Path(args.output_dir))
-    print(f"wrote {html}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,35 +14,33 @@ resumes: completed cells are skipped, never rewritten; an interrupted cell is re
 `attempt` (the old attempt's records stay); a torn last line is moved to a `.torn-N` sidecar.
 A different environment identity (another GPU, commit, package, model, preregistration) is refused.
 
-    python -m rollout_lib.runner measure --backend hf_cached --campaign smoke --params params/profiles/smoke.yaml
-    python -m rollout_lib.runner missing --campaign smoke --params params/profiles/smoke.yaml
+    rollout measure --direct --backend hf_cached --campaign smoke --params params/profiles/smoke.yaml
+    rollout missing --campaign smoke --params params/profiles/smoke.yaml
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import math
 import os
 import re
 import statistics
-import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.artifacts import OUTPUTS_DIR, REPO_ROOT, canonical_json, environment_identity, sha256_bytes
 from rollout_lib.backends import create_backend, known_backends
 from rollout_lib.backends.base import Backend, BatchResult, ServerDied
-from rollout_lib.memory import NVML_INTERVAL_S, NVML_TREE_REFRESH_S, CellMemory
-from rollout_lib.policy import PolicyIdentityMismatch, policy_versions
-from rollout_lib.prereg import BACKEND_NAMES, Preregistration, load
-from rollout_lib.timing import PhaseTimer
-from rollout_lib.workload import Cell, GenerationRequest, Workload
+from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, canonical_json, sha256_bytes
+from rollout_lib.measure.identity import environment_identity
+from rollout_lib.measure.memory import NVML_INTERVAL_S, NVML_TREE_REFRESH_S, CellMemory
+from rollout_lib.measure.timing import PhaseTimer
+from rollout_lib.models.policy import PolicyIdentityMismatch, policy_versions
+from rollout_lib.study.prereg import BACKEND_NAMES, Preregistration, load
+from rollout_lib.study.workload import Cell, GenerationRequest, Workload
 
 RAW_SCHEMA = 1
 CAMPAIGN_PATTERN = r"[a-z0-9][a-z0-9._-]*"
@@ -458,47 +456,3 @@ def profile_cell(backend: Backend, requests: list[GenerationRequest], trace_path
         shutil.copyfileobj(src, dst)
     plain.unlink()
     return table, trace_path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout_lib.runner", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    measure = sub.add_parser("measure", help="measure one backend (same as the measure notebook, no display)")
-    measure.add_argument("--backend", required=True)
-    measure.add_argument("--params", default="params/rollout-runtime-v2.yaml")
-    measure.add_argument("--campaign", required=True)
-    measure.add_argument("--cells", default="", help="comma-separated cell ids (default: all)")
-    measure.add_argument("--run-id", default="")
-    measure.add_argument("--output-dir", default=str(OUTPUTS_DIR))
-    measure.add_argument("--device", default="")
-    missing = sub.add_parser("missing", help="which cells of a campaign are still missing, per backend")
-    missing.add_argument("--params", default="params/rollout-runtime-v2.yaml")
-    missing.add_argument("--campaign", required=True)
-    missing.add_argument("--output-dir", default=str(OUTPUTS_DIR))
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "missing":
-            study = load(args.params)
-            for backend, cells in missing_cells(study, args.campaign, args.output_dir).items():
-                print(f"{backend}: {len(cells)} missing" + (f": {', '.join(cells)}" if cells else ""))
-            return 0
-        spec, study, workload = validate_parameters(backend=args.backend, params=args.params, campaign=args.campaign,
-                                                    cells=args.cells, run_id=args.run_id,
-                                                    output_dir=args.output_dir, device=args.device)
-    except (ParameterError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"raw file: {spec.path}", file=sys.stderr)
-    for summary in run(spec, study, workload):
-        print(json.dumps(summary.row(), sort_keys=True), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except RawIdentityDrift as exc:
-        traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(3) from None

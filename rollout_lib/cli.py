@@ -1,0 +1,371 @@
+"""`rollout`: the one command-line entry point (console script in pyproject.toml).
+
+Every subcommand is a thin layer over the library: it parses arguments, calls one function, prints
+where it wrote. Errors are one line on stderr; exit code 2 means bad input (a parameter, a file, a
+preregistration), 1 means a check ran and failed, 3 means a resume from another environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT
+
+DEFAULT_PARAMS = "params/rollout-runtime-v2.yaml"
+MESSAGE_CAP = 2000  # no error message floods a terminal (a YAML alias bomb once made 312 MB)
+
+
+class CommandError(Exception):
+    """Bad input found by the CLI itself: exit 2 with this one-line message."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) if str(exc) else type(exc).__name__
+    if isinstance(exc, KeyError) and text.startswith(("'", '"')):
+        text = text.strip("'\"")
+    text = " ".join(text.split())
+    return text if len(text) <= MESSAGE_CAP else text[:MESSAGE_CAP] + f" ... [{len(text) - MESSAGE_CAP} more chars]"
+
+
+def _utc_stamp() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+
+
+# ------------------------------------------------------------------------------------------
+# Subcommands
+# ------------------------------------------------------------------------------------------
+
+def cmd_prereg(args: argparse.Namespace) -> int:
+    from rollout_lib.study.prereg import CALCULATOR_PENDING, load
+
+    study = load(args.path)
+    calc = study.calculator.sha256
+    print(f"valid: {args.path} ({study.status_label}); study {study.study_id}", file=sys.stderr)
+    print(f"  actor   {study.actor.architecture.name} digest {study.actor.payload_digest}", file=sys.stderr)
+    print(f"  teacher {study.teacher.architecture.name} digest {study.teacher.payload_digest}", file=sys.stderr)
+    if calc == CALCULATOR_PENDING:
+        print("  calculator: PENDING (not frozen: any use of the calculator refuses to run)", file=sys.stderr)
+    else:
+        print(f"  calculator {study.calculator.path} sha256 {calc}", file=sys.stderr)
+    print(study.sha256)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from rollout_lib.models.synthetic import bf16_round, build_snapshot, payload_digest
+    from rollout_lib.study import prereg as prereg_mod
+    from rollout_lib.study.arch import get_architecture
+
+    if args.models_command == "digest":
+        if not Path(args.snapshot).is_dir():
+            raise CommandError(f"snapshot: {args.snapshot!r} is not a directory")
+        print(payload_digest(args.snapshot))
+        return 0
+    params_path = args.params or (prereg_mod.SMOKE_PROFILE if args.arch == "tiny" else prereg_mod.DEFAULT_PREREG)
+    study = prereg_mod.load(params_path)
+    model_spec = study.model_for_arch(args.arch, args.role)
+    if args.models_command == "build":
+        seed = args.seed if args.seed is not None else model_spec.synthetic_seed
+        scale = args.logit_scale if args.logit_scale is not None else model_spec.logit_scale
+        info = build_snapshot(get_architecture(args.arch), seed, args.out, scale)
+        print(f"arch={info.arch} seed={info.seed} logit_scale={info.logit_scale!r} out={info.path}", file=sys.stderr)
+        pinned = model_spec.payload_digest if (seed, bf16_round(scale)) == (
+            model_spec.synthetic_seed, bf16_round(model_spec.logit_scale)) else None
+        print(info.payload_digest)
+        if pinned and pinned != info.payload_digest:
+            print(f"rollout models build: digest differs from the pin in {params_path}: {pinned}", file=sys.stderr)
+            return 1
+        return 0
+    from rollout_lib.models.calibration import calibrate_logit_scale
+
+    result = calibrate_logit_scale(study, args.arch, device=args.device, target_nats=args.target_nats, role=args.role)
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def measure_notebook_path(output_dir: str | Path, campaign: str, backend: str, run_id: str) -> Path:
+    """A new executed-notebook path for every invocation (a resume never replaces an earlier one)."""
+    folder = Path(output_dir) / "runs" / campaign
+    return folder / f"measure-{backend}-{run_id}-{_utc_stamp()}.ipynb"
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    from rollout_lib.measure.runner import run, validate_parameters
+
+    # everything is validated before anything is written (a bad campaign must not create folders)
+    spec, study, workload = validate_parameters(backend=args.backend, params=args.params, campaign=args.campaign,
+                                                cells=args.cells, run_id=args.run_id,
+                                                output_dir=args.output_dir, device=args.device)
+    if args.direct:
+        print(f"raw file: {spec.path}", file=sys.stderr)
+        for summary in run(spec, study, workload):
+            print(json.dumps(summary.row(), sort_keys=True), flush=True)
+        return 0
+    import papermill as pm
+
+    notebook = measure_notebook_path(args.output_dir, spec.campaign, spec.backend, spec.run_id)
+    notebook.parent.mkdir(parents=True, exist_ok=True)
+    parameters = {"backend": spec.backend, "params": args.params, "campaign": spec.campaign, "run_id": spec.run_id,
+                  "output_dir": str(args.output_dir), "device": args.device or "",
+                  "cells": list(spec.cells) if args.cells else []}
+    print(f"raw file: {spec.path}\nexecuted notebook: {notebook}", file=sys.stderr)
+    try:
+        pm.execute_notebook(str(REPO_ROOT / "notebooks" / "measure.ipynb"), str(notebook), parameters=parameters,
+                            cwd=str(REPO_ROOT), kernel_name="python3", progress_bar=False)
+    except pm.PapermillExecutionError as exc:
+        # the one-line cause last, not buried in the notebook traceback
+        raise CommandError(f"measure notebook failed ({notebook}): {exc.ename}: {exc.evalue}") from None
+    return 0
+
+
+def cmd_missing(args: argparse.Namespace) -> int:
+    from rollout_lib.measure.runner import missing_cells
+    from rollout_lib.study.prereg import load
+
+    study = load(args.params)
+    for backend, cells in missing_cells(study, args.campaign, args.output_dir).items():
+        print(f"{backend}: {len(cells)} missing" + (f": {', '.join(cells)}" if cells else ""))
+    return 0
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from rollout_lib.core import sha256_file
+    from rollout_lib.evidence.publish import publish
+    from rollout_lib.study.prereg import load
+
+    path = publish(load(args.params), args.campaign, Path(args.output_dir))
+    print(f"wrote {path} sha256 {sha256_file(path)}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from rollout_lib.evidence.publish import aggregate_path, check
+    from rollout_lib.study.prereg import load
+
+    check(load(args.params), args.campaign, Path(args.output_dir))
+    print(f"OK: {aggregate_path(Path(args.output_dir), args.campaign)} re-derives byte for byte")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rollout_lib.report.summary import render
+
+    print(f"wrote {render(args.campaign, args.params, Path(args.output_dir))}")
+    return 0
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists():
+        raise CommandError(f"out: {out} exists; evidence is never overwritten, choose another path")
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from rollout_lib.backends import create_backend
+    from rollout_lib.checks.conformance import (
+        ConformanceSettings,
+        oracle_self_consistency,
+        run_conformance,
+        vllm_conformance,
+    )
+    from rollout_lib.measure.identity import write_evidence
+    from rollout_lib.study.prereg import load
+
+    study = load(args.params)
+    out = Path(args.out)
+    _refuse_existing(out)
+    settings = ConformanceSettings(
+        prompt_tokens=tuple(args.prompt_tokens or study.workload.prompt_tokens),
+        response_tokens=tuple(args.response_tokens or study.workload.response_tokens),
+        samples_per_prompt=args.samples_per_prompt, policy_version=args.policy_version,
+        partitions_response_tokens=tuple(args.partitions_response_tokens) if args.partitions_response_tokens else None)
+    digests = {"actor": study.actor.payload_digest}
+    if args.oracle_self_check:
+        report = oracle_self_consistency(study, settings, device=args.device)
+        sha = write_evidence(out, report, model_digests=digests, preregistration_sha256=study.sha256)
+        print(f"oracle self-consistency max |d logprob| {report['max_abs_diff']:.6f}; wrote {out} sha256 {sha}")
+        return 0
+    if args.candidate == "vllm":
+        report = vllm_conformance(study, settings, create_backend("vllm", study), device=args.device)
+    else:
+        report = run_conformance(study, settings, device=args.device)
+    sha = write_evidence(out, report, model_digests=digests, preregistration_sha256=study.sha256)
+    v = report["verdict"]
+    print(f"conformance {'PASSED' if v['passed'] else 'FAILED'}: {v['checks']}", file=sys.stderr)
+    identical = v.get("bf16_free_running_identical", v.get("greedy_free_running_identical"))
+    total = v.get("bf16_free_running_requests", v.get("greedy_free_running_requests"))
+    print(f"max |d logprob| {v['max_abs_logprob_diff']:.6f}; free-running greedy identical {identical}/{total}",
+          file=sys.stderr)
+    print(f"wrote {out} sha256 {sha}")
+    return 0 if v["passed"] else 1
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from rollout_lib.backends import create_backend
+    from rollout_lib.checks.refresh import run_refresh
+    from rollout_lib.measure.identity import write_evidence
+    from rollout_lib.study.prereg import load
+
+    study = load(args.params)
+    out = Path(args.out)
+    _refuse_existing(out)
+    options = {"device": args.device} if args.device else {}
+    report = run_refresh(study, create_backend(args.backend, study, **options))
+    sha = write_evidence(out, report, model_digests={"actor": study.actor.payload_digest},
+                         preregistration_sha256=study.sha256)
+    print(f"policy refresh {'PASSED' if report['verdict']['passed'] else 'FAILED'}: {report['verdict']['checks']}; "
+          f"wrote {out} sha256 {sha}")
+    return 0 if report["verdict"]["passed"] else 1
+
+
+def cmd_source_stamp(args: argparse.Namespace) -> int:
+    from rollout_lib.measure.identity import SOURCE_STAMP, write_source_stamp
+
+    print(json.dumps(write_source_stamp(), sort_keys=True))
+    print(f"wrote {SOURCE_STAMP}", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------
+# Parser
+# ------------------------------------------------------------------------------------------
+
+def _common(parser: argparse.ArgumentParser, *, campaign: bool = False, output_dir: bool = False) -> None:
+    parser.add_argument("--params", default=DEFAULT_PARAMS,
+                        help=f"preregistration or profile YAML (default: {DEFAULT_PARAMS})")
+    if campaign:
+        parser.add_argument("--campaign", required=True, help="campaign name, e.g. h200-v2 or smoke")
+    if output_dir:
+        parser.add_argument("--output-dir", default=str(OUTPUTS_DIR),
+                            help="root of raw/, aggregate/, report/, runs/ (default: outputs)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("prereg", help="validate a preregistration or profile; print its SHA-256 (writes nothing)")
+    p.add_argument("path", nargs="?", default=DEFAULT_PARAMS)
+    p.set_defaults(func=cmd_prereg)
+
+    models = sub.add_parser("models", help="synthetic snapshots: build, digest, calibrate the logit scale")
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    build = msub.add_parser("build", help="write a synthetic HF snapshot to --out and print its payload digest")
+    build.add_argument("--arch", required=True, choices=("qwen3-0.6b", "qwen3-1.7b", "tiny"))
+    build.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, tokenizer)")
+    build.add_argument("--params", default=None,
+                       help="study whose actor/teacher with this arch gives seed and logit scale "
+                            "(default: the preregistration; the smoke profile for 'tiny')")
+    build.add_argument("--role", choices=("actor", "teacher"), default=None)
+    build.add_argument("--seed", type=int, default=None, help="override the seed from --params")
+    build.add_argument("--logit-scale", type=float, default=None, help="override the scale from --params")
+    digest = msub.add_parser("digest",
+                             help="payload digest of any snapshot directory (synthetic or hub); writes nothing")
+    digest.add_argument("snapshot")
+    calibrate = msub.add_parser("calibrate", help="measure entropy on the workload and pick the logit scale "
+                                                  "(prints JSON; writes snapshots under .cache/)")
+    calibrate.add_argument("--arch", required=True, choices=("qwen3-0.6b", "qwen3-1.7b", "tiny"))
+    calibrate.add_argument("--params", default=None)
+    calibrate.add_argument("--role", choices=("actor", "teacher"), default=None)
+    calibrate.add_argument("--device", default="cpu")
+    calibrate.add_argument("--target-nats", type=float, default=None)
+    for p in (build, digest, calibrate):
+        p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("measure", help="measure one backend through notebooks/measure.ipynb; raw JSONL under "
+                                       "<output-dir>/raw/<campaign>/<backend>/<run-id>.jsonl, a new executed "
+                                       "notebook under <output-dir>/runs/<campaign>/ per invocation")
+    p.add_argument("--backend", required=True, help="hf_reference, hf_cached or vllm")
+    _common(p, campaign=True, output_dir=True)
+    p.add_argument("--cells", default="", help="comma-separated cell ids (default: all)")
+    p.add_argument("--run-id", default="", help="resume this run id (default: a new UTC timestamp)")
+    p.add_argument("--device", default="", help="'' (auto), cpu, cuda or cuda:N")
+    p.add_argument("--direct", action="store_true",
+                   help="run in this process, no notebook (prints one JSON line per cell)")
+    p.set_defaults(func=cmd_measure)
+
+    p = sub.add_parser("missing",
+                       help="cells of a campaign still missing, per backend (reads raw files, writes nothing)")
+    _common(p, campaign=True, output_dir=True)
+    p.set_defaults(func=cmd_missing)
+
+    p = sub.add_parser("publish", help="apply the frozen calculator: writes <output-dir>/aggregate/<campaign>.json")
+    _common(p, campaign=True, output_dir=True)
+    p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("check", help="re-derive the aggregate byte for byte from the raw files (writes nothing)")
+    _common(p, campaign=True, output_dir=True)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("report", help="summary notebook -> <output-dir>/report/<campaign>.html (and .ipynb)")
+    _common(p, campaign=True, output_dir=True)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("conformance", help="exactness of a candidate against the NF4 oracle; writes the JSON --out")
+    _common(p)
+    p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
+    p.add_argument("--prompt-tokens", type=int, nargs="*", default=None)
+    p.add_argument("--response-tokens", type=int, nargs="*", default=None)
+    p.add_argument("--partitions-response-tokens", type=int, nargs="*", default=None)
+    p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument("--policy-version", type=int, default=1)
+    p.add_argument("--device", default=None)
+    p.add_argument("--candidate", choices=("hf_cached", "vllm"), default="hf_cached",
+                   help="hf_cached (two-part local conformance) or vllm (engine vs the NF4 oracle)")
+    p.add_argument("--oracle-self-check", action="store_true",
+                   help="only the diagnostic: the oracle's generation log-probs vs its own teacher-forced scoring")
+    p.set_defaults(func=cmd_conformance)
+
+    p = sub.add_parser("refresh", help="eight policy refreshes through one backend + teardown proof; writes --out")
+    p.add_argument("--backend", required=True, help="hf_reference, hf_cached or vllm")
+    _common(p)
+    p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=cmd_refresh)
+
+    p = sub.add_parser("source-stamp", help="write .source-commit (commit + dirty flag) for a tree copied without .git")
+    p.set_defaults(func=cmd_source_stamp)
+    return parser
+
+
+def _bad_input_types() -> tuple[type[BaseException], ...]:
+    from rollout_lib.backends.base import UnknownBackendError
+    from rollout_lib.core import CanonicalJSONError
+    from rollout_lib.measure.runner import ParameterError
+    from rollout_lib.models.synthetic import DigestMismatchError
+    from rollout_lib.study.arch import UnknownArchitectureError
+    from rollout_lib.study.strict import StrictLoadError
+    from rollout_lib.study.workload import UnknownCellError
+
+    return (CommandError, StrictLoadError, ParameterError, UnknownBackendError, UnknownCellError,
+            UnknownArchitectureError, DigestMismatchError, CanonicalJSONError, FileNotFoundError, FileExistsError,
+            IsADirectoryError, UnicodeDecodeError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    from rollout_lib.evidence.publish import CalculatorHashMismatch, PublishCheckFailed
+    from rollout_lib.measure.runner import RawIdentityDrift
+
+    name = f"rollout {args.command}"
+    try:
+        return func(args)
+    except (CalculatorHashMismatch, PublishCheckFailed) as exc:
+        print(f"{name}: FAILED: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except RawIdentityDrift as exc:
+        print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
+        return 3
+    except _bad_input_types() as exc:
+        print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
