@@ -5,8 +5,10 @@ checks the hash first and refuses a calculator that differs. Pure: standard libr
 clock, no randomness, no I/O, no imports from this project. Same inputs, same output, byte for byte.
 
 Rules (the preregistration fixes thresholds; this file fixes arithmetic):
-- A cell of a backend is taken from the completed attempt of the raw file with the greatest
-  run id that completed it; other completed copies are listed as superseded, never dropped.
+- A cell of a backend is taken from the raw file with the greatest run id that completed it
+  (status `completed`); only when no file completed it, from the greatest run id that attempted
+  it (a failed attempt, which makes the cell invalid). A later failed attempt never replaces an
+  earlier completed one. Every other copy is listed as superseded, never dropped.
 - Measured repetitions = non-warmup repetitions of that attempt. The cell is valid when exactly
   `measured_repetitions` measured repetitions exist and all are valid.
 - Cell rate = median generated tokens / median wall_s of the measured repetitions (generated tokens
@@ -17,8 +19,11 @@ Rules (the preregistration fixes thresholds; this file fixes arithmetic):
   invalid cell fails the gate and is named. Missing evidence fails its gate.
 - Peak total GPU memory = NVML peak of the backend's process tree over the cell; a cell without
   that measurement fails the memory gate (named with its status).
-- Selection: for each algorithm, the candidate backend where all its required gates pass, else the
-  fallback (fail closed).
+- Selection fails closed all the way. The local backend is `selection.fallback` (hf_cached) only when
+  every gate it takes part in passes (its own gates, and its share of the gates that cover all
+  backends: memory, policy refresh); otherwise the frozen oracle (hf_reference) stays the local
+  backend. For each algorithm, `selection.candidate` (vllm) is selected when all its required gates
+  pass (for gates over all backends: its own share), otherwise the selected local backend.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-CALCULATOR_VERSION = 1
+CALCULATOR_VERSION = 2
+ORACLE = "hf_reference"  # the frozen compatibility oracle: where selection falls back to in the end
 
 
 def _cell_id(prompt: int, response: int, n: int, sampling: str) -> str:
@@ -117,7 +123,8 @@ def aggregate_cells(prereg: dict[str, Any], raw_files: list[dict[str, Any]]) -> 
     """(cells, raw_file_summaries). raw_files: {path, sha256, backend, run_id, accepted, records}."""
     expected = prereg["protocol"]["measured_repetitions"]
     meta = {c["cell_id"]: c for c in workload_cells(prereg)}
-    chosen: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+    completed: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+    failed: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
     summaries = []
     for raw in sorted(raw_files, key=lambda f: (f["backend"], f["run_id"], f["path"])):
         summary = {k: raw[k] for k in ("path", "sha256", "backend", "run_id", "accepted")}
@@ -132,8 +139,10 @@ def aggregate_cells(prereg: dict[str, Any], raw_files: list[dict[str, Any]]) -> 
         summary["failed_cells"] = sorted(c for c, a in attempts.items() if a["complete"]["status"] != "completed")
         summaries.append(summary)
         for cell_id, attempt in attempts.items():
-            if cell_id in meta:
-                chosen[(raw["backend"], cell_id)] = (raw["path"], attempt)  # later run ids win
+            if cell_id in meta:  # files come in run-id order: a later one of the same kind wins
+                target = completed if attempt["complete"]["status"] == "completed" else failed
+                target[(raw["backend"], cell_id)] = (raw["path"], attempt)
+    chosen = dict(failed) | completed  # a completed attempt anywhere beats every failed one
     cells = []
     for (backend, cell_id), (path, attempt) in sorted(chosen.items()):
         cell = _cell_from_attempt(meta[cell_id], attempt["reps"], attempt["complete"], expected)
@@ -214,8 +223,12 @@ def _memory_gate(gate: dict[str, Any], prereg: dict[str, Any], index: dict, back
             peaks.append(peak)
             if not _compare(peak, gate["comparison"], gate["threshold"]):
                 failing.append({"cell_id": meta["cell_id"], "backend": backend, "reason": f"{peak} bytes"})
+    per_backend = {b: not any(f["backend"] == b for f in failing) and any(
+        (b, m["cell_id"]) in index for m in workload_cells(prereg) if m["response_tokens"] in gate["response_tokens"])
+        for b in targets}
     return {"observed_min": min(peaks) if peaks else None, "observed_max": max(peaks) if peaks else None,
-            "failing_cells": failing, "passed": bool(peaks) and not failing, "backends": targets}
+            "failing_cells": failing, "passed": bool(peaks) and not failing, "backends": targets,
+            "per_backend_passed": per_backend}
 
 
 EVIDENCE_KINDS = {("conformance", "hf_cached"): "local_conformance", ("conformance", "vllm"): "vllm_conformance"}
@@ -244,20 +257,59 @@ def _evidence_gate(gate: dict[str, Any], evidence: list[dict[str, Any]]) -> dict
     else:
         wanted = [(EVIDENCE_KINDS.get((gate["kind"], gate["candidate"]), f"{gate['kind']}:{gate['candidate']}"),
                    None)]
-    failing, used, observed = [], [], []
+    failing, used, observed, per_backend = [], [], [], {}
     for kind, backend in wanted:
         label = f"{backend}: " if backend else ""
         relevant = [e for e in accepted if e["kind"] == kind and (backend is None or e.get("backend") == backend)]
         if not relevant:
             failing.append({"cell_id": None, "reason": f"{label}no accepted {kind} evidence"})
+            if backend:
+                per_backend[backend] = False
             continue
         latest = relevant[-1]
         used.append(latest["path"])
-        failing += _verdict_failures(latest, gate, label)
+        these = _verdict_failures(latest, gate, label)
+        failing += these
+        if backend:
+            per_backend[backend] = not these
         if latest["verdict"].get("max_abs_logprob_diff") is not None:
             observed.append(latest["verdict"]["max_abs_logprob_diff"])
-    return {"observed_min": min(observed) if observed else None, "observed_max": max(observed) if observed else None,
-            "failing_cells": failing, "passed": not failing, "used_evidence": used}
+    outcome = {"observed_min": min(observed) if observed else None,
+               "observed_max": max(observed) if observed else None,
+               "failing_cells": failing, "passed": not failing, "used_evidence": used}
+    if per_backend:
+        outcome["per_backend_passed"] = per_backend
+    return outcome
+
+
+def _requirement_passed(gate: dict[str, Any], backend: str) -> bool:
+    """A gate as a requirement of `backend`: gates over all backends count with the backend's share."""
+    if gate["candidate"] == "all":
+        return bool(gate.get("per_backend_passed", {}).get(backend, False))
+    return bool(gate["passed"])
+
+
+def select_backends(prereg: dict[str, Any], gates: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fail-closed selection: local backend first, then per algorithm (see the module docstring)."""
+    spec = prereg["selection"]
+    by_id = {g["id"]: g for g in gates}
+    local_candidate = spec["fallback"]
+    local_required = [g["id"] for g in gates if g["candidate"] in (local_candidate, "all")]
+    local_failed = [g for g in local_required if not _requirement_passed(by_id[g], local_candidate)]
+    local = local_candidate if not local_failed else ORACLE
+    out: dict[str, Any] = {"local": {"backend": local, "candidate": local_candidate, "requires": local_required,
+                                     "failed_requirements": local_failed, "candidate_qualified": not local_failed,
+                                     "decided_by": (f"every gate of {local_candidate} passed" if not local_failed
+                                                    else f"failed: {', '.join(local_failed)} -> oracle {ORACLE}")}}
+    for algorithm, key in (("direct_gkd", "direct_gkd_requires"), ("pg_k1", "pg_k1_requires")):
+        required = list(spec[key])
+        failed = [g for g in required if g not in by_id or not _requirement_passed(by_id[g], spec["candidate"])]
+        backend = spec["candidate"] if not failed else local
+        out[algorithm] = {"backend": backend, "candidate": spec["candidate"], "requires": required,
+                          "failed_requirements": failed, "candidate_qualified": not failed,
+                          "decided_by": (f"every required gate of {spec['candidate']} passed" if not failed else
+                                         f"failed: {', '.join(failed)} -> local backend {local}")}
+    return out
 
 
 def compute_aggregate(prereg: dict[str, Any], *, campaign: str, preregistration_sha256: str,
@@ -280,15 +332,7 @@ def compute_aggregate(prereg: dict[str, Any], *, campaign: str, preregistration_
                       "candidate": gate["candidate"], "baseline": gate["baseline"], "comparison": gate["comparison"],
                       "threshold": gate["threshold"], "unit": gate["unit"],
                       "response_tokens": list(gate["response_tokens"]), **outcome})
-    passed = {g["id"]: g["passed"] for g in gates}
-    selection_spec = prereg["selection"]
-    selection = {}
-    for algorithm, key in (("direct_gkd", "direct_gkd_requires"), ("pg_k1", "pg_k1_requires")):
-        required = list(selection_spec[key])
-        ok = all(passed.get(g, False) for g in required)
-        selection[algorithm] = {"backend": selection_spec["candidate"] if ok else selection_spec["fallback"],
-                                "requires": required, "failed_requirements": [g for g in required if not passed.get(g)],
-                                "candidate_qualified": ok}
+    selection = select_backends(prereg, gates)
     all_ids = [c["cell_id"] for c in workload_cells(prereg)]
     missing = {b: [c for c in all_ids if (b, c) not in index] for b in backends}
     invalid = {b: [c for c in all_ids if (b, c) in index and not index[(b, c)]["valid"]] for b in backends}

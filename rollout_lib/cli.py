@@ -186,14 +186,14 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     digests = {"actor": study.actor.payload_digest}
     if args.oracle_self_check:
         report = oracle_self_consistency(study, settings, device=args.device)
-        sha = write_evidence(out, report, model_digests=digests, preregistration_sha256=study.sha256)
+        sha = write_evidence(out, report, study=study, model_digests=digests)
         print(f"oracle self-consistency max |d logprob| {report['max_abs_diff']:.6f}; wrote {out} sha256 {sha}")
         return 0
     if args.candidate == "vllm":
         report = vllm_conformance(study, settings, create_backend("vllm", study), device=args.device)
     else:
         report = run_conformance(study, settings, device=args.device)
-    sha = write_evidence(out, report, model_digests=digests, preregistration_sha256=study.sha256)
+    sha = write_evidence(out, report, study=study, model_digests=digests)
     v = report["verdict"]
     print(f"conformance {'PASSED' if v['passed'] else 'FAILED'}: {v['checks']}", file=sys.stderr)
     identical = v.get("bf16_free_running_identical", v.get("greedy_free_running_identical"))
@@ -215,11 +215,28 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     _refuse_existing(out)
     options = {"device": args.device} if args.device else {}
     report = run_refresh(study, create_backend(args.backend, study, **options))
-    sha = write_evidence(out, report, model_digests={"actor": study.actor.payload_digest},
-                         preregistration_sha256=study.sha256)
+    sha = write_evidence(out, report, study=study, model_digests={"actor": study.actor.payload_digest})
     print(f"policy refresh {'PASSED' if report['verdict']['passed'] else 'FAILED'}: {report['verdict']['checks']}; "
           f"wrote {out} sha256 {sha}")
     return 0 if report["verdict"]["passed"] else 1
+
+
+def cmd_seal(args: argparse.Namespace) -> int:
+    from rollout_lib.measure.rawfile import seal_abandoned, seal_file
+
+    ended = "after_the_fact" if args.after_the_fact else "abandoned"
+    for name in args.paths:
+        path = Path(name)
+        if not path.is_file():
+            raise CommandError(f"paths: {name!r} is not a file")
+        if path.suffix == ".jsonl":
+            entry = seal_abandoned(path, reason=args.reason, ended=ended)
+        elif path.suffix == ".json":
+            entry = seal_file(path, path.parent, ended="after_the_fact", reason=args.reason)
+        else:
+            raise CommandError(f"paths: {name!r} is neither a raw file (.jsonl) nor an evidence file (.json)")
+        print(f"sealed {path} sha256 {entry['sha256']} ({entry['ended']})")
+    return 0
 
 
 def cmd_source_stamp(args: argparse.Namespace) -> int:
@@ -328,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_refresh)
 
+    p = sub.add_parser("seal", help="seal raw files whose run will not be resumed (writer dead), or older finished "
+                                    "files, into SEALS.jsonl beside them (appends; refuses a live writer)")
+    p.add_argument("paths", nargs="+", help="raw .jsonl files or evidence .json files")
+    p.add_argument("--reason", required=True, help="why: recorded in the seal (and in an abandoned raw file)")
+    p.add_argument("--after-the-fact", action="store_true",
+                   help="a finished file from before seals existed: sealed byte for byte, nothing appended")
+    p.set_defaults(func=cmd_seal)
+
     p = sub.add_parser("source-stamp", help="write .source-commit (commit + dirty flag) for a tree copied without .git")
     p.set_defaults(func=cmd_source_stamp)
     return parser
@@ -336,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from rollout_lib.backends.base import UnknownBackendError
     from rollout_lib.core import CanonicalJSONError
+    from rollout_lib.measure.rawfile import RawFileError, RawSealed, SealError, WriterBusy
     from rollout_lib.measure.runner import ParameterError
     from rollout_lib.models.synthetic import DigestMismatchError
     from rollout_lib.study.arch import UnknownArchitectureError
@@ -344,19 +370,19 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
 
     return (CommandError, StrictLoadError, ParameterError, UnknownBackendError, UnknownCellError,
             UnknownArchitectureError, DigestMismatchError, CanonicalJSONError, FileNotFoundError, FileExistsError,
-            IsADirectoryError, UnicodeDecodeError)
+            IsADirectoryError, UnicodeDecodeError, RawFileError, RawSealed, SealError, WriterBusy)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    from rollout_lib.evidence.publish import CalculatorHashMismatch, PublishCheckFailed
+    from rollout_lib.evidence.publish import CalculatorHashMismatch, EvidenceRefused, PublishCheckFailed
     from rollout_lib.measure.runner import RawIdentityDrift
 
     name = f"rollout {args.command}"
     try:
         return func(args)
-    except (CalculatorHashMismatch, PublishCheckFailed) as exc:
+    except (CalculatorHashMismatch, PublishCheckFailed, EvidenceRefused) as exc:
         print(f"{name}: FAILED: {_one_line(exc)}", file=sys.stderr)
         return 1
     except RawIdentityDrift as exc:

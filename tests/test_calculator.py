@@ -124,12 +124,14 @@ def test_memory_gate_and_selection_fail_closed():
     assert gate(agg, "vllm_speedup")["passed"] and gate(agg, "policy_refresh")["passed"]
     assert not gate(agg, "vllm_pgk1_conformance")["passed"]
     assert agg["selection"]["direct_gkd"]["backend"] == "vllm"
-    assert agg["selection"]["pg_k1"] == {"backend": "hf_cached", "candidate_qualified": False,
-                                         "failed_requirements": ["vllm_pgk1_conformance"],
-                                         "requires": PREREG_DICT["selection"]["pg_k1_requires"]}
+    assert agg["selection"]["local"]["backend"] == "hf_cached" and agg["selection"]["local"]["candidate_qualified"]
+    pg = agg["selection"]["pg_k1"]
+    assert (pg["backend"], pg["candidate_qualified"], pg["failed_requirements"], pg["requires"]) == (
+        "hf_cached", False, ["vllm_pgk1_conformance"], PREREG_DICT["selection"]["pg_k1_requires"])
+    assert pg["decided_by"] == "failed: vllm_pgk1_conformance -> local backend hf_cached"
     over = copy.deepcopy(raws)
     over[2] = raw_file("vllm", "r1", cells, peak=15 * GIB)
-    agg_over = run(over, refresh)
+    agg_over = run(over, [*refresh, evidence("local_conformance", True, 0.002)])
     only_vllm = run(raws, refresh[1:])
     assert gate(only_vllm, "policy_refresh")["failing_cells"] == [
         {"cell_id": None, "reason": "hf_cached: no accepted policy_refresh evidence"}]
@@ -161,3 +163,39 @@ def test_deterministic_output():
 
     raws = [raw_file("hf_cached", "r1", all_cells([4.0, 3.0, 5.0]))]
     assert canonical_json(run(raws)) == canonical_json(run(copy.deepcopy(raws)))
+
+
+def test_selection_falls_back_to_the_oracle_when_hf_cached_fails_its_own_gates():
+    """Fail closed all the way: hf_cached is not the local backend unless its speedup, memory share,
+    refresh share and local conformance pass; vLLM failing then falls back to the oracle too."""
+    raws = [raw_file("hf_reference", "r1", all_cells([10.0, 10.0, 10.0])),
+            raw_file("hf_cached", "r1", all_cells([8.0, 8.0, 8.0]))]  # 1.25x: below the 2x gate
+    refresh = [{"path": f"outputs/conformance/refresh-{b}.json", "sha256": "2" * 64, "kind": "policy_refresh",
+                "backend": b, "accepted": True, "verdict": {"passed": True, "checks": {"unique": True}}}
+               for b in ("hf_cached", "vllm")]
+    agg = run(raws, [*refresh, evidence("local_conformance", True, 0.002)])
+    local = agg["selection"]["local"]
+    assert local["backend"] == "hf_reference" and local["failed_requirements"] == ["hf_cached_speedup"]
+    assert "oracle hf_reference" in local["decided_by"]
+    assert agg["selection"]["direct_gkd"]["backend"] == "hf_reference"  # vllm missing -> the local backend
+    # the same hf_cached with a failing local conformance, fast enough: still not selected
+    fast = [raws[0], raw_file("hf_cached", "r1", all_cells([4.0, 4.0, 4.0]))]
+    agg = run(fast, [*refresh, evidence("local_conformance", False, 0.3)])
+    assert agg["selection"]["local"]["backend"] == "hf_reference"
+    assert agg["selection"]["local"]["failed_requirements"] == ["local_conformance"]
+    # and its share of the refresh gate: vllm's refresh evidence alone does not qualify hf_cached
+    agg = run(fast, [refresh[1], evidence("local_conformance", True, 0.002)])
+    assert agg["selection"]["local"]["failed_requirements"] == ["policy_refresh"]
+
+
+def test_a_later_failed_attempt_never_replaces_an_earlier_completed_cell():
+    good = raw_file("hf_cached", "a", {"p128-r64-n1-greedy": ([2.0, 2.0, 2.0], 100)})
+    later = raw_file("hf_cached", "b", {"p128-r64-n1-greedy": ([1.0, 1.0, 1.0], 100)})
+    later["records"][-1]["status"] = "failed"  # the later run's attempt failed (an OOM, a dead server)
+    agg = run([good, later])
+    (cell,) = agg["cells"]
+    assert cell["raw_file"].endswith("/a.jsonl") and cell["valid"] and cell["tokens_per_s"] == 50.0
+    assert {f["run_id"]: f["superseded_cells"] for f in agg["raw_files"]} == {"a": [], "b": ["p128-r64-n1-greedy"]}
+    # with no completed copy anywhere, the failed attempt is the cell (and it is invalid, named)
+    agg = run([later])
+    assert not agg["cells"][0]["valid"] and agg["invalid_cells"]["hf_cached"] == ["p128-r64-n1-greedy"]

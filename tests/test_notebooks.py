@@ -8,7 +8,7 @@ import nbformat
 import papermill as pm
 import pytest
 
-from rollout_lib.measure.runner import read_raw
+from rollout_lib.measure.rawfile import read_raw
 
 from .conftest import REPO, SMOKE
 

@@ -9,6 +9,7 @@ import pytest
 from rollout_lib.core import sha256_file
 from rollout_lib.evidence.publish import (
     CalculatorHashMismatch,
+    EvidenceRefused,
     PublishCheckFailed,
     aggregate_path,
     check,
@@ -22,13 +23,16 @@ from .test_runner import _OOMOnceBackend
 
 
 @pytest.fixture()
-def campaign(tmp_path, smoke_study):
-    """Raw files from the runner (a fast test backend), a copy of the calculator, a profile pinning it."""
-    calc = tmp_path / "calculator.py"
-    shutil.copy(REPO / "rollout_lib" / "calculator.py", calc)
-    text = SMOKE.read_text().replace(f"path: {smoke_study.calculator.path}", f"path: {calc}")
+def campaign(tmp_path, smoke_study, monkeypatch):
+    """Raw files from the runner (a fast test backend) and a copy of the calculator that publish reads
+    (its repository root points at a scratch tree, so a test may edit the copy)."""
+    scratch = tmp_path / "repo"
+    calc = scratch / smoke_study.calculator.path
+    calc.parent.mkdir(parents=True)
+    shutil.copy(REPO / smoke_study.calculator.path, calc)
+    monkeypatch.setattr("rollout_lib.evidence.publish.REPO_ROOT", scratch)
     params = tmp_path / "smoke.yaml"
-    params.write_text(text)
+    params.write_text(SMOKE.read_text())
     study = load(params)
     assert study.calculator.sha256 == sha256_file(calc)
     out = tmp_path / "outputs"
@@ -63,7 +67,8 @@ def test_check_fails_on_one_flipped_byte(campaign):
     index = data.index(b'"wall_s":') + len(b'"wall_s":') + 2
     data[index] = ord("7") if data[index] != ord("7") else ord("3")
     raw.write_bytes(bytes(data))
-    with pytest.raises(PublishCheckFailed, match=r"hf_cached/r1\.jsonl: sha256"):
+    with pytest.raises(EvidenceRefused,
+                       match=r"hf_cached/r1\.jsonl: sealed with sha256 [0-9a-f]{64}, found [0-9a-f]{64}"):
         check(study, "pub", out)
 
 
@@ -71,7 +76,7 @@ def test_check_fails_on_a_one_character_calculator_change(campaign):
     study, out, calc = campaign
     publish(study, "pub", out)
     text = calc.read_text()
-    calc.write_text(text.replace("CALCULATOR_VERSION = 1", "CALCULATOR_VERSION = 2"))
+    calc.write_text(text.replace("CALCULATOR_VERSION = 2", "CALCULATOR_VERSION = 3"))
     with pytest.raises(CalculatorHashMismatch, match="refusing"):
         check(study, "pub", out)
     with pytest.raises(CalculatorHashMismatch):

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult
+from rollout_lib.measure.rawfile import RawWriter, read_raw
 from rollout_lib.measure.runner import (
     ParameterError,
     RawIdentityDrift,
-    RawWriter,
+    _same_run,
     check_repetition,
     missing_cells,
-    read_raw,
     run,
     validate_parameters,
 )
@@ -174,7 +174,7 @@ def test_resume_refuses_identity_drift(smoke_study, tmp_path):
     header = records[0]
     header["environment"]["gpu"] = {"status": "measured", "name": "NVIDIA GeForce RTX 4080", "driver": "596.49",
                                     "cuda_runtime": "13.0"}
-    drifted = tmp_path / "drifted.jsonl"
+    drifted = tmp_path / "raw" / "drift" / "hf_cached" / "drifted.jsonl"
     drifted.write_text(json.dumps(header) + "\n")
     new_header = dict(records[0])
     from rollout_lib.measure.identity import environment_identity
@@ -183,7 +183,7 @@ def test_resume_refuses_identity_drift(smoke_study, tmp_path):
         model_digests={"actor": study.actor.payload_digest, "teacher": study.teacher.payload_digest},
         preregistration_sha256=study.sha256)
     with pytest.raises(RawIdentityDrift, match="RTX 4080"):
-        RawWriter(drifted).open(new_header)
+        RawWriter(drifted).open(new_header, same_run=_same_run)
     assert drifted.read_text() == json.dumps(header) + "\n"  # untouched
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.server import ManagedServer, ServerStartError, port_open
-from rollout_lib.measure.runner import read_raw, run, validate_parameters
+from rollout_lib.measure.rawfile import read_raw
+from rollout_lib.measure.runner import run, validate_parameters
 from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.workload import Workload
 

@@ -56,7 +56,8 @@ MEASURE = """import pandas as pd
 from IPython.display import display
 from tqdm import tqdm
 
-from rollout_lib.measure.runner import read_raw, run
+from rollout_lib.measure.rawfile import read_raw
+from rollout_lib.measure.runner import run
 
 measured_rows = []
 if not profile_cell:

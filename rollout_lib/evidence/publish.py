@@ -7,9 +7,15 @@ Before anything is computed, the calculator file's SHA-256 must equal the prereg
 (`calculator.sha256`); a placeholder or a different file is refused. `--check` also refuses a raw
 or evidence file whose SHA-256 differs from the aggregate's record, and prints a readable diff.
 
-Raw files are accepted when bound to this preregistration. A file bound to the same
-preregistration text before the calculator was pinned (the `sha256:` line then read `pending`) is
-accepted too and labelled `pre-pin`: every measurement-relevant byte was the same.
+Before anything is computed, every raw file and evidence file is checked against its seal
+(`SEALS.jsonl`): a sealed file whose bytes changed, a sealed file that is missing, a file with
+neither a seal nor a live writer, or a header whose campaign/backend/run id disagrees with its place
+refuses the whole publish, naming each file with the expected and found hashes. A file still being
+written is listed as in progress and never used.
+
+Raw files are accepted when bound to this preregistration, or to the same text with another
+calculator pin (`pending` before the pin: `pre-pin`; or the pin the file recorded): every
+measurement-relevant byte is the same.
 """
 
 from __future__ import annotations
@@ -23,8 +29,16 @@ from typing import Any
 import yaml
 
 from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, canonical_json_bytes, sha256_bytes, sha256_file
-from rollout_lib.measure.runner import read_raw
-from rollout_lib.study.prereg import CALCULATOR_PENDING, Preregistration
+from rollout_lib.measure.rawfile import (
+    RawFileError,
+    SealError,
+    exclusive,
+    live_holder,
+    manifest_path,
+    read_raw,
+    read_seals,
+)
+from rollout_lib.study.prereg import CALCULATOR_PENDING, Preregistration, text_with_calculator_pin
 
 
 class CalculatorHashMismatch(RuntimeError):
@@ -49,14 +63,23 @@ def verified_calculator(study: Preregistration):
     return module, actual
 
 
-def accepted_bindings(study: Preregistration) -> dict[str, str]:
-    """Preregistration hashes a raw file may be bound to -> label."""
-    out = {study.sha256: "pinned"}
+def binding_label(study: Preregistration, bound_sha: str | None, recorded_pin: str | None) -> str | None:
+    """How a file bound to preregistration `bound_sha` relates to this study, or None if unrelated.
+
+    `pinned`: the same bytes. `pre-pin`: the same text with the calculator pin reading `pending`.
+    `earlier calculator pin X`: the same text with the pin the file recorded. In every accepted case
+    every measurement-relevant byte is the same; only the analysis's calculator hash differs.
+    """
+    if bound_sha is None:
+        return None
+    if bound_sha == study.sha256:
+        return "pinned"
     text = Path(study.source_path).read_text()
-    line = f"sha256: {study.calculator.sha256}"
-    if study.calculator.sha256 != CALCULATOR_PENDING and text.count(line) == 1:
-        out[sha256_bytes(text.replace(line, f"sha256: {CALCULATOR_PENDING}").encode())] = "pre-pin"
-    return out
+    for pin, label in ((CALCULATOR_PENDING, "pre-pin"),
+                       (recorded_pin, f"earlier calculator pin {(recorded_pin or '')[:12]}")):
+        if pin and sha256_bytes(text_with_calculator_pin(text, study.calculator.sha256, pin)) == bound_sha:
+            return label
+    return None
 
 
 def _rel(path: Path) -> str:
@@ -66,29 +89,95 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def _verify_sealed(folder: Path, files: list[Path], what: str) -> tuple[dict[Path, str], list[str]]:
+    """Seal state of each file (`sealed` or `in progress: ...`) and the refusals, each naming the file
+    and the expected and found hashes."""
+    try:
+        seals = read_seals(folder)
+    except (SealError, RawFileError) as exc:
+        return {}, [str(exc)]
+    states, problems = {}, []
+    present = set()
+    for path in files:
+        relative = path.relative_to(folder).as_posix()
+        present.add(relative)
+        seal = seals.get(relative)
+        if seal is not None:
+            found = sha256_file(path)
+            if found != seal["sha256"]:
+                problems.append(f"{_rel(path)}: sealed with sha256 {seal['sha256']}, found {found}: the {what} "
+                                "changed after its run ended")
+            else:
+                states[path] = "sealed"
+            continue
+        holder = live_holder(path)
+        if holder is not None:
+            states[path] = f"in progress: being written by pid {holder.get('pid')} on host {holder.get('host')}"
+        else:
+            problems.append(f"{_rel(path)}: no seal in {_rel(manifest_path(folder))} and no live writer: not "
+                            f"the output of a run that ended (resume its run id to finish it, or `rollout seal`)")
+    for relative, seal in sorted(seals.items()):
+        if relative not in present and not relative.endswith(".lock"):
+            problems.append(f"{_rel(folder / relative)}: sealed with sha256 {seal['sha256']} but missing")
+    return states, problems
+
+
+class EvidenceRefused(RuntimeError):
+    """Raw or evidence files fail their seals or identity: nothing is computed from them."""
+
+
 def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> dict[str, Any]:
-    bindings = accepted_bindings(study)
+    campaign_dir = output_dir / "raw" / campaign
+    paths = sorted(campaign_dir.glob("*/*.jsonl"))
+    states, problems = _verify_sealed(campaign_dir, paths, "raw file") if campaign_dir.exists() else ({}, [])
     raw_files = []
-    for path in sorted((output_dir / "raw" / campaign).glob("*/*.jsonl")):
-        records, torn = read_raw(path)
+    for path in paths:
+        if path not in states:
+            continue
+        try:
+            records, torn = read_raw(path)
+        except RawFileError as exc:
+            problems.append(str(exc))
+            continue
         header = records[0] if records else {}
+        for key, expected in (("campaign", campaign), ("backend", path.parent.name), ("run_id", path.stem)):
+            if header.get(key) != expected and states[path] == "sealed":  # in-progress files are not used
+                problems.append(f"{_rel(path)}: header {key} is {header.get(key)!r}, its place says {expected!r}")
         bound = header.get("environment", {}).get("preregistration_sha256")
-        entry = {"path": _rel(path), "sha256": sha256_file(path), "backend": header.get("backend", path.parent.name),
-                 "run_id": header.get("run_id", path.stem), "records": records, "accepted": bound in bindings,
-                 "binding": bindings.get(bound)}
-        if not entry["accepted"]:
+        binding = binding_label(study, bound, (header.get("preregistration") or {}).get("calculator_pin"))
+        entry = {"path": _rel(path), "sha256": sha256_file(path), "backend": path.parent.name,
+                 "run_id": path.stem, "records": records, "accepted": binding is not None, "binding": binding}
+        if binding is None:
             entry["excluded_reason"] = f"bound to preregistration {bound}, not this one"
-        if torn:
+        if states[path] != "sealed":
             entry["accepted"] = False
-            entry["excluded_reason"] = f"torn last line ({len(torn)} bytes): resume the run to repair it"
+            entry["excluded_reason"] = states[path] + " (never published as complete)"
+        elif torn:
+            entry["accepted"] = False
+            entry["excluded_reason"] = f"torn last line ({len(torn)} bytes)"
         raw_files.append(entry)
+    evidence_dir = output_dir / "conformance"
+    evidence_paths = sorted(evidence_dir.glob("*.json"))
+    evidence_states, evidence_problems = _verify_sealed(evidence_dir, evidence_paths, "evidence file") \
+        if evidence_dir.exists() else ({}, [])
+    problems += evidence_problems
     evidence = []
-    for path in sorted((output_dir / "conformance").glob("*.json")):
-        report = json.loads(path.read_text())
+    for path in evidence_paths:
+        if path not in evidence_states:
+            continue
+        try:
+            report = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            problems.append(f"{_rel(path)}: not valid JSON ({exc})")
+            continue
+        binding = binding_label(study, report.get("preregistration_sha256"),
+                                (report.get("preregistration") or {}).get("calculator_pin"))
         evidence.append({"path": _rel(path), "sha256": sha256_file(path), "kind": report.get("kind", "unknown"),
                          "backend": report.get("backend", report.get("candidate")),
-                         "accepted": report.get("preregistration_sha256") in bindings,
+                         "accepted": binding is not None and evidence_states[path] == "sealed",
                          "verdict": report.get("verdict", {})})
+    if problems:
+        raise EvidenceRefused(f"{len(problems)} evidence problem(s), nothing computed:\n  " + "\n  ".join(problems))
     return {"raw_files": raw_files, "evidence": evidence}
 
 
@@ -106,38 +195,52 @@ def aggregate_path(output_dir: Path, campaign: str) -> Path:
 
 
 def publish(study: Preregistration, campaign: str, output_dir: Path = OUTPUTS_DIR) -> Path:
-    data, _ = derive(study, campaign, output_dir)
     path = aggregate_path(output_dir, campaign)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)  # derived, re-derivable: replaced as raw evidence grows
+    with exclusive(path, what=f"publish of campaign {campaign}"):  # one publisher per campaign
+        data, _ = derive(study, campaign, output_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)  # derived, re-derivable: replaced as raw evidence grows
     return path
 
 
 def check(study: Preregistration, campaign: str, output_dir: Path = OUTPUTS_DIR) -> None:
+    """Re-derive the aggregate and compare byte for byte; every refusal says what differs and where."""
     path = aggregate_path(output_dir, campaign)
     if not path.exists():
-        raise PublishCheckFailed(f"{path} does not exist: publish first")
+        raise PublishCheckFailed(f"{_rel(path)} does not exist: publish first")
     stored_bytes = path.read_bytes()
-    stored = json.loads(stored_bytes)
+    try:
+        stored = json.loads(stored_bytes)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PublishCheckFailed(f"{_rel(path)} is not valid JSON ({exc}): it was truncated or edited; "
+                                 "publish again") from None
+    if not isinstance(stored, dict):
+        raise PublishCheckFailed(f"{_rel(path)} is not an aggregate (a JSON object)")
     verified_calculator(study)
     if stored.get("calculator_sha256") != study.calculator.sha256:
-        raise PublishCheckFailed(f"aggregate was made by calculator {stored.get('calculator_sha256')}, "
+        raise PublishCheckFailed(f"{_rel(path)} was made by calculator {stored.get('calculator_sha256')}, "
                                  f"the preregistration pins {study.calculator.sha256}")
+    derived, _ = derive(study, campaign, output_dir)  # refuses tampered, missing or unsealed raw files first
+    fresh = json.loads(derived)
+    now = {e["path"]: e["sha256"] for e in fresh.get("raw_files", []) + fresh.get("evidence_files", [])}
     problems = []
     for entry in stored.get("raw_files", []) + stored.get("evidence_files", []):
-        file = REPO_ROOT / entry["path"] if not Path(entry["path"]).is_absolute() else Path(entry["path"])
-        if not file.exists():
-            problems.append(f"{entry['path']}: listed in the aggregate but missing")
-        elif sha256_file(file) != entry["sha256"]:
-            problems.append(f"{entry['path']}: sha256 {sha256_file(file)}, the aggregate records {entry['sha256']}")
+        if entry.get("path") not in now:
+            problems.append(f"{entry.get('path')}: listed in {_rel(path)} but no longer an input")
+        elif now[entry["path"]] != entry.get("sha256"):
+            problems.append(f"{entry['path']}: {_rel(path)} records sha256 {entry.get('sha256')}, the file and its "
+                            f"seal have {now[entry['path']]}: the aggregate was edited or is stale (publish again)")
     if problems:
-        raise PublishCheckFailed("evidence files changed:\n  " + "\n  ".join(problems))
-    derived, _ = derive(study, campaign, output_dir)
+        raise PublishCheckFailed("the aggregate's file records disagree with the sealed files:\n  "
+                                 + "\n  ".join(problems))
     if derived != stored_bytes:
-        new = json.dumps(json.loads(derived), indent=1, sort_keys=True).splitlines()
+        if fresh == stored:
+            raise PublishCheckFailed(f"{_rel(path)} has the same content as the re-derived aggregate but not its "
+                                     "canonical bytes (it was reformatted): publish again")
+        new = json.dumps(fresh, indent=1, sort_keys=True).splitlines()
         old = json.dumps(stored, indent=1, sort_keys=True).splitlines()
         diff = "\n".join(list(difflib.unified_diff(old, new, "aggregate (stored)", "aggregate (re-derived)",
                                                    lineterm=""))[:80])
-        raise PublishCheckFailed(f"{path} does not re-derive byte for byte:\n{diff}")
+        raise PublishCheckFailed(f"{_rel(path)} does not re-derive byte for byte:\n{diff}")

@@ -12,20 +12,30 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_lib.core import REPO_ROOT, write_json_atomic
+from rollout_lib.measure.rawfile import seal_file
+
+if TYPE_CHECKING:
+    from rollout_lib.study.prereg import Preregistration
 
 # Packages whose versions are part of the evidence identity ("absent" when not installed).
 IDENTITY_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "vllm", "safetensors", "numpy")
 
 
-def write_evidence(path: str | Path, report: dict[str, Any], *, model_digests: dict[str, str],
-                   preregistration_sha256: str) -> str:
-    """An evidence report bound to its environment identity, written once (never overwritten)."""
-    report = dict(report, environment=environment_identity(model_digests=model_digests,
-                                                            preregistration_sha256=preregistration_sha256))
-    return write_json_atomic(path, report)
+def write_evidence(path: str | Path, report: dict[str, Any], *, study: Preregistration,
+                   model_digests: dict[str, str]) -> str:
+    """An evidence report bound to its environment identity, written once (never overwritten) and
+    sealed in `SEALS.jsonl` beside it; returns its SHA-256."""
+    environment = environment_identity(model_digests=model_digests, preregistration_sha256=study.sha256,
+                                       preregistration_measurement_sha256=study.measurement_sha256)
+    report = dict(report, environment=environment,
+                  preregistration={"sha256": study.sha256, "measurement_sha256": study.measurement_sha256,
+                                   "calculator_pin": study.calculator.sha256})
+    digest = write_json_atomic(path, report)
+    seal_file(path, Path(path).parent, ended="complete")
+    return digest
 
 
 def package_version(name: str) -> str:
@@ -94,9 +104,12 @@ def gpu_identity() -> dict[str, Any]:
 
 
 def environment_identity(*, model_digests: dict[str, str] | None = None,
-                         preregistration_sha256: str | None = None) -> dict[str, Any]:
+                         preregistration_sha256: str | None = None,
+                         preregistration_measurement_sha256: str | None = None) -> dict[str, Any]:
     """Everything a raw file is bound to: source, packages, GPU, driver, models, preregistration."""
-    return {
+    extra = ({"preregistration_measurement_sha256": preregistration_measurement_sha256}
+             if preregistration_measurement_sha256 else {})
+    return extra | {
         "source": git_identity(),
         "python": platform.python_version(),
         "python_executable": sys.executable,
@@ -106,3 +119,19 @@ def environment_identity(*, model_digests: dict[str, str] | None = None,
         "model_digests": dict(sorted((model_digests or {}).items())),
         "preregistration_sha256": preregistration_sha256,
     }
+
+
+def identity_key(environment: dict[str, Any]) -> dict[str, Any]:
+    """The part of the environment a resumed run must share with the file's header.
+
+    The preregistration enters through its measurement hash (the text with the calculator pin
+    reading `pending`): a calculator repin changes no measurement. Files from before that field
+    existed were bound to the `pending` text itself, which is the same hash.
+    """
+    gpu = environment.get("gpu", {})
+    return {"source": {k: environment.get("source", {}).get(k) for k in ("source_commit", "source_dirty")},
+            "python": environment.get("python"), "packages": environment.get("packages"),
+            "gpu": {k: gpu.get(k) for k in ("name", "driver", "cuda_runtime", "status")},
+            "model_digests": environment.get("model_digests"),
+            "preregistration": environment.get("preregistration_measurement_sha256",
+                                               environment.get("preregistration_sha256"))}

@@ -34,9 +34,10 @@ from typing import Any
 
 from rollout_lib.backends import create_backend, known_backends
 from rollout_lib.backends.base import Backend, BatchResult, ServerDied
-from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, canonical_json, sha256_bytes
-from rollout_lib.measure.identity import environment_identity
+from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, sha256_bytes
+from rollout_lib.measure.identity import environment_identity, identity_key
 from rollout_lib.measure.memory import NVML_INTERVAL_S, NVML_TREE_REFRESH_S, CellMemory
+from rollout_lib.measure.rawfile import RawWriter, read_raw
 from rollout_lib.measure.timing import PhaseTimer
 from rollout_lib.models.policy import PolicyIdentityMismatch, policy_versions
 from rollout_lib.study.prereg import BACKEND_NAMES, Preregistration, load
@@ -133,79 +134,16 @@ def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any 
 # Raw file: append-only JSON lines, crash-safe, resumable
 # ------------------------------------------------------------------------------------------
 
-def identity_key(environment: dict[str, Any]) -> dict[str, Any]:
-    """The part of the environment a resumed run must share with the file's header."""
-    gpu = environment.get("gpu", {})
-    return {"source": {k: environment.get("source", {}).get(k) for k in ("source_commit", "source_dirty")},
-            "python": environment.get("python"), "packages": environment.get("packages"),
-            "gpu": {k: gpu.get(k) for k in ("name", "driver", "cuda_runtime", "status")},
-            "model_digests": environment.get("model_digests"),
-            "preregistration_sha256": environment.get("preregistration_sha256")}
-
-
-def read_raw(path: str | Path) -> tuple[list[dict[str, Any]], bytes]:
-    """Complete records of a raw file, and the bytes of a torn last line (b'' if none)."""
-    data = Path(path).read_bytes()
-    end = data.rfind(b"\n") + 1
-    records = []
-    for number, line in enumerate(data[:end].splitlines(), start=1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {number} is not JSON ({exc}); "
-                             "only a torn last line is repairable") from None
-    return records, data[end:]
-
-
-class RawWriter:
-    def __init__(self, path: Path):
-        self.path = path
-        self._handle = None
-
-    def open(self, header: dict[str, Any]) -> list[dict[str, Any]]:
-        """Create the file with `header`, or resume it; returns the existing records."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        existing: list[dict[str, Any]] = []
-        torn = b""
-        if self.path.exists():
-            existing, torn = read_raw(self.path)
-            if not existing or existing[0].get("record") != "header":
-                raise ValueError(f"{self.path}: no header record; not a raw file of this project")
-            old, new = identity_key(existing[0]["environment"]), identity_key(header["environment"])
-            if old != new:
-                diff = {k: (old[k], new[k]) for k in old if old[k] != new.get(k)}
-                raise RawIdentityDrift(f"{self.path}: resuming from another environment is refused "
-                                       f"(file vs now): {json.dumps(diff, sort_keys=True)}; use a new run_id")
-            for key in ("campaign", "backend", "run_id"):
-                if existing[0][key] != header[key]:
-                    raise RawIdentityDrift(f"{self.path}: header {key} {existing[0][key]!r} != {header[key]!r}")
-        self._handle = open(self.path, "ab")  # noqa: SIM115 - kept open for the run
-        if torn:
-            sidecar = self._sidecar()
-            sidecar.write_bytes(torn)
-            os.truncate(self.path, self.path.stat().st_size - len(torn))
-            self.append({"record": "repair", "torn_bytes": len(torn), "moved_to": sidecar.name,
-                         "torn_sha256": sha256_bytes(torn)})
-        if not existing:
-            self.append(header)
-        return existing
-
-    def _sidecar(self) -> Path:
-        n = 1
-        while (candidate := self.path.with_name(f"{self.path.name}.torn-{n}")).exists():
-            n += 1
-        return candidate
-
-    def append(self, record: dict[str, Any]) -> None:
-        record = {"utc": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")} | record
-        self._handle.write((canonical_json(record) + "\n").encode("utf-8"))
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+def _same_run(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """A resume must come from the same environment and name the same campaign/backend/run."""
+    before, now = identity_key(old["environment"]), identity_key(new["environment"])
+    if before != now:
+        diff = {k: (before[k], now.get(k)) for k in before if before[k] != now.get(k)}
+        raise RawIdentityDrift(f"resuming from another environment is refused (file vs now): "
+                               f"{json.dumps(diff, sort_keys=True)}; use a new run_id")
+    for key in ("campaign", "backend", "run_id"):
+        if old.get(key) != new[key]:
+            raise RawIdentityDrift(f"header {key} {old.get(key)!r} != {new[key]!r}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -286,10 +224,12 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
     backend = backend_factory() if backend_factory else create_backend(spec.backend, study, device=spec.device)
     environment = environment_identity(
         model_digests={"actor": study.actor.payload_digest, "teacher": study.teacher.payload_digest},
-        preregistration_sha256=study.sha256)
+        preregistration_sha256=study.sha256, preregistration_measurement_sha256=study.measurement_sha256)
     header = {"record": "header", "schema": RAW_SCHEMA, "campaign": spec.campaign, "backend": spec.backend,
               "run_id": spec.run_id, "preregistered": study.preregistered, "study_id": study.study_id,
               "params_path": os.path.relpath(spec.params_path, REPO_ROOT), "environment": environment,
+              "preregistration": {"sha256": study.sha256, "measurement_sha256": study.measurement_sha256,
+                                  "calculator_pin": study.calculator.sha256},
               "protocol": {"warmup_repetitions": study.protocol.warmup_repetitions,
                            "measured_repetitions": study.protocol.measured_repetitions,
                            "measured_partition": list(study.workload.measured_partition)},
@@ -297,7 +237,7 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
                                                    "tree_refresh_s": NVML_TREE_REFRESH_S},
                                   "timer": "perf_counter, device synchronized at both ends"}}
     writer = RawWriter(spec.path)
-    existing = writer.open(header)
+    existing = writer.open(header, same_run=_same_run)
     done = completed_cells(existing)
     attempts: dict[str, int] = {}
     for record in existing:
@@ -309,8 +249,9 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
     for cell_id in spec.cells:
         if cell_id in done:
             yield CellSummary(cell_id, "skipped (already complete)", [], None, 0, None)
-    if not todo:
-        writer.close()
+    if not todo:  # a crashed run whose cells all completed: nothing to measure, the run ends here
+        writer.append({"record": "run_end", "reason": "every selected cell already complete"})
+        writer.seal(ended="complete")
         return
     try:
         cold = backend.cold_start()
@@ -331,12 +272,16 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
                                 attempts.get(cell.cell_id, 0), on_progress)
             yield summary
     finally:
+        sealed = False
         try:
             teardown = backend.teardown()
             writer.append({"record": "teardown", "teardown_s": teardown.to_json(),
                            "proof": backend.teardown_report()})
+            writer.seal(ended="teardown")  # the run ended: its bytes are final
+            sealed = True
         finally:
-            writer.close()
+            if not sealed:  # teardown failed: left unsealed, resumable like a crash
+                writer.close()
 
 
 def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workload, backend: Backend,

@@ -206,10 +206,12 @@ def gate_table(aggregate: dict[str, Any]):
 def selection_table(aggregate: dict[str, Any]):
     import pandas as pd
 
-    rows = [{"algorithm": name, "backend": s["backend"], "candidate qualified": s["candidate_qualified"],
-             "failed requirements": ", ".join(s["failed_requirements"]) or "none"}
+    labels = {"local": "local backend", "direct_gkd": "direct GKD", "pg_k1": "PG-k1"}
+    rows = [{"selection for": labels.get(name, name), "selected backend": s["backend"],
+             "candidate": s.get("candidate", ""), "candidate qualified": "yes" if s["candidate_qualified"] else "no",
+             "decided by": s.get("decided_by") or (", ".join(s["failed_requirements"]) or "every gate passed")}
             for name, s in aggregate["selection"].items()]
-    return pd.DataFrame(rows).set_index("algorithm")
+    return pd.DataFrame(rows).set_index("selection for")
 
 
 def missing_table(aggregate: dict[str, Any]):

@@ -147,8 +147,8 @@ class ProtocolSpec:
 
 @dataclass(frozen=True)
 class MemorySpec:
-    budget_bytes: int = field(metadata=_m(min=1))
-    gate_peak_total_bytes: int = field(metadata=_m(min=1))
+    budget_bytes: int = field(metadata=_m(min=1, max=2**40))  # at most 1 TiB: no GPU has more
+    gate_peak_total_bytes: int = field(metadata=_m(min=1, max=2**40))
     enforce_budget_on_larger_gpus: bool
     oom_downshift: Literal["none"]
 
@@ -199,7 +199,8 @@ class SelectionSpec:
 
 @dataclass(frozen=True)
 class CalculatorSpec:
-    path: str
+    path: str = field(metadata=_m(pattern=r"[A-Za-z0-9_][A-Za-z0-9_./-]*\.py",
+                                  pattern_help="a relative path to a .py file inside the repository"))
     sha256: str = field(metadata=_m(pattern=f"{SHA256_PATTERN}|{CALCULATOR_PENDING}",
                                     pattern_help=f"64 lowercase hex digits, or {CALCULATOR_PENDING!r} "
                                                  "before the calculator exists"))
@@ -225,6 +226,9 @@ class Preregistration:
     # Filled by load(): not part of the YAML.
     source_path: str = field(default="", compare=False, init=True)
     sha256: str = field(default="", compare=False, init=True)
+    # SHA-256 of the same text with the calculator pin reading `pending`: what a measurement depends
+    # on. A calculator repin changes `sha256` but not this, so it orphans no raw file.
+    measurement_sha256: str = field(default="", compare=False, init=True)
 
     def model_for_arch(self, arch_name: str, role: str | None = None) -> ModelSpec:
         for spec in (self.actor, self.teacher):
@@ -324,6 +328,9 @@ def _validate(study: Preregistration) -> None:
     if max_len > actor.architecture.max_position_embeddings:
         raise err("workload.response_tokens", f"prompt + response ({max_len}) exceeds max_position_embeddings")
 
+    calc_path = study.calculator.path
+    if ".." in Path(calc_path).parts or not (REPO_ROOT / calc_path).resolve().is_relative_to(REPO_ROOT):
+        raise err("calculator.path", f"{calc_path!r} is outside the repository; allowed: a relative path inside it")
     if study.memory.gate_peak_total_bytes > study.memory.budget_bytes:
         raise err("memory.gate_peak_total_bytes", "the gate must not exceed the memory budget")
     ids = [g.id for g in study.gates]
@@ -353,8 +360,9 @@ def loads(text: str, source_path: str = "<string>") -> Preregistration:
         raise PreregistrationError(exc.key_path, exc.message) from None
     except Exception as exc:  # yaml.YAMLError and friends: not a mapping we can read
         raise PreregistrationError("<root>", f"not valid YAML: {exc}") from None
-    if isinstance(data, dict) and ("source_path" in data or "sha256" in data):
-        bad = "source_path" if "source_path" in data else "sha256"
+    loader_keys = ("source_path", "sha256", "measurement_sha256")
+    if isinstance(data, dict) and any(key in data for key in loader_keys):
+        bad = next(key for key in loader_keys if key in data)
         raise PreregistrationError(bad, "unknown key (set by the loader, not by the file)")
     try:
         study = from_mapping(Preregistration, data)
@@ -363,14 +371,39 @@ def loads(text: str, source_path: str = "<string>") -> Preregistration:
     _validate(study)
     object.__setattr__(study, "source_path", source_path)
     object.__setattr__(study, "sha256", sha256_bytes(text.encode("utf-8")))
+    object.__setattr__(study, "measurement_sha256",
+                       sha256_bytes(text_with_calculator_pin(text, study.calculator.sha256, CALCULATOR_PENDING)))
     return study
+
+
+def text_with_calculator_pin(text: str, current_pin: str, pin: str) -> bytes:
+    """The study text as it read when `calculator.sha256` was `pin` (every other byte the same)."""
+    line = f"sha256: {current_pin}"
+    if text.count(line) != 1:
+        raise PreregistrationError("calculator.sha256", f"the pin {current_pin!r} must appear exactly once in the text")
+    return text.replace(line, f"sha256: {pin}").encode("utf-8")
+
+
+MAX_STUDY_FILE_BYTES = 1 << 20  # a study file is a few KB
 
 
 def load(path: str | Path = DEFAULT_PREREG) -> Preregistration:
     path = Path(path)
+    if path.is_dir():
+        raise PreregistrationError("<file>", f"{path} is a directory, not a preregistration file (a YAML file)")
     if not path.is_file():
         raise FileNotFoundError(f"preregistration {path} does not exist")
     data = path.read_bytes()
-    study = loads(data.decode("utf-8"), str(path))
+    if len(data) > MAX_STUDY_FILE_BYTES:
+        raise PreregistrationError("<file>", f"{path} is {len(data)} bytes; a study file is at most "
+                                             f"{MAX_STUDY_FILE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PreregistrationError("<file>", f"{path} is not UTF-8 text (byte {exc.start}: "
+                                             f"{data[exc.start:exc.start + 1]!r})") from None
+    if "\x00" in text:
+        raise PreregistrationError("<file>", f"{path} contains NUL bytes: a binary file, not YAML")
+    study = loads(text, str(path))
     assert study.sha256 == sha256_file(path)
     return study

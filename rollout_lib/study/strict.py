@@ -9,6 +9,7 @@ constrained value in range. Constraints live in field metadata: `min`, `max`, `m
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -18,14 +19,22 @@ import yaml
 
 T = TypeVar("T")
 
+MESSAGE_CAP_CHARS = 400  # an error names the key and shows a bounded excerpt of the value, never a flood
+# No number in a study is anywhere near this; a larger one is a typo or an attack, not a setting.
+PLAUSIBLE_MAGNITUDE = 1e15
+
+
+def _cap(text: str, limit: int = MESSAGE_CAP_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more chars]"
+
 
 class StrictLoadError(ValueError):
     """A value does not fit the schema; `key_path` names where (e.g. `workload.prompt_tokens[1]`)."""
 
     def __init__(self, key_path: str, message: str):
-        self.key_path = key_path or "<root>"
-        self.message = message
-        super().__init__(f"{self.key_path}: {message}")
+        self.key_path = _cap(key_path or "<root>", 200)
+        self.message = _cap(message)
+        super().__init__(f"{self.key_path}: {self.message}")
 
 
 def _join(path: str, key: str | int) -> str:
@@ -132,16 +141,25 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise StrictLoadError(path, f"expected an integer, got {type(value).__name__} {value!r}")
+        _check_magnitude(value, path)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise StrictLoadError(path, f"expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise StrictLoadError(path, f"{value!r} is not allowed; expected a finite number")
+        _check_magnitude(value, path)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
             raise StrictLoadError(path, f"expected a string, got {type(value).__name__} {value!r}")
         return value
     raise TypeError(f"schema error: unsupported type {tp!r} at {path}")
+
+
+def _check_magnitude(value: float, path: str) -> None:
+    if abs(value) > PLAUSIBLE_MAGNITUDE:
+        raise StrictLoadError(path, f"{value!r} is implausibly large (|value| > {PLAUSIBLE_MAGNITUDE:g})")
 
 
 def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
@@ -168,22 +186,44 @@ def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
     return cls(**values)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses duplicate keys (YAML would silently keep the last one)."""
+class _StrictYAMLLoader(yaml.SafeLoader):
+    """safe_load without aliases (an 8 KB alias bomb expands to gigabytes) and without duplicate keys
+    (YAML would silently keep the last one); both are refused with the full key path."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise StrictLoadError(_node_path_hint(event), f"YAML aliases (*{event.anchor}) are not allowed in a "
+                                  f"study file (line {event.start_mark.line + 1}); write the value out")
+        return super().compose_node(parent, index)
 
 
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    mapping: dict[Any, Any] = {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in mapping:
-            raise StrictLoadError(str(key), f"duplicate key (line {key_node.start_mark.line + 1})")
-        mapping[key] = loader.construct_object(value_node, deep=deep)
-    return mapping
+def _node_path_hint(event: Any) -> str:
+    return f"<line {event.start_mark.line + 1}>"
 
 
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+def _check_duplicate_keys(node: yaml.Node, path: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node)
+            key_path = _join(path, str(key))
+            if key in seen:
+                raise StrictLoadError(key_path, f"duplicate key (lines {seen[key]} and {key_node.start_mark.line + 1})")
+            seen[key] = key_node.start_mark.line + 1
+            _check_duplicate_keys(value_node, key_path)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_duplicate_keys(item, _join(path, index))
 
 
 def load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_UniqueKeyLoader)
+    loader = _StrictYAMLLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(node, "")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()

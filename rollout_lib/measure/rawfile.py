@@ -1,0 +1,330 @@
+"""Raw evidence files: one writer each, crash-safe appends, and an append-only seal manifest.
+
+- **One writer.** `RawWriter` takes an exclusive `flock` on `<file>.lock` before it reads, repairs or
+  appends; a second writer (a concurrent run, or a resume racing a live run) is refused at once with
+  the holder's pid, host and start time. The kernel drops the lock when the holder dies, even on
+  kill -9, so a crashed run never blocks its own resume.
+- **Crash-safe lines.** Each record is one canonical-JSON line, flushed and fsynced. A torn last line
+  (crash mid-write) is moved to a `.torn-N` sidecar on resume, never silently dropped.
+- **Seals.** When a run ends (teardown recorded) the file's SHA-256 goes into `SEALS.jsonl` beside
+  the campaign's backend folders: one canonical-JSON line per sealed file, appended under a lock,
+  fsynced. A sealed file is final: resuming it is refused, and publish refuses a sealed file whose
+  bytes differ, a sealed file that is missing, and a raw file with neither a seal nor a live writer.
+  Evidence JSON files (conformance, refresh) are sealed the same way in their own folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.core import canonical_json, sha256_bytes, sha256_file
+
+SEAL_MANIFEST = "SEALS.jsonl"
+SEAL_ENDINGS = ("teardown", "complete", "abandoned", "after_the_fact")
+
+
+class RawFileError(ValueError):
+    """A raw file cannot be read as this project's raw file (not a torn tail: damage in the middle)."""
+
+
+class WriterBusy(RuntimeError):
+    """Another live process holds the writer lock of this file."""
+
+
+class RawSealed(RuntimeError):
+    """The run ended and its file is sealed: it is never appended to again."""
+
+
+class SealError(RuntimeError):
+    """The seal manifest is malformed or contradicts itself."""
+
+
+def _utc() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+
+
+def read_raw(path: str | Path) -> tuple[list[dict[str, Any]], bytes]:
+    """Complete records of a raw file, and the bytes of a torn last line (b'' if none)."""
+    data = Path(path).read_bytes()
+    end = data.rfind(b"\n") + 1
+    records = []
+    for number, line in enumerate(data[:end].splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RawFileError(f"{path}: line {number} is not JSON ({exc}); only a torn last line is "
+                               "repairable: this file was damaged or edited") from None
+        if not isinstance(record, dict):
+            raise RawFileError(f"{path}: line {number} is not a JSON object")
+        records.append(record)
+    return records, data[end:]
+
+
+# ------------------------------------------------------------------------------------------
+# Locks
+# ------------------------------------------------------------------------------------------
+
+def lock_path(target: Path) -> Path:
+    return target.with_name(target.name + ".lock")
+
+
+class FileLock:
+    """Exclusive, non-blocking `flock` on `<target>.lock`, with the holder written inside it."""
+
+    def __init__(self, target: str | Path, *, what: str = "file"):
+        self.target = Path(target)
+        self.path = lock_path(self.target)
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self, *, blocking: bool = False) -> FileLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except OSError as exc:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise WriterBusy(f"{self.target} is being written by pid {holder.get('pid', '?')} on host "
+                             f"{holder.get('host', '?')} (since {holder.get('utc', '?')}): a second "
+                             f"{self.what} writer is refused") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "utc": _utc()},
+                                  sort_keys=True) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> FileLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def live_holder(target: str | Path) -> dict[str, Any] | None:
+    """The holder of `<target>.lock` if a live process holds it, else None."""
+    path = lock_path(Path(target))
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return _read_holder(fd) or {"pid": "?", "host": "?"}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------
+# Seals
+# ------------------------------------------------------------------------------------------
+
+def manifest_path(folder: str | Path) -> Path:
+    return Path(folder) / SEAL_MANIFEST
+
+
+def read_seals(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """relative path -> seal entry; a path sealed twice with different bytes is an error."""
+    path = manifest_path(folder)
+    if not path.exists():
+        return {}
+    records, torn = read_raw(path)
+    if torn:
+        raise SealError(f"{path}: torn last line ({len(torn)} bytes): the manifest is append-only and "
+                        "fsynced; this is damage, not a crash")
+    seals: dict[str, dict[str, Any]] = {}
+    for number, entry in enumerate(records, start=1):
+        if entry.get("record") != "seal" or not isinstance(entry.get("path"), str) or "sha256" not in entry:
+            raise SealError(f"{path}: line {number} is not a seal entry")
+        previous = seals.get(entry["path"])
+        if previous is not None and previous["sha256"] != entry["sha256"]:
+            raise SealError(f"{path}: {entry['path']} is sealed twice with different hashes "
+                            f"({previous['sha256']} at first, {entry['sha256']} at line {number})")
+        seals.setdefault(entry["path"], entry)
+    return seals
+
+
+def seal_file(target: str | Path, folder: str | Path, *, ended: str, reason: str | None = None,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Append `target`'s SHA-256 to `folder/SEALS.jsonl` (under the manifest's lock); returns the entry."""
+    if ended not in SEAL_ENDINGS:
+        raise ValueError(f"ended: {ended!r} is not allowed; allowed: {', '.join(SEAL_ENDINGS)}")
+    target, folder = Path(target), Path(folder)
+    relative = target.resolve().relative_to(folder.resolve()).as_posix()
+    manifest = manifest_path(folder)
+    lock = FileLock(manifest, what="seal manifest").acquire(blocking=True)
+    try:
+        existing = read_seals(folder).get(relative)
+        digest = sha256_file(target)
+        if existing is not None:
+            if existing["sha256"] != digest:
+                raise SealError(f"{relative} is already sealed with sha256 {existing['sha256']}; "
+                                f"it now has {digest}: a sealed file must not change")
+            return existing
+        entry = {"record": "seal", "path": relative, "sha256": digest, "bytes": target.stat().st_size,
+                 "ended": ended, "utc": _utc(), "host": socket.gethostname(), "pid": os.getpid()}
+        if reason:
+            entry["reason"] = reason
+        entry.update(extra or {})
+        with open(manifest, "ab") as handle:
+            handle.write((canonical_json(entry) + "\n").encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
+        return entry
+    finally:
+        lock.release()
+
+
+# ------------------------------------------------------------------------------------------
+# The writer
+# ------------------------------------------------------------------------------------------
+
+class RawWriter:
+    """The single writer of one raw file (see the module docstring)."""
+
+    def __init__(self, path: Path, *, seal_folder: Path | None = None):
+        self.path = Path(path)
+        self.seal_folder = seal_folder if seal_folder is not None else self.path.parent.parent
+        self._handle = None
+        self._lock = FileLock(self.path, what="raw-file")
+
+    def open(self, header: dict[str, Any], *, same_run: Any = None) -> list[dict[str, Any]]:
+        """Create the file with `header`, or resume it; returns the existing records.
+
+        `same_run(old_header, new_header)` raises when the existing file may not be resumed from here.
+        """
+        self._lock.acquire()
+        try:
+            relative = self.path.resolve().relative_to(self.seal_folder.resolve()).as_posix()
+            sealed = read_seals(self.seal_folder).get(relative)
+            if sealed is not None:
+                raise RawSealed(f"{self.path} is sealed (run ended: {sealed['ended']}, {sealed['utc']}): "
+                                "a sealed run is never resumed; use a new run id")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            existing: list[dict[str, Any]] = []
+            torn = b""
+            if self.path.exists():
+                existing, torn = read_raw(self.path)
+                if not existing or existing[0].get("record") != "header":
+                    raise RawFileError(f"{self.path}: no header record; not a raw file of this project")
+                if same_run is not None:
+                    same_run(existing[0], header)
+            self._handle = open(self.path, "ab")  # noqa: SIM115 - kept open for the run
+            if torn:
+                sidecar = self._sidecar()
+                sidecar.write_bytes(torn)
+                os.truncate(self.path, self.path.stat().st_size - len(torn))
+                self.append({"record": "repair", "torn_bytes": len(torn), "moved_to": sidecar.name,
+                             "torn_sha256": sha256_bytes(torn)})
+            if not existing:
+                self.append(header)
+            return existing
+        except BaseException:
+            self.close()
+            raise
+
+    def _sidecar(self) -> Path:
+        n = 1
+        while (candidate := self.path.with_name(f"{self.path.name}.torn-{n}")).exists():
+            n += 1
+        return candidate
+
+    def append(self, record: dict[str, Any]) -> None:
+        record = {"utc": _utc()} | record
+        self._handle.write((canonical_json(record) + "\n").encode("utf-8"))
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def seal(self, *, ended: str = "teardown") -> dict[str, Any]:
+        """Close and seal the file (the run ended); the lock is held until the seal is written."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        try:
+            return seal_file(self.path, self.seal_folder, ended=ended)
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        self._lock.release()
+
+
+@contextlib.contextmanager
+def exclusive(target: str | Path, what: str) -> Iterator[None]:
+    """Hold `<target>.lock` exclusively for the block (refused at once when held elsewhere)."""
+    lock = FileLock(target, what=what).acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def seal_abandoned(path: str | Path, *, reason: str, ended: str = "abandoned") -> dict[str, Any]:
+    """Seal a raw file whose run will not be resumed (its writer died and its machine is gone).
+
+    Refused while a live writer holds the file. `abandoned`: a torn tail is first moved to a sidecar
+    (as a resume would) and a `sealed_without_teardown` record with the reason is appended, so the
+    file itself says how it ended. `after_the_fact`: a finished file from before seals existed is
+    sealed byte for byte as it is (its bytes are already bound by a published aggregate); the
+    reason lives in the seal entry.
+    """
+    if ended not in ("abandoned", "after_the_fact"):
+        raise ValueError(f"ended: {ended!r} is not allowed here; allowed: abandoned, after_the_fact")
+    path = Path(path)
+    writer = RawWriter(path)
+    writer._lock.acquire()
+    try:
+        relative = path.resolve().relative_to(writer.seal_folder.resolve()).as_posix()
+        if relative in read_seals(writer.seal_folder):
+            raise RawSealed(f"{path} is already sealed")
+        records, torn = read_raw(path)
+        if not records or records[0].get("record") != "header":
+            raise RawFileError(f"{path}: no header record; not a raw file of this project")
+        if ended == "after_the_fact":
+            if torn:
+                raise RawFileError(f"{path}: torn last line; resume or seal it as abandoned instead")
+            writer._lock.release()
+            return seal_file(path, writer.seal_folder, ended=ended, reason=reason)
+        writer._handle = open(path, "ab")  # noqa: SIM115 - closed by seal()
+        if torn:
+            sidecar = writer._sidecar()
+            sidecar.write_bytes(torn)
+            os.truncate(path, path.stat().st_size - len(torn))
+            writer.append({"record": "repair", "torn_bytes": len(torn), "moved_to": sidecar.name,
+                           "torn_sha256": sha256_bytes(torn)})
+        writer.append({"record": "sealed_without_teardown", "reason": reason, "ended": ended})
+    except BaseException:
+        writer.close()
+        raise
+    return writer.seal(ended=ended)
