@@ -9,7 +9,7 @@ SMOKE ?= params/profiles/smoke.yaml
 source-stamp: setup  ## commit + dirty flag for a tree copied to the GPU machine without .git (carry it)
 	$(ROLLOUT) source-stamp
 
-.PHONY: vllm-cpu wheelhouse install-offline source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
+.PHONY: campaign campaign-plan campaign-status vllm-cpu wheelhouse install-offline source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
 
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,20 @@ OUTPUT_DIR ?= outputs
 measure: setup  ## one backend through notebooks/measure.ipynb (papermill); a new executed notebook per call
 	$(ROLLOUT) measure --backend $(BACKEND) --params $(PARAMS) --campaign $(CAMPAIGN) --run-id $(RUN_ID) \
 	  --output-dir $(OUTPUT_DIR) $(if $(CELLS),--cells "$(CELLS)")
+
+GPUS ?=
+DEADLINE_S ?= 1500
+CAMPAIGN_ARGS = --campaign $(CAMPAIGN) --backend $(BACKEND) --params $(PARAMS) --output-dir $(OUTPUT_DIR) \
+  --deadline-s $(DEADLINE_S) $(if $(GPUS),--gpus $(GPUS)) $(if $(CELLS),--cells "$(CELLS)")
+
+campaign: setup  ## measure what is missing of CAMPAIGN for BACKEND over GPUS until DEADLINE_S (DETACH=1: background)
+	$(ROLLOUT) campaign run $(CAMPAIGN_ARGS) $(if $(DETACH),--detach)
+
+campaign-plan: setup  ## the longest-first schedule `make campaign` would run, with its estimates
+	$(ROLLOUT) campaign plan $(CAMPAIGN_ARGS)
+
+campaign-status: setup  ## done / running / to-measure cells, current cell and repetition, ETA
+	$(ROLLOUT) campaign status --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
 
 missing: setup  ## which cells of CAMPAIGN are still missing, per backend
 	$(ROLLOUT) missing --params $(PARAMS) --campaign $(CAMPAIGN) --output-dir $(OUTPUT_DIR)

@@ -11,6 +11,15 @@ Rules (the preregistration fixes thresholds; this file fixes arithmetic):
   earlier completed one. Every other copy is listed as superseded, never dropped.
 - Measured repetitions = non-warmup repetitions of that attempt. The cell is valid when exactly
   `measured_repetitions` measured repetitions exist and all are valid.
+- Segments. A cell cut off mid-way (deadline, lost machine) keeps its measured repetitions; the
+  attempt that completes it names the earlier attempts in `cell_start.continues` (run id, attempt,
+  measured indices). The cell is assembled from the measured repetitions of every segment plus its
+  own: each segment must be found in an accepted raw file of the same backend whose
+  `measurement_identity_sha256` equals the completing file's (GPU model and driver, packages,
+  models, preregistration measurement hash, measurement code), and the measured indices of all
+  segments together must be 0..measured_repetitions-1, each exactly once. Otherwise the cell is
+  invalid, with the reason named. Warmups of every segment are recorded and never counted. Peak
+  memory of an assembled cell is the largest peak of its segments.
 - Cell rate = median generated tokens / median wall_s of the measured repetitions (generated tokens
   are the actual counts; they are equal across repetitions when the outputs are deterministic).
 - Spread = max wall_s / min wall_s, reported beside the median; it changes no gate.
@@ -31,7 +40,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-CALCULATOR_VERSION = 2
+CALCULATOR_VERSION = 3
 ORACLE = "hf_reference"  # the frozen compatibility oracle: where selection falls back to in the end
 
 
@@ -62,21 +71,70 @@ def _phase(reps: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return {"status": "mixed", "statuses": sorted(statuses)}
 
 
+def _measured_index(rep: dict[str, Any], position: int) -> int:
+    return rep.get("measured_index", position)
+
+
+def _segment_peak(end: dict[str, Any] | None, reps: list[dict[str, Any]]) -> int | None:
+    nvml = (end or {}).get("nvml_cell") or {}
+    if nvml.get("peak_process_tree_bytes") is not None:
+        return nvml["peak_process_tree_bytes"]
+    windows = [(r.get("nvml_repetition") or {}).get("peak_process_tree_bytes") for r in reps]
+    windows = [w for w in windows if w is not None]
+    return max(windows) if windows else None
+
+
+def _assemble(backend: str, cell_id: str, attempt: dict[str, Any], identity: str | None,
+              index: dict[tuple[str, str, int, str], dict[str, Any]]) -> tuple[list, list, list, list]:
+    """(measured repetitions, segments, problems, segment peaks) of a cell that continues others."""
+    measured, segments, problems, peaks = [], [], [], []
+    for ref in attempt["start"].get("continues", []):
+        label = f"segment {ref['run_id']} attempt {ref['attempt']}"
+        seg = index.get((backend, ref["run_id"], ref["attempt"], cell_id))
+        if seg is None:
+            problems.append(f"{label}: not found in an accepted raw file")
+            continue
+        if identity is None or seg["identity"] != identity:
+            problems.append(f"{label}: measurement identity {seg['identity']} differs from {identity}")
+        own = [r for r in seg["reps"] if not r["warmup"]]
+        chosen = [dict(r, measured_index=_measured_index(r, position)) for position, r in enumerate(own)
+                  if _measured_index(r, position) in ref["measured_indices"]]
+        if len(chosen) != len(ref["measured_indices"]):
+            problems.append(f"{label}: holds {len(chosen)} of the {len(ref['measured_indices'])} declared "
+                            "measured repetitions")
+        measured += chosen
+        segments.append({"run_id": ref["run_id"], "attempt": ref["attempt"], "raw_file": seg["path"],
+                         "measured_indices": list(ref["measured_indices"])})
+        peaks.append(_segment_peak(seg["end"], seg["reps"]))
+    return measured, segments, problems, peaks
+
+
 def _cell_from_attempt(meta: dict[str, Any], reps: list[dict[str, Any]], complete: dict[str, Any],
-                       expected_reps: int) -> dict[str, Any]:
-    measured = [r for r in reps if not r["warmup"]]
+                       expected_reps: int, earlier: tuple[list, list, list, list] | None = None) -> dict[str, Any]:
+    own = [r for r in reps if not r["warmup"]]
+    measured = own
+    problems: list[str] = []
+    if earlier is not None:
+        measured = earlier[0] + [dict(r, measured_index=_measured_index(r, p)) for p, r in enumerate(own)]
+        problems = list(earlier[2])
+        indices = sorted(_measured_index(r, p) for p, r in enumerate(measured))
+        if indices != list(range(expected_reps)):
+            problems.append(f"measured indices {indices} are not 0..{expected_reps - 1} exactly once")
     invalid = [{"repetition": r["repetition"], "reasons": r["invalid_reasons"]} for r in measured if not r["valid"]]
     walls = [r["wall_s"] for r in measured if r.get("wall_s") is not None]
     tokens = [r["generated_tokens"] for r in measured if r.get("generated_tokens") is not None]
     valid = (complete["status"] == "completed" and len(measured) == expected_reps and not invalid
-             and len(walls) == expected_reps)
+             and len(walls) == expected_reps and not problems)
     cell: dict[str, Any] = dict(meta)
     cell.update({"status": complete["status"], "valid": valid, "invalid_repetitions": invalid,
                  "measured_repetitions": len(measured), "wall_s": walls,
                  "warmup_wall_s": [r["wall_s"] for r in reps if r["warmup"] and r.get("wall_s") is not None]})
     if not valid:
         cell["invalid_reason"] = ("cell " + complete["status"] if complete["status"] != "completed" else
+                                  "; ".join(problems) if problems else
                                   f"{len(measured)} measured repetitions, {len(invalid)} invalid")
+    if earlier is not None:
+        cell["segments"] = earlier[1]
     if walls and tokens:
         median_wall = _median(walls)
         generated = _median(tokens)
@@ -87,7 +145,13 @@ def _cell_from_attempt(meta: dict[str, Any], reps: list[dict[str, Any]], complet
                    if r.get("memory", {}).get("torch", {}).get("status") == "measured"]
     torch_alloc = [r["memory"]["torch"].get("peak_allocated_bytes") for r in measured
                    if r.get("memory", {}).get("torch", {}).get("status") == "measured"]
-    nvml = complete.get("nvml_cell") or {}
+    nvml = dict(complete.get("nvml_cell") or {})
+    if earlier is not None:  # an assembled cell: the largest peak of its segments
+        peaks = [*earlier[3], _segment_peak(complete, reps)]
+        if all(p is not None for p in peaks):
+            nvml["peak_process_tree_bytes"] = max(peaks)
+        else:
+            nvml = {"status": "not_measured", "reason": "a segment has no NVML process-tree peak"}
     cell["memory"] = {
         "torch_peak_reserved_bytes": max(torch_peaks) if torch_peaks else None,
         "torch_peak_allocated_bytes": max(torch_alloc) if torch_alloc else None,
@@ -99,6 +163,27 @@ def _cell_from_attempt(meta: dict[str, Any], reps: list[dict[str, Any]], complet
     cell["phases"] = {name: _phase(measured, name) for name in ("prefill_s", "decode_s", "ttft_s")} \
         if measured else {}
     return cell
+
+
+def _segments_index(raw_files: list[dict[str, Any]]) -> dict[tuple[str, str, int, str], dict[str, Any]]:
+    """(backend, run id, attempt, cell) -> reps, end record, file identity, path: every attempt of
+    every accepted file, for assembling continued cells."""
+    index = {}
+    for raw in raw_files:
+        if not raw["accepted"] or not raw["records"]:
+            continue
+        identity = raw["records"][0].get("measurement_identity_sha256")
+        for record in raw["records"]:
+            kind = record.get("record")
+            if kind not in ("cell_start", "repetition", "cell_complete", "cell_suspended"):
+                continue
+            key = (raw["backend"], raw["run_id"], record["attempt"], record["cell_id"])
+            entry = index.setdefault(key, {"reps": [], "end": None, "identity": identity, "path": raw["path"]})
+            if kind == "repetition":
+                entry["reps"].append(record)
+            elif kind != "cell_start":
+                entry["end"] = record
+    return index
 
 
 def _attempts(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -143,9 +228,14 @@ def aggregate_cells(prereg: dict[str, Any], raw_files: list[dict[str, Any]]) -> 
                 target = completed if attempt["complete"]["status"] == "completed" else failed
                 target[(raw["backend"], cell_id)] = (raw["path"], attempt)
     chosen = dict(failed) | completed  # a completed attempt anywhere beats every failed one
+    index = _segments_index(raw_files)
+    identities = {raw["path"]: raw["records"][0].get("measurement_identity_sha256")
+                  for raw in raw_files if raw["accepted"] and raw["records"]}
     cells = []
     for (backend, cell_id), (path, attempt) in sorted(chosen.items()):
-        cell = _cell_from_attempt(meta[cell_id], attempt["reps"], attempt["complete"], expected)
+        earlier = (_assemble(backend, cell_id, attempt, identities.get(path), index)
+                   if attempt["start"].get("continues") else None)
+        cell = _cell_from_attempt(meta[cell_id], attempt["reps"], attempt["complete"], expected, earlier)
         cell.update({"backend": backend, "raw_file": path, "attempt": attempt["attempt"]})
         cells.append(cell)
     for summary in summaries:

@@ -8,8 +8,10 @@ preregistration), 1 means a check ran and failed, 3 means a resume from another 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -101,7 +103,20 @@ def cmd_measure(args: argparse.Namespace) -> int:
     spec, study, workload = validate_parameters(backend=args.backend, params=args.params, campaign=args.campaign,
                                                 cells=args.cells, run_id=args.run_id,
                                                 output_dir=args.output_dir, device=args.device)
+    if args.deadline_unix is not None or args.estimates_json:
+        if not args.direct:
+            raise CommandError("deadline-unix/estimates-json: only with --direct (the campaign driver's workers)")
+        try:
+            estimates = json.loads(args.estimates_json or "{}")
+        except ValueError as exc:
+            raise CommandError(f"estimates-json: not JSON ({exc})") from None
+        if not isinstance(estimates, dict) or not all(isinstance(v, (int, float)) for v in estimates.values()):
+            raise CommandError("estimates-json: expected an object of cell id -> seconds per repetition")
+        spec = dataclasses.replace(spec, deadline_unix=args.deadline_unix, estimates_s=estimates)
     if args.direct:
+        # SIGTERM (a driver stopping, a lease ending) unwinds like Ctrl-C: teardown is recorded and the
+        # file sealed; a cell cut mid-way stays a segment that the next run continues
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         print(f"raw file: {spec.path}", file=sys.stderr)
         for summary in run(spec, study, workload):
             print(json.dumps(summary.row(), sort_keys=True), flush=True)
@@ -124,12 +139,13 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_missing(args: argparse.Namespace) -> int:
-    from rollout_lib.measure.runner import missing_cells
+    from rollout_lib.evidence.publish import campaign_cells
     from rollout_lib.study.prereg import load
 
-    study = load(args.params)
-    for backend, cells in missing_cells(study, args.campaign, args.output_dir).items():
-        print(f"{backend}: {len(cells)} missing" + (f": {', '.join(cells)}" if cells else ""))
+    for backend, cells in campaign_cells(load(args.params), args.campaign, Path(args.output_dir)).items():
+        todo = cells["to_measure"]
+        print(f"{backend}: {len(todo)} to measure ({len(cells['missing'])} missing, {len(cells['invalid'])} invalid), "
+              f"{len(cells['valid'])} valid" + (f": {', '.join(todo)}" if todo else ""))
     return 0
 
 
@@ -239,6 +255,39 @@ def cmd_seal(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_campaign(args: argparse.Namespace) -> int:
+    from rollout_lib.campaign import driver
+    from rollout_lib.study.prereg import load
+
+    study = load(args.params)
+    output_dir = Path(args.output_dir)
+    if args.campaign_command == "status":
+        print(driver.status(study, args.campaign, output_dir, args.backend))
+        return 0
+    if args.backend not in ("hf_reference", "hf_cached", "vllm"):
+        raise CommandError(f"backend: {args.backend!r} is not allowed; allowed: hf_reference, hf_cached, vllm")
+    if args.deadline_s <= 0:
+        raise CommandError(f"deadline-s: {args.deadline_s} is not allowed; a positive number of seconds")
+    cells = [c.strip() for c in args.cells.split(",") if c.strip()] or None
+    if args.campaign_command == "plan":
+        gpus = args.gpus or max(1, len(driver.visible_gpus()))
+        the_plan, calibration = driver.make_plan(study, args.campaign, args.backend, output_dir, gpus,
+                                                 args.deadline_s, cells)
+        print(driver.format_plan(the_plan, calibration))
+        return 0
+    if args.detach:
+        log = driver.campaign_dir(output_dir, args.campaign) / "logs" / f"{args.backend}-driver-{_utc_stamp()}.log"
+        argv = ["campaign", "run", "--campaign", args.campaign, "--backend", args.backend, "--params", args.params,
+                "--output-dir", str(output_dir), "--deadline-s", repr(args.deadline_s)]
+        argv += (["--gpus", str(args.gpus)] if args.gpus else []) + (["--cells", args.cells] if args.cells else [])
+        pid = driver.detach(argv, log)
+        print(f"campaign driver started detached: pid {pid}; log {log}; "
+              f"poll with: rollout campaign status --campaign {args.campaign}")
+        return 0
+    return driver.run_campaign(study, args.campaign, args.backend, output_dir, gpus=args.gpus,
+                               deadline_s=args.deadline_s, cells=cells)
+
+
 def cmd_source_stamp(args: argparse.Namespace) -> int:
     from rollout_lib.measure.identity import SOURCE_STAMP, write_source_stamp
 
@@ -304,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="", help="'' (auto), cpu, cuda or cuda:N")
     p.add_argument("--direct", action="store_true",
                    help="run in this process, no notebook (prints one JSON line per cell)")
+    p.add_argument("--deadline-unix", type=float, default=None,
+                   help="(campaign workers) start no repetition that would end after this UNIX time")
+    p.add_argument("--estimates-json", default="", help="(campaign workers) {cell id: seconds per repetition}")
     p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("missing",
@@ -345,6 +397,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_refresh)
 
+    campaign = sub.add_parser("campaign", help="a campaign over GPU leases: plan, run (detachable), status; "
+                                               "raw files as measure, driver state under <output-dir>/campaigns/")
+    csub = campaign.add_subparsers(dest="campaign_command", required=True, metavar="ACTION")
+    for action, text in (("plan", "print the longest-first schedule of what is missing, with estimates"),
+                         ("run", "measure what is missing: one process per GPU, bounded by --deadline-s"),
+                         ("status", "done / running / to-measure cells, current cell and repetition, ETA")):
+        p = csub.add_parser(action, help=text)
+        _common(p, campaign=True, output_dir=True)
+        p.add_argument("--backend", default=None if action == "status" else "hf_reference",
+                       help="hf_reference, hf_cached or vllm")
+        if action != "status":
+            p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 1 on a CPU)")
+            p.add_argument("--deadline-s", type=float, default=1500.0,
+                           help="seconds from now after which no repetition may end (default 1500)")
+            p.add_argument("--cells", default="", help="restrict to these cell ids (default: all to measure)")
+        if action == "run":
+            p.add_argument("--detach", action="store_true", help="run in its own process session and return")
+        p.set_defaults(func=cmd_campaign)
+
     p = sub.add_parser("seal", help="seal raw files whose run will not be resumed (writer dead), or older finished "
                                     "files, into SEALS.jsonl beside them (appends; refuses a live writer)")
     p.add_argument("paths", nargs="+", help="raw .jsonl files or evidence .json files")
@@ -361,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from rollout_lib.backends.base import UnknownBackendError
     from rollout_lib.core import CanonicalJSONError
+    from rollout_lib.measure.campaign_files import CampaignGPUMismatch
     from rollout_lib.measure.rawfile import RawFileError, RawSealed, SealError, WriterBusy
     from rollout_lib.measure.runner import ParameterError
     from rollout_lib.models.synthetic import DigestMismatchError
@@ -370,7 +442,8 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
 
     return (CommandError, StrictLoadError, ParameterError, UnknownBackendError, UnknownCellError,
             UnknownArchitectureError, DigestMismatchError, CanonicalJSONError, FileNotFoundError, FileExistsError,
-            IsADirectoryError, UnicodeDecodeError, RawFileError, RawSealed, SealError, WriterBusy)
+            IsADirectoryError, UnicodeDecodeError, RawFileError, RawSealed, SealError, WriterBusy,
+            CampaignGPUMismatch)
 
 
 def main(argv: list[str] | None = None) -> int:

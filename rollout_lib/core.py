@@ -8,10 +8,14 @@ text, UTF-8, no NaN/Infinity).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +89,27 @@ def write_json_atomic(path: str | os.PathLike[str], value: Any, *, overwrite: bo
         os.fsync(handle.fileno())
     os.replace(tmp, target)
     return sha256_bytes(data)
+
+
+def build_directory_once(out: str | os.PathLike[str], build: Callable[[Path], Any]) -> bool:
+    """Build the cache directory `out` safely under concurrent builders (two GPU shards, say).
+
+    `build(tmp)` fills a unique temporary sibling; one atomic rename publishes it. If another builder
+    renamed first, its directory is kept and this one's is removed. Returns True when this call's
+    build was published. A reader never sees a half-built `out`.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, out)
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and out.is_dir():
+                return False  # another builder won the race; both built the same bytes
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

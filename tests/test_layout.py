@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "rollout_lib"
-LAYERS = ("core", "study", "models", "backends", "measure", "checks", "evidence", "report", "cli")
+LAYERS = ("core", "study", "models", "backends", "measure", "checks", "evidence", "campaign", "report", "cli")
 
 
 def module_name(path: Path) -> str:
@@ -114,7 +114,7 @@ def test_console_script_help_names_every_subcommand():
     out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "--help"], capture_output=True, text=True,
                          check=True, cwd=REPO).stdout
     for command in ("prereg", "models", "measure", "missing", "publish", "check", "report", "conformance",
-                    "refresh"):
+                    "refresh", "campaign", "seal"):
         assert f"    {command}" in out, command
 
 

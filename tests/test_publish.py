@@ -76,7 +76,9 @@ def test_check_fails_on_a_one_character_calculator_change(campaign):
     study, out, calc = campaign
     publish(study, "pub", out)
     text = calc.read_text()
-    calc.write_text(text.replace("CALCULATOR_VERSION = 2", "CALCULATOR_VERSION = 3"))
+    changed = text.replace("CALCULATOR_VERSION = ", "CALCULATOR_VERSION = 1 + ", 1)
+    assert changed != text
+    calc.write_text(changed)
     with pytest.raises(CalculatorHashMismatch, match="refusing"):
         check(study, "pub", out)
     with pytest.raises(CalculatorHashMismatch):

@@ -19,7 +19,6 @@ from rollout_lib.measure.runner import (
     RawIdentityDrift,
     _same_run,
     check_repetition,
-    missing_cells,
     run,
     validate_parameters,
 )
@@ -185,14 +184,3 @@ def test_resume_refuses_identity_drift(smoke_study, tmp_path):
     with pytest.raises(RawIdentityDrift, match="RTX 4080"):
         RawWriter(drifted).open(new_header, same_run=_same_run)
     assert drifted.read_text() == json.dumps(header) + "\n"  # untouched
-
-
-def test_missing_cells_helper(smoke_study, tmp_path):
-    spec, study, workload = validate_parameters(backend="hf_cached", params=str(SMOKE), campaign="slice",
-                                                cells=["p16-r8-n2-greedy", "p16-r8-n1-greedy"],
-                                                output_dir=str(tmp_path), run_id="a")
-    list(run(spec, study, workload, backend_factory=lambda: _OOMOnceBackend(study)))
-    missing = missing_cells(study, "slice", tmp_path)
-    assert "p16-r8-n2-greedy" not in missing["hf_cached"]
-    assert "p16-r8-n1-greedy" in missing["hf_cached"]  # failed (OOM) cells are not complete measurements
-    assert len(missing["hf_cached"]) == 15 and len(missing["hf_reference"]) == 16

@@ -39,6 +39,7 @@ from rollout_lib.measure.rawfile import (
     read_seals,
 )
 from rollout_lib.study.prereg import CALCULATOR_PENDING, Preregistration, text_with_calculator_pin
+from rollout_lib.study.workload import Workload
 
 
 class CalculatorHashMismatch(RuntimeError):
@@ -188,6 +189,22 @@ def derive(study: Preregistration, campaign: str, output_dir: Path) -> tuple[byt
     aggregate = calculator.compute_aggregate(prereg, campaign=campaign, preregistration_sha256=study.sha256,
                                              calculator_sha256=calculator_sha, **inputs)
     return canonical_json_bytes(aggregate), aggregate
+
+
+def campaign_cells(study: Preregistration, campaign: str, output_dir: Path = OUTPUTS_DIR
+                   ) -> dict[str, dict[str, list[str]]]:
+    """Per backend: cells `valid`, `invalid`, `missing` and `to_measure` (invalid + missing, in workload
+    order), by the frozen calculator's own definition: the same derive as publish, so `missing` and
+    the report always agree."""
+    _, aggregate = derive(study, campaign, Path(output_dir))
+    order = Workload(study).cell_ids()
+    out = {}
+    for backend in sorted(aggregate["missing_cells"]):
+        invalid, missing = aggregate["invalid_cells"][backend], aggregate["missing_cells"][backend]
+        valid = [c["cell_id"] for c in aggregate["cells"] if c["backend"] == backend and c["valid"]]
+        out[backend] = {"valid": valid, "invalid": invalid, "missing": missing,
+                        "to_measure": [c for c in order if c in set(invalid) | set(missing)]}
+    return out
 
 
 def aggregate_path(output_dir: Path, campaign: str) -> Path:

@@ -6,6 +6,8 @@ its measurement-relevant part (see `runner.identity_key`).
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import platform
 import subprocess
@@ -121,17 +123,70 @@ def environment_identity(*, model_digests: dict[str, str] | None = None,
     }
 
 
-def identity_key(environment: dict[str, Any]) -> dict[str, Any]:
-    """The part of the environment a resumed run must share with the file's header.
-
-    The preregistration enters through its measurement hash (the text with the calculator pin
-    reading `pending`): a calculator repin changes no measurement. Files from before that field
-    existed were bound to the `pending` text itself, which is the same hash.
-    """
+def gpu_key(environment: dict[str, Any]) -> dict[str, Any]:
+    """The GPU a campaign is bound to: model and driver (`not_applicable` on a CPU)."""
     gpu = environment.get("gpu", {})
-    return {"source": {k: environment.get("source", {}).get(k) for k in ("source_commit", "source_dirty")},
-            "python": environment.get("python"), "packages": environment.get("packages"),
-            "gpu": {k: gpu.get(k) for k in ("name", "driver", "cuda_runtime", "status")},
+    return {k: gpu.get(k) for k in ("status", "name", "driver")}
+
+
+def identity_key(environment: dict[str, Any], code_sha256: str | None = None) -> dict[str, Any]:
+    """The measurement identity: what a resumed run or a continued cell must share with earlier
+    segments. GPU model and driver, Python and packages, model digests, the preregistration's
+    measurement hash (the text with the calculator pin reading `pending`: a calculator repin
+    changes no measurement) and the digest of the measurement code. Not the source commit (it is
+    recorded beside it): a commit that touches only the report, the docs or another backend
+    leaves a half-measured cell continuable.
+    """
+    return {"python": environment.get("python"), "packages": environment.get("packages"),
+            "gpu": {k: environment.get("gpu", {}).get(k) for k in ("name", "driver", "cuda_runtime", "status")},
             "model_digests": environment.get("model_digests"),
             "preregistration": environment.get("preregistration_measurement_sha256",
-                                               environment.get("preregistration_sha256"))}
+                                               environment.get("preregistration_sha256")),
+            "measurement_code_sha256": code_sha256}
+
+
+def identity_sha256(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _module_file(module: str) -> Path | None:
+    base = REPO_ROOT / Path(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_modules(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("rollout_lib")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rollout_lib"):
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names if _module_file(f"{node.module}.{a.name}")}
+    return found
+
+
+def measurement_code(modules: tuple[str, ...]) -> dict[str, Any]:
+    """The source files a measurement imports (transitively, statically: every import statement,
+    including those inside functions) and one SHA-256 over their paths and bytes."""
+    seen: set[str] = set()
+    stack = list(modules)
+    while stack:
+        module = stack.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        stack += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages run too
+        path = _module_file(module)
+        if path is not None:
+            stack += sorted(_imported_modules(path) - seen)
+    files = {}
+    for module in sorted(seen):
+        path = _module_file(module)
+        if path is not None:
+            files[path.relative_to(REPO_ROOT).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {"entry_modules": list(modules), "files": files, "sha256": digest}

@@ -34,13 +34,14 @@ from typing import Any
 
 from rollout_lib.backends import create_backend, known_backends
 from rollout_lib.backends.base import Backend, BatchResult, ServerDied
-from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, sha256_bytes
-from rollout_lib.measure.identity import environment_identity, identity_key
+from rollout_lib.core import REPO_ROOT, sha256_bytes
+from rollout_lib.measure.campaign_files import Continuation, check_campaign_gpu, find_continuations
+from rollout_lib.measure.identity import environment_identity, identity_key, identity_sha256, measurement_code
 from rollout_lib.measure.memory import NVML_INTERVAL_S, NVML_TREE_REFRESH_S, CellMemory
-from rollout_lib.measure.rawfile import RawWriter, read_raw
+from rollout_lib.measure.rawfile import RawWriter
 from rollout_lib.measure.timing import PhaseTimer
 from rollout_lib.models.policy import PolicyIdentityMismatch, policy_versions
-from rollout_lib.study.prereg import BACKEND_NAMES, Preregistration, load
+from rollout_lib.study.prereg import Preregistration, load
 from rollout_lib.study.workload import Cell, GenerationRequest, Workload
 
 RAW_SCHEMA = 1
@@ -49,6 +50,10 @@ RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 IMPLEMENTED_RULES = ("INV-WARMUP", "INV-OOM", "INV-IDENTITY", "INV-TOKEN-COUNT", "INV-BUDGET",
                      "INV-FOREIGN-GPU-PROCESS", "INV-SERVER-DIED", "INV-TIME")
 MEASUREMENT_POLICY_VERSION = 1
+# A repetition starts only when its expected time (the larger of the estimate and the last one seen)
+# times this factor, plus the margin (teardown, seal, copying the file back), ends before the deadline.
+DEADLINE_SAFETY = 1.15
+DEADLINE_MARGIN_S = 20.0
 
 
 class ParameterError(ValueError):
@@ -76,6 +81,8 @@ class RunSpec:
     run_id: str
     output_dir: str
     device: str | None
+    deadline_unix: float | None = None  # no repetition starts that would end after this (time.time())
+    estimates_s: dict[str, float] | None = None  # per cell: expected seconds of one repetition
 
     @property
     def path(self) -> Path:
@@ -136,7 +143,8 @@ def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any 
 
 def _same_run(old: dict[str, Any], new: dict[str, Any]) -> None:
     """A resume must come from the same environment and name the same campaign/backend/run."""
-    before, now = identity_key(old["environment"]), identity_key(new["environment"])
+    before = identity_key(old["environment"], (old.get("measurement_code") or {}).get("sha256"))
+    now = identity_key(new["environment"], (new.get("measurement_code") or {}).get("sha256"))
     if before != now:
         diff = {k: (before[k], now.get(k)) for k in before if before[k] != now.get(k)}
         raise RawIdentityDrift(f"resuming from another environment is refused (file vs now): "
@@ -225,17 +233,26 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
     environment = environment_identity(
         model_digests={"actor": study.actor.payload_digest, "teacher": study.teacher.payload_digest},
         preregistration_sha256=study.sha256, preregistration_measurement_sha256=study.measurement_sha256)
+    # the source files this measurement imports: continuation is bound to them, not to the commit
+    code = measurement_code(("rollout_lib.measure.runner", type(backend).__module__))
+    key = identity_key(environment, code["sha256"])
+    campaign_dir = Path(spec.output_dir) / "raw" / spec.campaign
+    check_campaign_gpu(campaign_dir, environment, spec.campaign)  # before anything is written
     header = {"record": "header", "schema": RAW_SCHEMA, "campaign": spec.campaign, "backend": spec.backend,
               "run_id": spec.run_id, "preregistered": study.preregistered, "study_id": study.study_id,
               "params_path": os.path.relpath(spec.params_path, REPO_ROOT), "environment": environment,
               "preregistration": {"sha256": study.sha256, "measurement_sha256": study.measurement_sha256,
                                   "calculator_pin": study.calculator.sha256},
+              "measurement_identity": key, "measurement_identity_sha256": identity_sha256(key),
+              "measurement_code": code,
               "protocol": {"warmup_repetitions": study.protocol.warmup_repetitions,
                            "measured_repetitions": study.protocol.measured_repetitions,
                            "measured_partition": list(study.workload.measured_partition)},
               "instrumentation": {"nvml_sampler": {"per": "cell", "interval_s": NVML_INTERVAL_S,
                                                    "tree_refresh_s": NVML_TREE_REFRESH_S},
                                   "timer": "perf_counter, device synchronized at both ends"}}
+    if spec.deadline_unix is not None:
+        header["deadline_unix"] = spec.deadline_unix
     writer = RawWriter(spec.path)
     existing = writer.open(header, same_run=_same_run)
     done = completed_cells(existing)
@@ -253,6 +270,8 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
         writer.append({"record": "run_end", "reason": "every selected cell already complete"})
         writer.seal(ended="complete")
         return
+    continuations = find_continuations(spec.path.parent, identity_sha256(key), [c.cell_id for c in todo],
+                                       current=spec.path)
     try:
         cold = backend.cold_start()
         writer.append({"record": "cold_start", "cold_start_s": cold.to_json(),
@@ -269,7 +288,7 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
                        "policy_sync_s": {"status": "measured", "seconds": sync_timer.seconds}})
         for cell in todo:
             summary = _run_cell(cell, spec, study, workload, backend, writer, policy.identity, device,
-                                attempts.get(cell.cell_id, 0), on_progress)
+                                attempts.get(cell.cell_id, 0), on_progress, continuations.get(cell.cell_id))
             yield summary
     finally:
         sealed = False
@@ -284,21 +303,45 @@ def run(spec: RunSpec, study: Preregistration, workload: Workload, *,
                 writer.close()
 
 
+def _fits(spec: RunSpec, estimate_s: float | None) -> bool:
+    """Whether a repetition expected to take `estimate_s` ends before the deadline (no deadline: yes)."""
+    if spec.deadline_unix is None or estimate_s is None:
+        return True
+    return time.time() + estimate_s * DEADLINE_SAFETY + DEADLINE_MARGIN_S <= spec.deadline_unix
+
+
 def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workload, backend: Backend,
               writer: RawWriter, identity: str, device, attempt: int,
-              on_progress: Callable[[str, int, int], None] | None) -> CellSummary:
+              on_progress: Callable[[str, int, int], None] | None,
+              continuation: Continuation | None = None) -> CellSummary:
     import torch
 
     requests = workload.requests(cell)
     warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
-    writer.append({"record": "cell_start", "cell_id": cell.cell_id, "attempt": attempt, "requests": len(requests),
-                   "prompt_tokens": cell.prompt_tokens, "response_tokens": cell.response_tokens,
-                   "samples_per_prompt": cell.samples_per_prompt, "sampling": cell.sampling.name})
+    todo_indices = [i for i in range(measured) if continuation is None or i not in continuation.done]
+    estimate = (spec.estimates_s or {}).get(cell.cell_id)
+    if not _fits(spec, None if estimate is None else estimate * (warmups + 1)):
+        writer.append({"record": "cell_skipped", "cell_id": cell.cell_id, "reason": "deadline",
+                       "estimate_s_per_repetition": estimate})
+        return CellSummary(cell.cell_id, "skipped (deadline)", [], None, 0, None)
+    start = {"record": "cell_start", "cell_id": cell.cell_id, "attempt": attempt, "requests": len(requests),
+             "prompt_tokens": cell.prompt_tokens, "response_tokens": cell.response_tokens,
+             "samples_per_prompt": cell.samples_per_prompt, "sampling": cell.sampling.name}
+    if continuation is not None:  # a fresh cold start and warmup, then the remaining repetitions
+        start["continues"] = [s.to_json() for s in continuation.chain]
+        start["measured_indices_to_do"] = todo_indices
+    writer.append(start)
     walls, valid_count, generated, status = [], 0, None, "completed"
+    own_indices: list[int] = []
     started = time.perf_counter()
+    plan = [None] * warmups + todo_indices  # None = warmup
+    last_wall = 0.0
     with CellMemory(device) as memory:
-        for index in range(warmups + measured):
-            warmup = index < warmups
+        for index, measured_index in enumerate(plan):
+            warmup = measured_index is None
+            if index > 0 and not _fits(spec, max(estimate or 0.0, last_wall)):
+                status = "suspended"
+                break
             batch, error, wall = None, None, None
             if memory.nvml is not None:
                 memory.nvml.start_window()
@@ -308,6 +351,7 @@ def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workl
                 wall = timer.seconds
             except (torch.OutOfMemoryError, ServerDied, PolicyIdentityMismatch) as exc:
                 error = exc
+            last_wall = wall or 0.0
             window = memory.nvml.window_json() if memory.nvml is not None else _CPU_WINDOW
             snap = memory.snapshot()
             peak_reserved = snap["torch"].get("peak_reserved_bytes")
@@ -324,9 +368,11 @@ def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workl
                       "policy_identity": identity, "memory": snap, "nvml_repetition": window,
                       "requests": [_request_summary(q, r) for q, r in zip(requests, batch.results, strict=True)]
                       if batch else None}
+            if not warmup:
+                record["measured_index"] = measured_index
             writer.append(record)
             if on_progress:
-                on_progress(cell.cell_id, index + 1, warmups + measured)
+                on_progress(cell.cell_id, index + 1, len(plan))
             if error is not None:
                 status = "failed"
                 if isinstance(error, torch.OutOfMemoryError):
@@ -340,12 +386,23 @@ def _run_cell(cell: Cell, spec: RunSpec, study: Preregistration, workload: Workl
                 break  # no downshift is preregistered: the cell fails and stays in the record
             if not warmup:
                 walls.append(wall)
+                own_indices.append(measured_index)
                 generated = batch.generated_tokens
                 valid_count += not reasons
         final = memory.snapshot()
-    writer.append({"record": "cell_complete", "cell_id": cell.cell_id, "attempt": attempt, "status": status,
-                   "elapsed_s": time.perf_counter() - started, "memory": final,
-                   "nvml_cell": memory.nvml.to_json() if memory.nvml else final["nvml"]})
+    nvml_cell = memory.nvml.to_json() if memory.nvml else final["nvml"]
+    if status == "suspended":  # kept for the next process: it continues with the next repetition
+        writer.append({"record": "cell_suspended", "cell_id": cell.cell_id, "attempt": attempt,
+                       "reason": "deadline", "measured_indices_done": own_indices,
+                       "elapsed_s": time.perf_counter() - started, "memory": final, "nvml_cell": nvml_cell})
+        return CellSummary(cell.cell_id, "suspended (deadline)", walls, generated, valid_count,
+                           final["torch"].get("peak_reserved_bytes"))
+    complete = {"record": "cell_complete", "cell_id": cell.cell_id, "attempt": attempt, "status": status,
+                "elapsed_s": time.perf_counter() - started, "memory": final, "nvml_cell": nvml_cell}
+    if continuation is not None:
+        complete["segments"] = [*start["continues"], {"run_id": spec.run_id, "attempt": attempt,
+                                                      "measured_indices": own_indices}]
+    writer.append(complete)
     return CellSummary(cell.cell_id, status, walls, generated, valid_count, final["torch"].get("peak_reserved_bytes"))
 
 
@@ -355,23 +412,6 @@ _CPU_WINDOW = {"status": "not_applicable", "reason": "CPU run: no GPU memory", "
 # ------------------------------------------------------------------------------------------
 # Campaign slices and profiling
 # ------------------------------------------------------------------------------------------
-
-def missing_cells(study: Preregistration, campaign: str, output_dir: str | Path = OUTPUTS_DIR,
-                  backends: tuple[str, ...] = BACKEND_NAMES) -> dict[str, list[str]]:
-    """Cells of the campaign without a completed record in any raw file, per backend."""
-    all_cells = Workload(study).cell_ids()
-    out = {}
-    for backend in backends:
-        done: set[str] = set()
-        folder = Path(output_dir) / "raw" / campaign / backend
-        for path in sorted(folder.glob("*.jsonl")):
-            records, _ = read_raw(path)
-            if records and records[0].get("environment", {}).get("preregistration_sha256") == study.sha256:
-                done |= {r["cell_id"] for r in records if r.get("record") == "cell_complete"
-                         and r.get("status") == "completed"}
-        out[backend] = [c for c in all_cells if c not in done]
-    return out
-
 
 def profile_cell(backend: Backend, requests: list[GenerationRequest], trace_path: Path,
                  row_limit: int = 25) -> tuple[str, Path]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollout_lib.core import build_directory_once
 from rollout_lib.models.synthetic import load_causal_lm
 
 if TYPE_CHECKING:
@@ -180,12 +181,14 @@ def write_mirror_snapshot(snapshot_dir: str, quant: QuantizationSpec, out_dir: s
             raise RuntimeError(f"{key}: no matching tensor in {snapshot_dir}")
         tensors[key] = weight.to("cpu", torch.bfloat16).contiguous()
     del nf4
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(snapshot_dir) / name, tmp / name)
     digest = payload_digest_of_tensors(tensors)
-    (tmp / "rollout_mirror.json").write_text(f'{{"mirror_payload_digest": "{digest}", "source": "{snapshot_dir}"}}\n')
-    tmp.rename(out)
+
+    def build(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(snapshot_dir) / name, tmp / name)
+        (tmp / "rollout_mirror.json").write_text(f'{{"mirror_payload_digest": "{digest}", '
+                                                 f'"source": "{snapshot_dir}"}}\n')
+
+    build_directory_once(out, build)  # concurrent shards: one atomic rename wins, the other is dropped
     return digest

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollout_lib.core import REPO_ROOT
+from rollout_lib.core import REPO_ROOT, build_directory_once
 from rollout_lib.study.arch import INIT_STD, QWEN3_SPECIAL_TOKENS, Qwen3Arch, get_architecture
 from rollout_lib.study.seeds import tensor_stream
 
@@ -220,15 +220,11 @@ def ensure_snapshot(arch_name: str, seed: int, logit_scale: float, expected_dige
     arch_key = hashlib.sha256(json.dumps(arch.hf_config(), sort_keys=True).encode()).hexdigest()[:10]
     out = root / f"{arch.name}-{arch_key}-seed{seed}-scale{stored_scale!r}"
     marker = out / "rollout_synthetic.json"
-    if marker.exists():
-        recorded = json.loads(marker.read_text())
-        info = SnapshotInfo(path=str(out), arch=arch.name, seed=seed, logit_scale=stored_scale,
-                            payload_digest=recorded["payload_digest"])
-    else:
-        tmp = out.with_name(out.name + ".partial")
-        info = build_snapshot(arch, seed, tmp, stored_scale)
-        tmp.rename(out)
-        info = SnapshotInfo(**(asdict(info) | {"path": str(out)}))
+    if not marker.exists():  # unique temp dir + atomic rename: safe with concurrent builders
+        build_directory_once(out, lambda tmp: build_snapshot(arch, seed, tmp, stored_scale))
+    recorded = json.loads(marker.read_text())
+    info = SnapshotInfo(path=str(out), arch=arch.name, seed=seed, logit_scale=stored_scale,
+                        payload_digest=recorded["payload_digest"])
     if expected_digest is not None and info.payload_digest != expected_digest:
         raise DigestMismatchError(
             f"synthetic {arch.name} (seed {seed}, logit scale {stored_scale}) has payload digest "

@@ -1,0 +1,353 @@
+"""Campaign driver: what is still missing, scheduled longest-first over the visible GPUs, one measuring
+process per GPU, bounded by a deadline, resumable across GPU leases.
+
+    rollout campaign plan   --campaign h200-v2 --backend hf_reference --gpus 2 --deadline-s 1500
+    rollout campaign run    --campaign h200-v2 --backend hf_reference --gpus 2 --deadline-s 1500 [--detach]
+    rollout campaign status --campaign h200-v2 [--backend hf_reference]
+
+`run` reads the cells still to measure (the frozen calculator's definition, as `rollout missing`),
+estimates each (a prior per backend, calibrated by the median observed/prior ratio of earlier raw
+files on the same GPU model) and plans them longest-first onto the least-loaded GPU. Each GPU gets
+one `rollout measure --direct` process (`CUDA_VISIBLE_DEVICES=<gpu>`, its own run id and raw file,
+the deadline and the estimates); the runner starts no repetition that would end after the deadline
+and leaves a cut cell as a segment that the next lease continues. The driver itself never touches
+CUDA (a CUDA context in it would be a foreign GPU process to the workers' NVML check).
+
+State lives in `<output-dir>/campaigns/<campaign>/<backend>-driver.json` (workers, pids, plan) and
+logs beside it; `status` reads that and the raw files: done / running / to-measure cells, the
+current cell and repetition of each worker, and an ETA. `--detach` starts the driver in its own
+process session (it outlives the command that started it) and returns at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.campaign.schedule import (
+    COLD_START_S,
+    DEFAULT_COLD_START_S,
+    CellCost,
+    Plan,
+    calibration_ratio,
+    model_repetition_s,
+    plan,
+)
+from rollout_lib.core import REPO_ROOT, write_json_atomic
+from rollout_lib.evidence.publish import campaign_cells
+from rollout_lib.measure.campaign_files import find_continuations
+from rollout_lib.measure.rawfile import RawFileError, live_holder, read_raw
+from rollout_lib.study.prereg import Preregistration
+from rollout_lib.study.workload import Workload
+
+POLL_S = 5.0
+
+
+def _utc_stamp() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def campaign_dir(output_dir: Path, campaign: str) -> Path:
+    return Path(output_dir) / "campaigns" / campaign
+
+
+def state_path(output_dir: Path, campaign: str, backend: str) -> Path:
+    return campaign_dir(output_dir, campaign) / f"{backend}-driver.json"
+
+
+def visible_gpus() -> list[int]:
+    """GPU indices this machine shows (NVML, no CUDA context); [] on a CPU-only machine."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [int(x) for x in env.split(",") if x.strip().isdigit()]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return list(range(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return []
+
+
+def local_gpu_name() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            return name.decode() if isinstance(name, bytes) else name
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def _raw_records(path: Path) -> list[dict[str, Any]]:
+    try:
+        return read_raw(path)[0]
+    except (OSError, RawFileError):
+        return []
+
+
+def estimate_costs(study: Preregistration, backend: str, cells: list[str], output_dir: Path
+                   ) -> tuple[list[CellCost], dict[str, Any]]:
+    """Per cell: seconds per repetition (prior x calibration) and the repetitions still to do."""
+    workload = Workload(study)
+    rows = study.workload.logical_prompts
+    warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
+
+    def prior(cell_id: str) -> float:
+        cell = workload.cell(cell_id)
+        return model_repetition_s(backend, cell.prompt_tokens, cell.response_tokens,
+                                  rows * cell.samples_per_prompt, cell.sampling.name)
+
+    gpu_name = local_gpu_name()
+    pairs, sources = [], set()
+    known = set(workload.cell_ids())
+    for path in sorted((Path(output_dir) / "raw").glob(f"*/{backend}/*.jsonl")):
+        records = _raw_records(path)
+        if not records or (records[0].get("environment", {}).get("gpu", {}).get("name") != gpu_name):
+            continue
+        for record in records:
+            if record.get("record") == "repetition" and record.get("wall_s") and record.get("cell_id") in known:
+                pairs.append((record["wall_s"], prior(record["cell_id"])))
+                sources.add(str(path.relative_to(output_dir)))
+    ratio = calibration_ratio(pairs)
+    costs = [CellCost(c, prior(c) * ratio, warmups + measured) for c in cells]
+    return costs, {"calibration_ratio": ratio, "calibration_repetitions": len(pairs),
+                   "calibration_gpu": gpu_name, "calibration_files": sorted(sources)}
+
+
+def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int,
+              deadline_s: float, cells: list[str] | None = None) -> tuple[Plan, dict[str, Any]]:
+    todo = cells if cells is not None else campaign_cells(study, campaign, output_dir)[backend]["to_measure"]
+    costs, calibration = estimate_costs(study, backend, todo, output_dir)
+    # a cell cut off earlier costs only its remaining repetitions (plus a warmup); the identity is the
+    # latest file's (the driver cannot compute its own without CUDA; the worker decides exactly)
+    backend_dir = Path(output_dir) / "raw" / campaign / backend
+    headers = [records[0] for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
+    identity = headers[-1].get("measurement_identity_sha256") if headers else None
+    if identity:
+        partial = find_continuations(backend_dir, identity, todo)
+        warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
+        costs = [CellCost(c.cell_id, c.repetition_s, warmups + measured - len(partial[c.cell_id].done))
+                 if c.cell_id in partial else c for c in costs]
+    cold = COLD_START_S.get(backend, DEFAULT_COLD_START_S)
+    return plan(costs, gpus=gpus, budget_s=deadline_s, cold_start_s=cold,
+                warmups=study.protocol.warmup_repetitions), calibration
+
+
+def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
+    gpu = calibration["calibration_gpu"] or "this machine"
+    lines = [f"estimates: prior x {calibration['calibration_ratio']:.3f} (median observed/prior over "
+             f"{calibration['calibration_repetitions']} repetitions on {gpu})",
+             f"budget {the_plan.budget_s:.0f} s per GPU, cold start {the_plan.cold_start_s:.0f} s"]
+    for a in the_plan.assignments:
+        lines.append(f"GPU {a.gpu}: {len(a.cells)} cell(s), planned {a.planned_s:.0f} s")
+        for cell_id in a.cells:
+            cost = the_plan.costs[cell_id]
+            note = f" (partial: {a.partial[cell_id]} measured rep(s) fit)" if cell_id in a.partial else ""
+            lines.append(f"  {cell_id:28s} {cost.repetition_s:8.1f} s/rep x {cost.repetitions_left} = "
+                         f"{cost.total_s:8.1f} s{note}")
+    if the_plan.unscheduled:
+        lines.append(f"not this lease ({len(the_plan.unscheduled)}): {', '.join(the_plan.unscheduled)}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------
+# run / status
+# ------------------------------------------------------------------------------------------
+
+def _worker_command(study_path: str, campaign: str, backend: str, output_dir: Path, run_id: str, cells: list[str],
+                    deadline_unix: float, estimates: dict[str, float], device: str) -> list[str]:
+    return [sys.executable, "-m", "rollout_lib.cli", "measure", "--direct", "--backend", backend,
+            "--params", study_path, "--campaign", campaign, "--output-dir", str(output_dir), "--run-id", run_id,
+            "--cells", ",".join(cells), "--deadline-unix", repr(deadline_unix),
+            "--estimates-json", json.dumps(estimates, sort_keys=True)] + (["--device", device] if device else [])
+
+
+def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir: Path, *, gpus: int | None,
+                 deadline_s: float, cells: list[str] | None = None, progress: bool = True) -> int:
+    """Plan, start one worker per GPU, wait for them; returns 0 when every worker exited 0."""
+    output_dir = Path(output_dir)
+    visible = visible_gpus()
+    count = gpus or max(1, len(visible))
+    if visible and count > len(visible):
+        raise ValueError(f"gpus: {count} requested, {len(visible)} visible ({visible})")
+    started = time.time()
+    deadline_unix = started + deadline_s
+    the_plan, calibration = make_plan(study, campaign, backend, output_dir, count, deadline_s, cells)
+    print(format_plan(the_plan, calibration), flush=True)
+    folder = campaign_dir(output_dir, campaign)
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    stamp = _utc_stamp()
+    estimates = {c: round(cost.repetition_s, 3) for c, cost in the_plan.costs.items()}
+    workers = []
+    for assignment in the_plan.assignments:
+        if not assignment.cells:
+            continue
+        run_id = f"{stamp}-g{assignment.gpu}"
+        log = folder / "logs" / f"{backend}-{run_id}.log"
+        env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+        device = ""
+        if visible:
+            env["CUDA_VISIBLE_DEVICES"] = str(visible[assignment.gpu])
+        else:
+            device = "cpu"
+        command = _worker_command(study.source_path, campaign, backend, output_dir, run_id, assignment.cells,
+                                  deadline_unix, {c: estimates[c] for c in assignment.cells}, device)
+        with open(log, "ab") as handle:
+            proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        workers.append({"gpu": assignment.gpu, "pid": proc.pid, "run_id": run_id, "cells": assignment.cells,
+                        "raw_file": str(output_dir / "raw" / campaign / backend / f"{run_id}.jsonl"),
+                        "log": str(log), "returncode": None, "_proc": proc})
+    state = {"campaign": campaign, "backend": backend, "driver_pid": os.getpid(), "started_unix": started,
+             "deadline_unix": deadline_unix, "plan": the_plan.to_json(), "calibration": calibration,
+             "workers": [{k: v for k, v in w.items() if not k.startswith("_")} for w in workers]}
+    path = state_path(output_dir, campaign, backend)
+    _write_state(path, state)
+
+    def forward(signum, _frame):  # the workers stop at a repetition boundary's worth: teardown + seal
+        for worker in workers:
+            if worker["_proc"].poll() is None:
+                os.killpg(worker["_proc"].pid, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    total = sum(len(w["cells"]) for w in workers)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=f"{campaign}/{backend}: cells", unit="cell", disable=None)
+    try:
+        while any(w["_proc"].poll() is None for w in workers):
+            time.sleep(POLL_S)
+            finished = sum(_finished_cells(Path(w["raw_file"])) for w in workers)
+            if bar is not None:
+                bar.n = finished
+                bar.set_postfix_str(_short_status(workers))
+                bar.refresh()
+            for w in workers:
+                w["returncode"] = w["_proc"].poll()
+            state["workers"] = [{k: v for k, v in w.items() if not k.startswith("_")} for w in workers]
+            _write_state(path, state)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if bar is not None:
+            bar.close()
+    for w in workers:
+        w["returncode"] = w["_proc"].wait()
+    state["workers"] = [{k: v for k, v in w.items() if not k.startswith("_")} for w in workers]
+    state["finished_unix"] = time.time()
+    _write_state(path, state)
+    for w in workers:
+        print(f"GPU {w['gpu']}: exit {w['returncode']}; raw file {w['raw_file']}; log {w['log']}", flush=True)
+    return 0 if all(w["returncode"] == 0 for w in workers) else 1
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    write_json_atomic(path, state, overwrite=True)  # operational state, not evidence
+
+
+def _finished_cells(raw: Path) -> int:
+    return sum(r.get("record") in ("cell_complete", "cell_suspended", "cell_skipped") for r in _raw_records(raw))
+
+
+def _short_status(workers: list[dict[str, Any]]) -> str:
+    parts = []
+    for w in workers:
+        current = worker_progress(Path(w["raw_file"]))
+        parts.append(f"g{w['gpu']}:{current['cell'] or '-'} {current['repetition'] or ''}".strip())
+    return " | ".join(parts)
+
+
+def worker_progress(raw: Path) -> dict[str, Any]:
+    """The cell a worker is in and its repetition count, from its raw file."""
+    records = _raw_records(raw)
+    current, reps, planned = None, 0, None
+    done = []
+    for record in records:
+        kind = record.get("record")
+        if kind == "cell_start":
+            current, reps = record["cell_id"], 0
+            todo = record.get("measured_indices_to_do")
+            planned = None if todo is None else len(todo)
+        elif kind == "repetition" and record.get("cell_id") == current:
+            reps += 1
+        elif kind in ("cell_complete", "cell_suspended"):
+            done.append((record["cell_id"], record.get("status", "suspended")))
+            current = None
+    return {"cell": current, "repetition": f"rep {reps}" + (f"/{planned + 1}" if planned is not None else "")
+            if current else None, "done": done, "ended": any(r.get("record") == "teardown" for r in records)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def status(study: Preregistration, campaign: str, output_dir: Path, backend: str | None = None) -> str:
+    """Done / running / to-measure cells, each worker's current cell and repetition, and an ETA."""
+    output_dir = Path(output_dir)
+    lines = []
+    try:
+        cells = campaign_cells(study, campaign, output_dir)
+        for name, entry in cells.items():
+            if backend is None or name == backend:
+                lines.append(f"{name}: {len(entry['valid'])} valid, {len(entry['to_measure'])} to measure "
+                             f"({len(entry['missing'])} missing, {len(entry['invalid'])} invalid)")
+    except Exception as exc:  # the evidence check refused: say why, still show the workers
+        lines.append(f"campaign cells: not derivable now ({type(exc).__name__}: {' '.join(str(exc).split())[:400]})")
+    now = time.time()
+    for path in sorted(campaign_dir(output_dir, campaign).glob("*-driver.json")):
+        state = json.loads(path.read_text())
+        if backend is not None and state["backend"] != backend:
+            continue
+        alive = _alive(state["driver_pid"]) and "finished_unix" not in state
+        left = state["deadline_unix"] - now
+        lines.append(f"driver {state['backend']} pid {state['driver_pid']}: "
+                     f"{'running' if alive else 'finished'}; deadline in {max(0, left):.0f} s")
+        estimates = state["plan"]["estimates_s"]
+        for worker in state["workers"]:
+            raw = Path(worker["raw_file"])
+            progress = worker_progress(raw)
+            running = _alive(worker["pid"]) and live_holder(raw) is not None
+            finished = {c for c, _ in progress["done"]}
+            remaining = [c for c in worker["cells"] if c not in finished]
+            eta = sum(estimates.get(c, 0) * (study.protocol.warmup_repetitions + study.protocol.measured_repetitions)
+                      for c in remaining)
+            eta = min(eta, max(0.0, left)) if running else 0.0
+            state_word = "running" if running else f"exited {worker.get('returncode')}"
+            lines.append(f"  GPU {worker['gpu']} pid {worker['pid']} {state_word}: "
+                         f"{len(finished)}/{len(worker['cells'])} cells ended"
+                         + (f"; now {progress['cell']} {progress['repetition']}" if progress["cell"] else "")
+                         + (f"; ETA {eta:.0f} s" if running else "") + f"; {raw.name}")
+    if len(lines) == 0:
+        lines.append(f"campaign {campaign}: no driver state under {campaign_dir(output_dir, campaign)}")
+    return "\n".join(lines)
+
+
+def detach(argv: list[str], log: Path) -> int:
+    """Start `rollout <argv>` in its own process session, output to `log`; return its pid."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as handle:
+        proc = subprocess.Popen([sys.executable, "-m", "rollout_lib.cli", *argv], cwd=REPO_ROOT,
+                                stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    return proc.pid

@@ -1,0 +1,102 @@
+"""Cost estimates and the longest-first schedule of a campaign's remaining cells over GPUs.
+
+Pure functions (no processes, no clock): `driver.py` feeds them what is left to measure and the
+time to the deadline, and they say which cell goes to which GPU, in which order, and which do not
+fit this lease. A unit is a cell's cold-start share, its warmup and its remaining measured
+repetitions; a cell too long for the lease is planned with the repetitions that fit (at least one
+measured after the warmup), and the next lease continues it as a new segment.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+# Seconds per repetition on one H200, before calibration from raw files (2026-11-29/30 runs):
+# hf_reference greedy ~0.1 s per full-recompute step (launch bound, growing with the prefix),
+# seeded stochastic ~0.06 s per token, one request at a time; hf_cached eager ~0.07 s per batched
+# step; vLLM ~4 ms per step plus request overhead. Cold starts: NF4 load, mirror build, engine start.
+COLD_START_S = {"hf_reference": 40.0, "hf_cached": 60.0, "vllm": 180.0}
+DEFAULT_COLD_START_S = 60.0
+
+
+def model_repetition_s(backend: str, prompt_tokens: int, response_tokens: int, rows: int, sampling: str) -> float:
+    """The prior: seconds for one repetition of a cell (`rows` = logical prompts x n)."""
+    if backend == "hf_reference":
+        if sampling == "greedy":
+            return response_tokens * (0.095 + 4e-6 * rows * (prompt_tokens + response_tokens / 2))
+        return rows * (0.05 + response_tokens * 0.06)
+    if backend == "hf_cached":
+        return 0.3 + response_tokens * 0.07
+    if backend == "vllm":
+        return 0.5 + response_tokens * 0.004
+    return 0.5 + response_tokens * 0.1
+
+
+@dataclass(frozen=True)
+class CellCost:
+    cell_id: str
+    repetition_s: float  # one repetition (warmup or measured)
+    repetitions_left: int  # warmups + measured repetitions still to do
+
+    @property
+    def total_s(self) -> float:
+        return self.repetition_s * self.repetitions_left
+
+
+@dataclass
+class Assignment:
+    gpu: int
+    cells: list[str] = field(default_factory=list)
+    planned_s: float = 0.0
+    partial: dict[str, int] = field(default_factory=dict)  # cell -> measured repetitions that fit
+
+
+@dataclass
+class Plan:
+    assignments: list[Assignment]
+    unscheduled: list[str]
+    costs: dict[str, CellCost]
+    budget_s: float
+    cold_start_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"budget_s": self.budget_s, "cold_start_s": self.cold_start_s, "unscheduled": self.unscheduled,
+                "assignments": [{"gpu": a.gpu, "cells": a.cells, "planned_s": round(a.planned_s, 1),
+                                 "partial": a.partial} for a in self.assignments],
+                "estimates_s": {c: round(cost.repetition_s, 2) for c, cost in self.costs.items()}}
+
+
+def calibration_ratio(observed: list[tuple[float, float]]) -> float:
+    """Median observed/model ratio over (observed wall_s, model estimate) pairs; 1.0 without data."""
+    ratios = [wall / model for wall, model in observed if wall > 0 and model > 0]
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def plan(costs: list[CellCost], *, gpus: int, budget_s: float, cold_start_s: float, warmups: int) -> Plan:
+    """Longest-first onto the least-loaded GPU. A cell that fits a lease is a unit: it is started only
+    where it can finish before the deadline (else a shorter one fills the gap). A cell longer than a
+    whole lease can never finish in one: it gets the repetitions that fit (its warmups + at least one
+    measured), and the next lease continues it."""
+    if gpus < 1:
+        raise ValueError(f"gpus: {gpus} is not allowed; at least 1")
+    assignments = [Assignment(gpu=i, planned_s=cold_start_s) for i in range(gpus)]
+    unscheduled = []
+    for cost in sorted(costs, key=lambda c: (-c.total_s, c.cell_id)):
+        target = min(assignments, key=lambda a: (a.planned_s, a.gpu))
+        room = budget_s - target.planned_s
+        if cost.total_s <= room:
+            target.cells.append(cost.cell_id)
+            target.planned_s += cost.total_s
+            continue
+        longer_than_a_lease = cost.total_s > budget_s - cold_start_s
+        fitting = math.floor(room / cost.repetition_s) - warmups if cost.repetition_s > 0 else 0
+        if longer_than_a_lease and fitting >= 1:
+            target.cells.append(cost.cell_id)
+            target.partial[cost.cell_id] = fitting
+            target.planned_s += (warmups + fitting) * cost.repetition_s
+        else:
+            unscheduled.append(cost.cell_id)
+    return Plan(assignments, unscheduled, {c.cell_id: c for c in costs}, budget_s, cold_start_s)

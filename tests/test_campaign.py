@@ -1,0 +1,289 @@
+"""Campaigns over GPU leases: scheduler, deadline cut-off and continuation (segments), measurement
+identity, the campaign's GPU binding, `missing` = the calculator, safe concurrent cache builders, and
+`status` on a running detached driver."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult
+from rollout_lib.campaign.schedule import CellCost, calibration_ratio, plan
+from rollout_lib.evidence.publish import campaign_cells, derive, publish
+from rollout_lib.measure.campaign_files import CampaignGPUMismatch, find_continuations
+from rollout_lib.measure.identity import measurement_code
+from rollout_lib.measure.rawfile import read_raw
+from rollout_lib.measure.runner import run, validate_parameters
+from rollout_lib.study.prereg import load
+
+from .conftest import REPO, SMOKE
+
+CELL = "p16-r8-n1-greedy"
+
+
+class FakeClock:
+    """The runner's wall clock for deadline decisions, advanced only by the fake backend."""
+
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def time(self):
+        return self.now
+
+
+class _SlowBackend(Backend):
+    """Deterministic test double: every generate takes `delay_s` (slept, or added to a fake clock)."""
+
+    name = "fake_slow"
+    description = "test double"
+
+    def __init__(self, study, delay_s=0.25, clock=None):
+        super().__init__(study)
+        self.delay_s = delay_s
+        self.clock = clock
+        self.device = torch.device("cpu")
+
+    def _start(self):
+        pass
+
+    def sync_policy(self, policy):
+        self.served_identity = policy.identity
+        return policy.identity
+
+    def generate(self, requests):
+        if self.clock is not None:
+            self.clock.now += self.delay_s
+        else:
+            time.sleep(self.delay_s)
+        results = [RequestResult(r.request_id, tuple([3] * r.max_new_tokens), "length", None, self.served_identity)
+                   for r in requests]
+        return BatchResult(results, self.delay_s,
+                           {k: Phase.not_measured("fake") for k in ("prefill_s", "decode_s", "ttft_s")})
+
+    def _stop(self):
+        pass
+
+
+@pytest.fixture()
+def three_reps(tmp_path):
+    """The smoke profile with 3 measured repetitions (segments need more than one)."""
+    params = tmp_path / "smoke3.yaml"
+    params.write_text(SMOKE.read_text().replace("measured_repetitions: 1", "measured_repetitions: 3"))
+    return load(params), params
+
+
+def _measure(params, out, run_id, cells, clock=None, **spec_changes):
+    import dataclasses
+
+    spec, study, workload = validate_parameters(backend="hf_cached", params=str(params), campaign="seg",
+                                                cells=cells, output_dir=str(out), run_id=run_id)
+    spec = dataclasses.replace(spec, **spec_changes)
+    return list(run(spec, study, workload, backend_factory=lambda: _SlowBackend(study, clock=clock))), spec
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    """Deadline decisions on a fake clock: the test says exactly which repetitions fit."""
+    import types
+
+    fake = FakeClock()
+    monkeypatch.setattr("rollout_lib.measure.runner.time",
+                        types.SimpleNamespace(time=fake.time, perf_counter=time.perf_counter))
+    monkeypatch.setattr("rollout_lib.measure.runner.DEADLINE_MARGIN_S", 0.0)
+    monkeypatch.setattr("rollout_lib.measure.runner.DEADLINE_SAFETY", 1.0)
+    return fake
+
+
+# ------------------------------------------------------------------------------------------
+# Scheduler
+# ------------------------------------------------------------------------------------------
+
+def test_scheduler_longest_first_least_loaded_and_deadline():
+    costs = [CellCost("a", 10, 4), CellCost("b", 5, 4), CellCost("c", 30, 4), CellCost("d", 1, 4),
+             CellCost("huge", 100, 4)]
+    result = plan(costs, gpus=2, budget_s=200, cold_start_s=10, warmups=1)
+    by_gpu = {a.gpu: a for a in result.assignments}
+    # huge (400 s) can never finish in a 200 s lease, and not even its warmup + one measured
+    # repetition (2 x 100 s) fits the 190 s left after the cold start: not started at all
+    assert result.unscheduled == ["huge"]
+    # longest-first onto the least-loaded GPU: c (120 s) -> GPU 0; a, b, d -> GPU 1
+    assert by_gpu[0].cells == ["c"] and by_gpu[1].cells == ["a", "b", "d"]
+    assert by_gpu[0].planned_s == 130 and by_gpu[1].planned_s == 74
+    for a in result.assignments:
+        assert a.planned_s <= 200 + 1e-9, "no unit is planned past the deadline"
+    planned = [c for a in result.assignments for c in a.cells]
+    assert sorted(planned + result.unscheduled) == ["a", "b", "c", "d", "huge"]
+
+
+def test_scheduler_gives_a_lease_sized_cell_partial_repetitions():
+    result = plan([CellCost("big", 60, 4)], gpus=1, budget_s=200, cold_start_s=10, warmups=1)
+    (assignment,) = result.assignments
+    assert assignment.cells == ["big"] and assignment.partial == {"big": 2}  # warmup + 2 x 60 s in 190 s
+    result = plan([CellCost("fits", 40, 4), CellCost("next", 30, 4)], gpus=1, budget_s=200, cold_start_s=10,
+                  warmups=1)
+    assert result.assignments[0].cells == ["fits"] and result.unscheduled == ["next"]  # no half-started cell
+    assert calibration_ratio([(2.0, 1.0), (3.0, 1.0), (10.0, 1.0)]) == 3.0 and calibration_ratio([]) == 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# Deadline, segments, continuation
+# ------------------------------------------------------------------------------------------
+
+def test_deadline_cut_then_continuation_loses_and_duplicates_nothing(three_reps, tmp_path, clock):
+    study, params = three_reps
+    out = tmp_path / "out"
+    # room for the warmup + 2 measured repetitions of 0.25 s (ending at 0.75 s), not the third (1.0 s)
+    summaries, first = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
+                                estimates_s={CELL: 0.25})
+    assert [s.status for s in summaries] == ["suspended (deadline)"]
+    records, _ = read_raw(first.path)
+    suspended = [r for r in records if r["record"] == "cell_suspended"]
+    assert len(suspended) == 1 and suspended[0]["measured_indices_done"] == [0, 1]
+    assert records[-1]["record"] == "teardown"
+    # the next lease: a new process, a fresh cold start and warmup, then repetition index 2 only
+    summaries, second = _measure(params, out, "lease2", [CELL], clock)
+    assert [s.status for s in summaries] == ["completed"]
+    records, _ = read_raw(second.path)
+    start = next(r for r in records if r["record"] == "cell_start")
+    assert start["continues"] == [{"run_id": "lease1", "attempt": 0, "measured_indices": [0, 1]}]
+    reps = [r for r in records if r["record"] == "repetition"]
+    assert [r["warmup"] for r in reps] == [True, False] and reps[1]["measured_index"] == 2
+    aggregate = json.loads(derive(study, "seg", out)[0])
+    (cell,) = [c for c in aggregate["cells"] if c["cell_id"] == CELL]
+    assert cell["valid"] and cell["measured_repetitions"] == 3 and len(cell["wall_s"]) == 3
+    assert [s["run_id"] for s in cell["segments"]] == ["lease1"] and cell["raw_file"].endswith("lease2.jsonl")
+    assert len(cell["warmup_wall_s"]) == 1  # this attempt's warmup; the first segment's stays in its file
+
+
+def test_a_segment_from_other_measurement_code_is_not_continued(three_reps, tmp_path, clock, monkeypatch):
+    _, params = three_reps
+    out = tmp_path / "out"
+    _, first = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
+                        estimates_s={CELL: 0.25})
+    header = read_raw(first.path)[0][0]
+    assert find_continuations(first.path.parent, header["measurement_identity_sha256"], [CELL])
+    assert not find_continuations(first.path.parent, "0" * 64, [CELL]), "another code digest must not continue"
+    # a different measurement-code digest (an edited oracle) starts the cell over
+    real = measurement_code
+
+    def edited(modules):
+        code = real(modules)
+        return code | {"sha256": "f" * 64}
+
+    monkeypatch.setattr("rollout_lib.measure.runner.measurement_code", edited)
+    _, second = _measure(params, out, "lease2", [CELL], clock)
+    start = next(r for r in read_raw(second.path)[0] if r["record"] == "cell_start")
+    assert "continues" not in start
+
+
+def test_the_code_digest_covers_the_backends_imports_not_the_report():
+    oracle = measurement_code(("rollout_lib.measure.runner", "rollout_lib.backends.hf_reference"))
+    files = set(oracle["files"])
+    assert {"rollout_lib/measure/runner.py", "rollout_lib/backends/hf_reference.py",
+            "rollout_lib/backends/decode.py", "rollout_lib/models/actor.py"} <= files
+    for untouched in ("rollout_lib/report/summary.py", "rollout_lib/cli.py", "rollout_lib/evidence/publish.py",
+                      "rollout_lib/calculator.py", "rollout_lib/backends/hf_cached.py",
+                      "rollout_lib/backends/vllm_managed.py", "rollout_lib/checks/conformance.py"):
+        assert untouched not in files, f"a change to {untouched} must not orphan a half-measured oracle cell"
+
+
+def test_a_campaign_is_bound_to_its_first_gpu(tmp_path, smoke_study):
+    out = tmp_path / "out"
+    spec, study, workload = validate_parameters(backend="hf_cached", params=str(SMOKE), campaign="bound",
+                                                cells=[CELL], output_dir=str(out), run_id="cpu-a")
+    list(run(spec, study, workload, backend_factory=lambda: _SlowBackend(study, 0.0)))
+    header = read_raw(spec.path)[0][0]
+    foreign = dict(header, run_id="h200-first", utc="2000-01-01T00:00:00.000+00:00")
+    foreign["environment"] = dict(header["environment"], gpu={"status": "measured", "name": "NVIDIA H200",
+                                                              "driver": "580.159.04"})
+    gpu_file = out / "raw" / "other" / "hf_reference" / "h200-first.jsonl"
+    gpu_file.parent.mkdir(parents=True)
+    gpu_file.write_text(json.dumps(foreign) + "\n")
+    spec2, _, _ = validate_parameters(backend="hf_cached", params=str(SMOKE), campaign="other", cells=[CELL],
+                                      output_dir=str(out), run_id="cpu-b")
+    with pytest.raises(CampaignGPUMismatch, match=r"'other' is bound to NVIDIA H200 driver 580\.159\.04 .*"
+                                                  r"this process runs on a CPU"):
+        list(run(spec2, study, workload, backend_factory=lambda: _SlowBackend(study, 0.0)))
+    assert not spec2.path.exists(), "a refused process writes nothing"
+    # the same CPU campaign accepts a second CPU run
+    spec3, _, _ = validate_parameters(backend="hf_cached", params=str(SMOKE), campaign="bound",
+                                      cells=["p16-r8-n2-greedy"], output_dir=str(out), run_id="cpu-c")
+    list(run(spec3, study, workload, backend_factory=lambda: _SlowBackend(study, 0.0)))
+
+
+def test_missing_agrees_with_the_calculator(tmp_path, smoke_study):
+    from .test_runner import _OOMOnceBackend
+
+    out = tmp_path / "out"
+    spec, study, workload = validate_parameters(backend="hf_cached", params=str(SMOKE), campaign="slice",
+                                                cells=["p16-r8-n2-greedy", "p16-r8-n1-greedy"],
+                                                output_dir=str(out), run_id="a")
+    list(run(spec, study, workload, backend_factory=lambda: _OOMOnceBackend(study)))
+    publish(study, "slice", out)
+    aggregate = json.loads((out / "aggregate" / "slice.json").read_text())
+    cells = campaign_cells(study, "slice", out)
+    for backend, entry in cells.items():
+        assert entry["missing"] == aggregate["missing_cells"][backend]
+        assert entry["invalid"] == aggregate["invalid_cells"][backend]
+    assert cells["hf_cached"]["valid"] == ["p16-r8-n2-greedy"]
+    assert cells["hf_cached"]["invalid"] == ["p16-r8-n1-greedy"]  # the OOM cell: to measure again
+    assert len(cells["hf_cached"]["to_measure"]) == 15 and len(cells["hf_reference"]["to_measure"]) == 16
+    printed = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "missing", "--campaign", "slice",
+                              "--params", str(SMOKE), "--output-dir", str(out)], capture_output=True, text=True,
+                             cwd=REPO, check=True).stdout
+    assert "hf_cached: 15 to measure (14 missing, 1 invalid), 1 valid" in printed
+
+
+# ------------------------------------------------------------------------------------------
+# Concurrent cache builders, detached driver
+# ------------------------------------------------------------------------------------------
+
+def test_two_processes_build_one_snapshot_cache_safely(tmp_path):
+    code = ("import sys; from rollout_lib.models.synthetic import ensure_snapshot; "
+            "print(ensure_snapshot('tiny', 7, 1.0, cache_dir=sys.argv[1]).payload_digest)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
+    digests = {r[0].strip() for r in results}
+    assert len(digests) == 1
+    built = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert len(built) == 1 and (built[0] / "rollout_synthetic.json").exists()
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name], "no half-built directory is left"
+
+
+@pytest.mark.slow
+def test_status_on_a_running_detached_driver(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, TQDM_DISABLE="1", CUDA_VISIBLE_DEVICES="")
+    base = ["--campaign", "det", "--params", str(SMOKE), "--output-dir", str(out)]
+    started = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "campaign", "run", *base, "--backend",
+                              "hf_cached", "--gpus", "1", "--deadline-s", "600", "--cells",
+                              "p48-r24-n2-stochastic,p48-r24-n2-greedy", "--detach"],
+                             capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert started.returncode == 0, started.stderr
+    assert "started detached: pid" in started.stdout
+    seen_running, text = False, ""
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        text = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "campaign", "status", *base],
+                              capture_output=True, text=True, cwd=REPO, env=env, timeout=60).stdout
+        if " running: " in text and "GPU 0 pid" in text:
+            seen_running = True
+            assert "hf_cached:" in text and "ETA" in text, text
+        if "finished" in text and "exited 0" in text:
+            break
+        time.sleep(0.5)
+    assert seen_running, text
+    assert "exited 0" in text, text
+    raw = next((out / "raw" / "det" / "hf_cached").glob("*.jsonl"))
+    records, _ = read_raw(raw)
+    assert sorted(r["cell_id"] for r in records if r["record"] == "cell_complete") == [
+        "p48-r24-n2-greedy", "p48-r24-n2-stochastic"]
+    assert (out / "raw" / "det" / "SEALS.jsonl").read_text().count(raw.name) == 1
