@@ -100,7 +100,7 @@ def _raw_records(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def estimate_costs(study: Preregistration, backend: str, cells: list[str], output_dir: Path
+def estimate_costs(study: Preregistration, campaign: str, backend: str, cells: list[str], output_dir: Path
                    ) -> tuple[list[CellCost], dict[str, Any]]:
     """Per cell: seconds per repetition (prior x calibration) and the repetitions still to do."""
     workload = Workload(study)
@@ -112,17 +112,16 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], outpu
         return model_repetition_s(backend, cell.prompt_tokens, cell.response_tokens,
                                   rows * cell.samples_per_prompt, cell.sampling.name)
 
+    # calibrated on this campaign's own repetitions only: other campaigns (a pilot on older code)
+    # may have run a different measurement path on the same GPU model
     gpu_name = local_gpu_name()
     pairs, sources = [], set()
     known = set(workload.cell_ids())
-    for path in sorted((Path(output_dir) / "raw").glob(f"*/{backend}/*.jsonl")):
-        records = _raw_records(path)
-        if not records or (records[0].get("environment", {}).get("gpu", {}).get("name") != gpu_name):
-            continue
-        for record in records:
+    for path in sorted((Path(output_dir) / "raw" / campaign / backend).glob("*.jsonl")):
+        for record in _raw_records(path):
             if record.get("record") == "repetition" and record.get("wall_s") and record.get("cell_id") in known:
                 pairs.append((record["wall_s"], prior(record["cell_id"])))
-                sources.add(str(path.relative_to(output_dir)))
+                sources.add(path.name)
     ratio = calibration_ratio(pairs)
     costs = [CellCost(c, prior(c) * ratio, warmups + measured) for c in cells]
     return costs, {"calibration_ratio": ratio, "calibration_repetitions": len(pairs),
@@ -132,7 +131,7 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], outpu
 def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int,
               deadline_s: float, cells: list[str] | None = None) -> tuple[Plan, dict[str, Any]]:
     todo = cells if cells is not None else campaign_cells(study, campaign, output_dir)[backend]["to_measure"]
-    costs, calibration = estimate_costs(study, backend, todo, output_dir)
+    costs, calibration = estimate_costs(study, campaign, backend, todo, output_dir)
     # a cell cut off earlier costs only its remaining repetitions (plus a warmup); the identity is the
     # latest file's (the driver cannot compute its own without CUDA; the worker decides exactly)
     backend_dir = Path(output_dir) / "raw" / campaign / backend
@@ -151,7 +150,7 @@ def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: P
 def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
     gpu = calibration["calibration_gpu"] or "this machine"
     lines = [f"estimates: prior x {calibration['calibration_ratio']:.3f} (median observed/prior over "
-             f"{calibration['calibration_repetitions']} repetitions on {gpu})",
+             f"{calibration['calibration_repetitions']} repetitions of this campaign; GPU {gpu})",
              f"budget {the_plan.budget_s:.0f} s per GPU, cold start {the_plan.cold_start_s:.0f} s"]
     for a in the_plan.assignments:
         lines.append(f"GPU {a.gpu}: {len(a.cells)} cell(s), planned {a.planned_s:.0f} s")
