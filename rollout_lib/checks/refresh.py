@@ -40,8 +40,10 @@ def _memory(backend: Backend) -> dict[str, Any]:
     try:
         import pynvml
 
+        from rollout_lib.measure.memory import nvml_handle
+
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        handle = nvml_handle(0)  # this process's device 0, whatever CUDA_VISIBLE_DEVICES says
         out["nvml_device_used_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
         pynvml.nvmlShutdown()
     except Exception as exc:  # CPU machine or no NVML

@@ -39,6 +39,42 @@ NVML_INTERVAL_S = 0.02
 NVML_TREE_REFRESH_S = 1.0
 
 
+def nvml_handle(cuda_index: int):
+    """The NVML handle of CUDA device `cuda_index` *as this process sees it*.
+
+    NVML numbers GPUs physically and ignores CUDA_VISIBLE_DEVICES: with `CUDA_VISIBLE_DEVICES=1`,
+    CUDA's device 0 is NVML's device 1. A campaign worker pinned to the second GPU that sampled NVML
+    device 0 would measure the other worker's GPU and call its process foreign. Matched by UUID
+    (torch reports it without creating a context); else through CUDA_VISIBLE_DEVICES.
+    """
+    import pynvml
+
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if cuda_index < len(visible):
+            entry = visible[cuda_index]
+            if entry.isdigit():
+                return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+            return pynvml.nvmlDeviceGetHandleByUUID(entry)
+        return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+
+
+def nvml_index_of(cuda_index: int) -> int:
+    """NVML's (physical) index of CUDA device `cuda_index`: a check for the mapping above."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetIndex(nvml_handle(cuda_index)))
+    finally:
+        pynvml.nvmlShutdown()
+
+
 class NVMLSampler:
     """Background sampler of process-tree GPU memory; use as a context manager around a cell.
 
@@ -67,13 +103,15 @@ class NVMLSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle = None
+        self.nvml_index: int | None = None
 
     def __enter__(self) -> NVMLSampler:
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(self.device_index)
+            self._handle = nvml_handle(self.device_index)
+            self.nvml_index = int(pynvml.nvmlDeviceGetIndex(self._handle))
         except Exception as exc:  # no NVML: say so
             self.reason = f"NVML unavailable: {type(exc).__name__}: {exc}"
             return self
@@ -151,7 +189,7 @@ class NVMLSampler:
     def to_json(self) -> dict[str, Any]:
         if self.status != "measured":
             return {"status": self.status, "reason": self.reason}
-        out: dict[str, Any] = {"status": "measured", "samples": self.samples,
+        out: dict[str, Any] = {"status": "measured", "samples": self.samples, "nvml_device_index": self.nvml_index,
                                "peak_device_used_bytes": self.peak_device_used_bytes,
                                "foreign_pids": sorted(self.foreign_pids)}
         if self.peak_tree_bytes is None:
