@@ -217,8 +217,8 @@ def resume_corrupted_raw(c: Ctx) -> None:
     with pytest.raises(RawFileError, match=r"broken\.jsonl: line 4 is not JSON .*only a torn last line"):
         RawWriter(path).open(read_raw(c.raw())[0][0])
     assert path.read_bytes() == data
-    refused_one_line(cli("missing", "--campaign", "pub", "--params", str(c.params), "--output-dir", str(c.out)), 2,
-                     "broken.jsonl")
+    refused_one_line(cli("missing", "--campaign", "pub", "--params", str(c.params), "--output-dir", str(c.out)), 1,
+                     "broken.jsonl: no seal")
 
 
 def resume_other_environment(c: Ctx) -> None:
