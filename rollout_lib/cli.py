@@ -112,7 +112,10 @@ def cmd_measure(args: argparse.Namespace) -> int:
             raise CommandError(f"estimates-json: not JSON ({exc})") from None
         if not isinstance(estimates, dict) or not all(isinstance(v, (int, float)) for v in estimates.values()):
             raise CommandError("estimates-json: expected an object of cell id -> seconds per repetition")
-        spec = dataclasses.replace(spec, deadline_unix=args.deadline_unix, estimates_s=estimates)
+        # the campaign driver's order (longest first) is the order of work, not the workload's
+        given = [c.strip() for c in args.cells.split(",") if c.strip()]
+        spec = dataclasses.replace(spec, deadline_unix=args.deadline_unix, estimates_s=estimates,
+                                   cells=tuple(dict.fromkeys(given)) if given else spec.cells)
     if args.direct:
         # SIGTERM (a driver stopping, a lease ending) unwinds like Ctrl-C: teardown is recorded and the
         # file sealed; a cell cut mid-way stays a segment that the next run continues

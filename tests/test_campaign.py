@@ -287,3 +287,18 @@ def test_status_on_a_running_detached_driver(tmp_path):
     assert sorted(r["cell_id"] for r in records if r["record"] == "cell_complete") == [
         "p48-r24-n2-greedy", "p48-r24-n2-stochastic"]
     assert (out / "raw" / "det" / "SEALS.jsonl").read_text().count(raw.name) == 1
+
+
+@pytest.mark.slow
+def test_a_campaign_worker_measures_cells_in_the_drivers_order(tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "rollout_lib.cli", "measure", "--direct", "--backend", "hf_cached",
+               "--params", str(SMOKE), "--campaign", "order", "--run-id", "w", "--output-dir", str(out),
+               "--device", "cpu", "--cells", "p48-r8-n1-greedy,p16-r8-n1-greedy",
+               "--deadline-unix", repr(time.time() + 600), "--estimates-json", '{"p48-r8-n1-greedy": 0.5}']
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TQDM_DISABLE="1"))
+    assert done.returncode == 0, done.stderr
+    records, _ = read_raw(out / "raw" / "order" / "hf_cached" / "w.jsonl")
+    assert [r["cell_id"] for r in records if r["record"] == "cell_start"] == ["p48-r8-n1-greedy", "p16-r8-n1-greedy"]
+    assert records[0]["deadline_unix"] > time.time()

@@ -13,10 +13,11 @@ the deadline and the estimates); the runner starts no repetition that would end 
 and leaves a cut cell as a segment that the next lease continues. The driver itself never touches
 CUDA (a CUDA context in it would be a foreign GPU process to the workers' NVML check).
 
-State lives in `<output-dir>/campaigns/<campaign>/<backend>-driver.json` (workers, pids, plan) and
-logs beside it; `status` reads that and the raw files: done / running / to-measure cells, the
-current cell and repetition of each worker, and an ETA. `--detach` starts the driver in its own
-process session (it outlives the command that started it) and returns at once.
+State lives in `<output-dir>/campaigns/<campaign>/<backend>-driver-<stamp>.json` (workers, pids,
+plan; one file per driver run) and logs beside it; `status` reads that and the raw files: done /
+running / to-measure cells, the current cell and repetition of each worker, and an ETA.
+`--detach` starts the driver in its own process session (it outlives the command that started
+it) and returns at once.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def campaign_dir(output_dir: Path, campaign: str) -> Path:
     return Path(output_dir) / "campaigns" / campaign
 
 
-def state_path(output_dir: Path, campaign: str, backend: str) -> Path:
-    return campaign_dir(output_dir, campaign) / f"{backend}-driver.json"
+def state_path(output_dir: Path, campaign: str, backend: str, stamp: str) -> Path:
+    """One state file per driver run: two drivers (one per GPU set) never overwrite each other."""
+    return campaign_dir(output_dir, campaign) / f"{backend}-driver-{stamp}.json"
 
 
 def visible_gpus() -> list[int]:
@@ -215,7 +217,7 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
     state = {"campaign": campaign, "backend": backend, "driver_pid": os.getpid(), "started_unix": started,
              "deadline_unix": deadline_unix, "plan": the_plan.to_json(), "calibration": calibration,
              "workers": [{k: v for k, v in w.items() if not k.startswith("_")} for w in workers]}
-    path = state_path(output_dir, campaign, backend)
+    path = state_path(output_dir, campaign, backend, stamp)
     _write_state(path, state)
 
     def forward(signum, _frame):  # the workers stop at a repetition boundary's worth: teardown + seal
@@ -314,7 +316,7 @@ def status(study: Preregistration, campaign: str, output_dir: Path, backend: str
     except Exception as exc:  # the evidence check refused: say why, still show the workers
         lines.append(f"campaign cells: not derivable now ({type(exc).__name__}: {' '.join(str(exc).split())[:400]})")
     now = time.time()
-    for path in sorted(campaign_dir(output_dir, campaign).glob("*-driver.json")):
+    for path in sorted(campaign_dir(output_dir, campaign).glob("*-driver-*.json")):
         state = json.loads(path.read_text())
         if backend is not None and state["backend"] != backend:
             continue
