@@ -14,12 +14,15 @@ from rollout_lib.study.workload import Workload
 
 
 def _pair(study, cache, dtype, policy):
+    """The oracle, hf_cached on its default fast path (`graphs`; on a CPU the compact step without
+    capture) and hf_cached on the eager path (same sampler as the oracle)."""
     backends = {}
-    for name in ("hf_reference", "hf_cached"):
-        backend = create_backend(name, study, device="cpu", compute_dtype=dtype, cache_dir=cache)
+    for key, name, options in (("hf_reference", "hf_reference", {}), ("hf_cached", "hf_cached", {}),
+                               ("hf_cached_eager", "hf_cached", {"decode": "eager"})):
+        backend = create_backend(name, study, device="cpu", compute_dtype=dtype, cache_dir=cache, **options)
         backend.cold_start()
         backend.sync_policy(policy)
-        backends[name] = backend
+        backends[key] = backend
     return backends
 
 
@@ -65,6 +68,7 @@ def test_actor_is_real_nf4_and_mirror_holds_dequantized_weights(f32):
     assert len(nf4_layers) == 2 * 7
     assert nf4_layers[0].weight.quant_state.quant_type == "nf4"
     weights = dequantized_linear_weights(cached.actor.get_base_model())
+    cached = f32["hf_cached_eager"]
     mirror_modules = dict(cached.mirror.get_base_model().named_modules())
     for name, weight in weights.items():
         assert name.endswith(".base_layer")
@@ -85,11 +89,16 @@ def test_float32_greedy_identical_on_every_smoke_cell_shape(smoke_study, f32, ce
 
 
 def test_float32_seeded_samples_identical_across_backends(smoke_study, f32):
+    """The eager path keeps the oracle's sampler (one torch.Generator per request): same samples.
+    The graph path draws counter-based noise instead (DESIGN.md decision 10): other samples, each
+    deterministic (tests/test_fast_path.py)."""
     work = Workload(smoke_study)
     requests = work.requests(work.cell("p48-r24-n2-stochastic"))
     reference = f32["hf_reference"].generate(requests)  # sequential, one request at a time
-    cached = f32["hf_cached"].generate(requests)  # one batch of 8
+    cached = f32["hf_cached_eager"].generate(requests)  # one batch of 8
     assert _tokens(reference) == _tokens(cached)
+    fast = f32["hf_cached"].generate(requests)
+    assert _tokens(fast) != _tokens(reference) and _tokens(fast) == _tokens(f32["hf_cached"].generate(requests))
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "stochastic"])
@@ -123,11 +132,13 @@ def test_eos_stop_decisions_identical(smoke_study, f32, sampling):
     """Make EOS really occur: declare as EOS a token that row 0 emits at step 3."""
     work = Workload(smoke_study)
     requests = work.requests(work.cell(f"p16-r24-n2-{sampling}"))
-    free = f32["hf_cached"].generate(requests).results[0].token_ids
+    # stochastic tokens are comparable with the oracle's on the eager path (same sampler)
+    key = "hf_cached" if sampling == "greedy" else "hf_cached_eager"
+    free = f32[key].generate(requests).results[0].token_ids
     eos = free[3]
     stop_requests = [dataclasses.replace(r, eos_token_ids=(eos,)) for r in requests]
     reference = f32["hf_reference"].generate(stop_requests)
-    cached = f32["hf_cached"].generate(stop_requests)
+    cached = f32[key].generate(stop_requests)
     assert _tokens(reference) == _tokens(cached)
     first = cached.results[0]
     assert first.stop_reason == "eos" and first.token_ids[-1] == eos and len(first.token_ids) == free.index(eos) + 1
@@ -164,11 +175,26 @@ def test_served_identity_is_checked_against_live_tensors(smoke_study, snapshot_c
     with pytest.raises(RuntimeError, match="before sync_policy"):
         cached.generate(work.requests(work.cell("p16-r8-n1-greedy")))
     cached.sync_policy(policies[0])
-    with torch.no_grad():
-        next(p for n, p in cached.mirror.named_parameters() if "lora_B" in n).add_(1e-3)
+    # the fast path re-derives the identity from its static buffers: a corrupted copy is caught
+    load = cached.engine.load_lora
+
+    def corrupted(tensors, scaling):
+        load(tensors, scaling)
+        cached.engine.layers[0].proj["qkv"].lora_b.add_(1e-3)
+
+    cached.engine.load_lora = corrupted
     with pytest.raises(PolicyIdentityMismatch, match="serves identity"):
-        cached._served_identity(cached.mirror, policies[0])
+        cached.sync_policy(policies[1])
     cached.teardown()
+    eager = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", cache_dir=snapshot_cache,
+                           decode="eager")
+    eager.cold_start()
+    eager.sync_policy(policies[0])
+    with torch.no_grad():
+        next(p for n, p in eager.mirror.named_parameters() if "lora_B" in n).add_(1e-3)
+    with pytest.raises(PolicyIdentityMismatch, match="serves identity"):
+        eager._served_identity(eager.mirror, policies[0])
+    eager.teardown()
 
 
 def test_phase_statuses(smoke_study, bf16):

@@ -62,3 +62,18 @@ def test_measure_notebook_profiles_a_cell(tmp_path):
     assert trace.stat().st_size > 1000
     assert not (tmp_path / "outputs" / "raw").exists()  # profiling does not write measurements
     assert os.path.exists(trace)
+
+
+def test_committed_notebooks_are_what_the_builder_writes():
+    """notebooks/*.ipynb are generated (`make notebooks`): a stale copy fails here, not in a user's run."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import build_notebooks
+
+    builders = {"measure": build_notebooks.measure_notebook, "summary": build_notebooks.summary_notebook}
+    for name, build in builders.items():
+        built = build()
+        committed = nbformat.read(str(REPO / "notebooks" / f"{name}.ipynb"), as_version=4)
+        assert [c.source for c in committed.cells] == [c.source for c in built.cells], (
+            f"notebooks/{name}.ipynb is stale: run `make notebooks`")

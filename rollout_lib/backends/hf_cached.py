@@ -1,5 +1,13 @@
 """`hf_cached`: batched incremental KV-cache decoding on a BF16 inference mirror of the NF4 actor.
 
+Two decode paths (option `decode`): `graphs` (the default) runs the compact Qwen3 decoder of
+`compact_qwen3.py` on a static KV cache, one CUDA graph per (rows, cache length) bucket captured at
+cold start, LoRA as fused low-rank terms in static buffers and counter-based per-request noise
+(`counter_noise.py`); on a CPU the same compact step runs without capture. `eager` is the
+transformers + peft loop with per-request `torch.Generator`s, kept for profiling and as a
+diagnostic. Stochastic tokens of the two paths differ (different noise streams); each is
+deterministic and independent of batch mates.
+
 The process holds the NF4 + LoRA actor (the training source of truth) and a mirror whose
 projections are the exact dequantized NF4 weights. Before each policy version, the actor's live
 LoRA tensors are copied into the mirror's LoRA adapter, which stays as separate low-rank terms
@@ -17,22 +25,53 @@ from rollout_lib.backends.base import BatchResult, Phase, RequestResult, registe
 from rollout_lib.backends.decode import generate_kv_cache
 from rollout_lib.backends.hf_common import HFBackendBase
 from rollout_lib.models.actor import add_lora, build_mirror_base, load_nf4_base
-from rollout_lib.models.policy import copy_lora_tensors, load_policy_into_peft, read_policy_from_peft
+from rollout_lib.models.policy import (
+    PolicyIdentityMismatch,
+    copy_lora_tensors,
+    load_policy_into_peft,
+    policy_identity,
+    read_policy_from_peft,
+)
+
+DECODE_PATHS = ("graphs", "eager")
 
 
 @register_backend
 class HFCachedBackend(HFBackendBase):
     name = "hf_cached"
     description = "batched KV-cache decoding on the BF16 mirror of the NF4 actor, exact live LoRA synced per version"
+    allowed_options = (*HFBackendBase.allowed_options, "decode")
+
+    def __init__(self, study, **options):
+        super().__init__(study, **options)
+        self.decode = options.get("decode") or "graphs"
+        if self.decode not in DECODE_PATHS:
+            raise ValueError(f"hf_cached: decode {self.decode!r} is not allowed; allowed: {', '.join(DECODE_PATHS)}")
+        self.engine = None
+        self.buckets = None
 
     def _start(self) -> None:
         self._apply_memory_budget()
         path = self._load_snapshot()
         quant = self.study.actor.quantization
+        lora = self.study.actor.lora
         nf4 = load_nf4_base(path, quant, self.compute_dtype, str(self.device))
         mirror = build_mirror_base(path, nf4, self.compute_dtype, str(self.device))
-        self.actor = add_lora(nf4, self.study.actor.lora)
-        self.mirror = add_lora(mirror, self.study.actor.lora)
+        self.actor = add_lora(nf4, lora)
+        if self.decode == "eager":
+            self.mirror = add_lora(mirror, lora)
+            return
+        from rollout_lib.backends.compact_qwen3 import BucketSet, CompactQwen3, bucket_length
+
+        self.engine = CompactQwen3(mirror, lora.rank, tuple(lora.target_modules), lora.alpha / lora.rank)
+        del mirror  # the engine keeps what it reads (fused copies, norms, embedding, float32 head)
+        work = self.study.workload
+        lengths = [bucket_length(p, r) for p in work.prompt_tokens for r in work.response_tokens]
+        self.buckets = BucketSet(self.engine, max(lengths), use_graphs=self.device.type == "cuda")
+        # every measured shape is captured now (cold start), never inside a measured repetition
+        for n in work.samples_per_prompt:
+            for length in sorted(set(lengths)):
+                self.buckets.get(work.logical_prompts * n, length)
 
     def set_actor_policy(self, policy) -> None:
         """What an optimizer step does to the source of truth (the benchmark's stand-in for training)."""
@@ -40,17 +79,32 @@ class HFCachedBackend(HFBackendBase):
 
     def sync_policy(self, policy) -> str:
         self.set_actor_policy(policy)
-        live = read_policy_from_peft(self.actor)  # the exact live tensors of the actor
-        copy_lora_tensors(self.mirror, live, policy.scaling)
+        if self.engine is None:
+            live = read_policy_from_peft(self.actor)  # the exact live tensors of the actor
+            copy_lora_tensors(self.mirror, live, policy.scaling)
+            self._synchronize()
+            self.served_identity = self._served_identity(self.mirror, policy)
+            return self.served_identity
+        # device to device into the static buffers the graphs read: no recapture
+        self.engine.load_lora(live_lora_tensors(self.actor), policy.scaling)
         self._synchronize()
-        self.served_identity = self._served_identity(self.mirror, policy)
-        return self.served_identity
+        identity = policy_identity(policy.base_digest, self.engine.read_lora())
+        if identity != policy.identity:
+            raise PolicyIdentityMismatch(f"hf_cached serves identity {identity}, policy version {policy.version} "
+                                         f"is {policy.identity}")
+        self.served_identity = identity
+        return identity
 
     def generate(self, requests) -> BatchResult:
         identity = self._require_policy()
         self._synchronize()
         start = time.perf_counter()
-        out = generate_kv_cache(self.mirror, list(requests), self.device, self.pad_id)
+        if self.engine is not None:
+            from rollout_lib.backends.compact_qwen3 import generate_static
+
+            out = generate_static(self.engine, self.buckets, list(requests), self.pad_id)
+        else:
+            out = generate_kv_cache(self.mirror, list(requests), self.device, self.pad_id)
         wall = time.perf_counter() - start
         results = [RequestResult(r.request_id, tuple(out.token_ids[i]), out.stop_reasons[i], tuple(out.logprobs[i]),
                                  identity) for i, r in enumerate(requests)]
@@ -60,7 +114,42 @@ class HFCachedBackend(HFBackendBase):
         result.decode_steps = out.decode_steps
         return result
 
+    def teacher_forced(self, prompt, response):
+        """Scores of `response` after `prompt` by the model this backend serves with (conformance)."""
+        if self.engine is not None:
+            return self.engine.score(tuple(prompt), list(response))
+        from rollout_lib.backends.decode import teacher_forced
+
+        return teacher_forced(self.mirror, prompt, list(response), self.device)
+
+    def _stop(self) -> None:
+        self.engine = None
+        self.buckets = None
+        super()._stop()
+
     def environment(self):
-        return super().environment() | {"weights": "dequantized_nf4_mirror+lora",
-                                        "lora_application": "separate_low_rank_terms_float32",
-                                        "decode": "batched_dynamic_kv_cache"}
+        out = super().environment() | {"weights": "dequantized_nf4_mirror+lora",
+                                       "lora_application": "separate_low_rank_terms_float32"}
+        if self.engine is None:
+            return out | {"decode": "eager", "decode_loop": "transformers+peft, dynamic kv cache",
+                          "sampler": "torch.Generator per request (exponential race)"}
+        return out | {"decode": "graphs", "decode_loop": "compact qwen3, static kv cache, fused qkv/gate_up, "
+                                                         "lora as fused float32 low-rank terms",
+                      "cuda_graphs": self.buckets.use_graphs if self.buckets else None,
+                      "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
+                      "graph_capture_s": self.buckets.capture_s if self.buckets else None,
+                      "static_cache_bytes": self.buckets.cache_bytes if self.buckets else None,
+                      "sampler": "counter-based noise (seed, step, vocab index), exponential race"}
+
+
+def live_lora_tensors(peft_model, adapter: str = "default") -> dict:
+    """Canonical name -> the live LoRA weight tensors of a peft model, where they are (no copy)."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            path = name.split("base_model.model.", 1)[-1]
+            out[f"{path}.lora_A"] = module.lora_A[adapter].weight.detach()
+            out[f"{path}.lora_B"] = module.lora_B[adapter].weight.detach()
+    return out

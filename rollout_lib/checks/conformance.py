@@ -216,7 +216,7 @@ def _teacher_forced(ref, cached, workload: Workload, cells: list[Cell], oracle: 
         for request, result in zip(workload.requests(cell), oracle[cell.cell_id], strict=True):
             tokens = list(result.token_ids)
             oracle_scores = teacher_forced(ref.model, request.prompt_token_ids, tokens, ref.device)
-            candidate_scores = teacher_forced(cached.mirror, request.prompt_token_ids, tokens, cached.device)
+            candidate_scores = cached.teacher_forced(request.prompt_token_ids, tokens)
             positions += len(tokens)
             mismatch = []
             for t, token in enumerate(tokens):

@@ -1,0 +1,447 @@
+"""A compact Qwen3 decoder over the mirror's tensors: static KV cache, fused projections, LoRA as one
+batched low-rank product per fused projection, in-graph counter-based sampling, and one CUDA graph
+per (batch rows, cache length) bucket. The fast path of `hf_cached` (DESIGN.md decision 10).
+
+Regime: the decode step is launch-bound in eager PyTorch (about 1,000 kernel launches per step
+through peft's wrappers); here a step is ~10 kernels per layer, captured once and replayed, so the
+CPU issues one graph launch per token for all rows.
+
+What it holds, and why it stays exact:
+- the mirror's weights as they are (the exact dequantized NF4 projections, bf16), q/k/v and
+  gate/up concatenated so each layer runs 4 projection matmuls;
+- the live LoRA tensors as separate float32 low-rank terms (never merged into W, see actor.py):
+  `A_cat` = [A_q; A_k; A_v] and a block-diagonal `B_bd`, so the q/k/v LoRA is
+  (x @ A_cat^T) @ B_bd^T, added in float32 to the base output and rounded once (what peft does).
+  A policy sync copies the exact tensors into these static buffers (no recapture), and the served
+  identity is re-derived by reading the per-module blocks back;
+- the LM head in float32 (the preregistered `lm_head_compute_dtype`).
+
+Rows are left-padded; every row advances one cache column per step, so the write position is one
+scalar for the batch; a row's rotary position and its attention mask come from its own padding,
+which makes its math independent of its batch mates. Prefill runs eagerly (variable length).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rollout_lib.backends import counter_noise
+
+if TYPE_CHECKING:
+    import torch
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}
+MODULE_PATH = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+               "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+               "down_proj": "mlp.down_proj"}
+
+
+@dataclass
+class FusedLinear:
+    """A fused projection: base weight [out, in] (compute dtype) and, when LoRA targets its parts,
+    float32 A_cat [parts*r, in] and block-diagonal B_bd [out, parts*r]."""
+
+    weight: torch.Tensor
+    parts: tuple[str, ...]
+    part_out: tuple[int, ...]
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    lora_parts: tuple[str, ...] = ()
+
+    def __call__(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
+        import torch
+
+        base = torch.nn.functional.linear(x, self.weight)
+        if self.lora_a is None:
+            return base
+        low = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), self.lora_a), self.lora_b)
+        return (base.float() + low * scaling).to(base.dtype)
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    proj: dict[str, FusedLinear] = field(default_factory=dict)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3RMSNorm: statistics in float32, then weight * normalized (in the input dtype)."""
+    import torch
+
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CompactQwen3:
+    """Built from a peft-wrapped mirror (`actor.add_lora(build_mirror_base(...))`)."""
+
+    def __init__(self, peft_mirror: Any, lora_rank: int, lora_targets: tuple[str, ...], scaling: float):
+        import torch
+
+        model = peft_mirror.get_base_model() if hasattr(peft_mirror, "get_base_model") else peft_mirror
+        config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.vocab = config.vocab_size
+        self.rank = lora_rank
+        self.targets = tuple(lora_targets)
+        self.scaling = float(scaling)
+        rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
+        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        with torch.no_grad():
+            self.embed = model.model.embed_tokens.weight.detach()
+            self.final_norm = model.model.norm.weight.detach()
+            head = model.get_output_embeddings().weight.detach()
+            self.lm_head = head if head.dtype == torch.float32 else head.to(torch.float32)
+            self.layers = [self._layer(block) for block in model.model.layers]
+
+    def _layer(self, block: Any) -> Layer:
+        import torch
+
+        def base_weight(module: Any) -> torch.Tensor:
+            return (module.base_layer if hasattr(module, "base_layer") else module).weight.detach()
+
+        layer = Layer(block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach(),
+                      block.self_attn.q_norm.weight.detach(), block.self_attn.k_norm.weight.detach())
+        modules = {name: block.get_submodule(MODULE_PATH[name]) for name in PROJECTIONS}
+        for fused, parts in FUSED.items():
+            weights = [base_weight(modules[p]) for p in parts]
+            linear = FusedLinear(torch.cat(weights, dim=0).contiguous() if len(weights) > 1 else weights[0],
+                                 parts, tuple(w.shape[0] for w in weights))
+            lora_parts = tuple(p for p in parts if p in self.targets)
+            if lora_parts:
+                in_features = weights[0].shape[1]
+                linear.lora_a = torch.zeros(len(parts) * self.rank, in_features, dtype=torch.float32,
+                                            device=self.device)
+                linear.lora_b = torch.zeros(sum(linear.part_out), len(parts) * self.rank, dtype=torch.float32,
+                                            device=self.device)
+                linear.lora_parts = lora_parts
+            layer.proj[fused] = linear
+        return layer
+
+    # -- policy: exact live tensors into static buffers -----------------------------------------
+    def _blocks(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the A and B blocks of projection `name` in layer `layer` (inside the fused buffers)."""
+        fused = next(f for f, parts in FUSED.items() if name in parts)
+        linear = self.layers[layer].proj[fused]
+        index = linear.parts.index(name)
+        r = self.rank
+        start = sum(linear.part_out[:index])
+        a = linear.lora_a[index * r:(index + 1) * r]
+        b = linear.lora_b[start:start + linear.part_out[index], index * r:(index + 1) * r]
+        return a, b
+
+    def load_lora(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
+        """Copy the live LoRA tensors (canonical names, float32, any device) into the static buffers."""
+        if float(scaling) != self.scaling:
+            raise ValueError(f"LoRA scaling {scaling} != the engine's {self.scaling}")
+        for key, tensor in tensors.items():
+            path, which = key.rsplit(".", 1)
+            parts = path.split(".")
+            layer, name = int(parts[2]), parts[-1]
+            a, b = self._blocks(layer, name)
+            target = a if which == "lora_A" else b
+            if tensor.dtype != target.dtype or tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"{key}: {tuple(tensor.shape)} {tensor.dtype} does not fit "
+                                 f"{tuple(target.shape)} {target.dtype}")
+            target.copy_(tensor, non_blocking=True)
+
+    def read_lora(self) -> dict[str, torch.Tensor]:
+        """The served LoRA tensors, read back from the static buffers (canonical names, CPU)."""
+        out = {}
+        for layer in range(len(self.layers)):
+            for name in self.targets:
+                a, b = self._blocks(layer, name)
+                base = f"model.layers.{layer}.{MODULE_PATH[name]}"
+                out[f"{base}.lora_A"] = a.detach().to("cpu", copy=True).contiguous()
+                out[f"{base}.lora_B"] = b.detach().to("cpu", copy=True).contiguous()
+        return out
+
+    # -- the forward pieces ----------------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] in the compute dtype for integer positions [B, T] (as transformers)."""
+        import torch
+
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    def _attention_block(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, write: torch.Tensor,
+                         mask: torch.Tensor) -> torch.Tensor:
+        """h [B, T, hidden]; writes this chunk's k/v at cache columns `write` [T]; mask [B, 1, T, L]."""
+        import torch
+
+        batch, length, _ = h.shape
+        qkv = layer.proj["qkv"](h, self.scaling)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        q = _rms(q.view(batch, length, self.heads, self.head_dim), layer.q_norm, self.eps).transpose(1, 2)
+        k = _rms(k.view(batch, length, self.kv_heads, self.head_dim), layer.k_norm, self.eps).transpose(1, 2)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache.index_copy_(2, write, k)
+        v_cache.index_copy_(2, write, v)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q, k_cache, v_cache, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim),
+            enable_gqa=self.heads != self.kv_heads)
+        return layer.proj["o"](attn.transpose(1, 2).reshape(batch, length, q_size), self.scaling)
+
+    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        gate, up = layer.proj["gate_up"](h, self.scaling).chunk(2, dim=-1)
+        return layer.proj["down"](torch.nn.functional.silu(gate) * up, self.scaling)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
+                mask: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """Float32 logits of the last position of each row [B, V] (tokens/positions [B, T]); with
+        `keep` > 1, of the last `keep` positions [B, keep, V] (teacher-forced scoring)."""
+        import torch
+
+        h = torch.nn.functional.embedding(tokens, self.embed)
+        cos, sin = self._rope(positions)
+        for index, layer in enumerate(self.layers):
+            h = h + self._attention_block(layer, _rms(h, layer.input_norm, self.eps), cos, sin,
+                                          cache.k[index], cache.v[index], write, mask)
+            h = h + self._mlp(layer, _rms(h, layer.post_norm, self.eps))
+        h = _rms(h[:, -keep:, :], self.final_norm, self.eps)
+        logits = torch.nn.functional.linear(h.to(torch.float32), self.lm_head)
+        return logits[:, -1] if keep == 1 else logits
+
+    def score(self, prompt: tuple[int, ...], response: list[int]):
+        """Teacher-forced scoring of `response` after `prompt` (one row, one eager pass), in the shape
+        of `decode.teacher_forced`: per position log p(token), argmax, top-1 minus top-2 logit."""
+        import torch
+
+        from rollout_lib.backends.decode import TeacherForced
+
+        if not response:
+            return TeacherForced([], [], [])
+        ids = list(prompt) + list(response[:-1])
+        length = len(ids)
+        cache = StaticCache.allocate(self, 1, length)
+        columns = torch.arange(length, device=self.device)
+        mask = (columns[None, :] <= columns[:, None])[None, None]
+        with torch.inference_mode():
+            logits = self.forward(torch.tensor([ids], device=self.device), columns[None], cache, columns, mask,
+                                  keep=len(response))[0].float()
+            if logits.dim() == 1:
+                logits = logits[None]
+            logp = torch.log_softmax(logits, dim=-1)
+            target = torch.tensor(response, dtype=torch.long, device=self.device)
+            chosen = logp.gather(-1, target[:, None])[:, 0]
+            top2 = torch.topk(logits, 2, dim=-1).values
+        return TeacherForced(chosen.tolist(), logits.argmax(-1).tolist(), (top2[:, 0] - top2[:, 1]).tolist())
+
+
+@dataclass
+class StaticCache:
+    """k, v: one [B, kv_heads, length, head_dim] tensor per layer, allocated once per bucket."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, engine: CompactQwen3, rows: int, length: int) -> StaticCache:
+        import torch
+
+        shape = (rows, engine.kv_heads, length, engine.head_dim)
+        return cls([torch.zeros(shape, dtype=engine.dtype, device=engine.device) for _ in engine.layers],
+                   [torch.zeros(shape, dtype=engine.dtype, device=engine.device) for _ in engine.layers])
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[2]
+
+    def view(self, length: int) -> StaticCache:
+        """The first `length` columns (shared storage: one cache per row count serves every length)."""
+        return StaticCache([t[:, :, :length] for t in self.k], [t[:, :, :length] for t in self.v])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class DecodeBucket:
+    """Static buffers and (on CUDA) one captured graph for a (rows, cache length) shape.
+
+    Inputs the graph reads: `tokens` [B], `write` [1] (the cache column this step writes),
+    `pad` [B] (left padding per row), `seeds` [B], `step` [] (the row-independent step counter of the
+    noise), `inv_temperature` [B], `greedy` [B]. Outputs: `next_tokens` [B], `logprobs` [B].
+    """
+
+    def __init__(self, engine: CompactQwen3, cache: StaticCache, length: int, use_graph: bool):
+        import torch
+
+        rows = cache.k[0].shape[0]
+        self.engine, self.rows, self.length = engine, rows, length
+        device = engine.device
+        self.cache = cache.view(length)
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.write = torch.zeros(1, dtype=torch.long, device=device)
+        self.pad = torch.zeros(rows, dtype=torch.long, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)
+        self.inv_temperature = torch.ones(rows, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
+        self.columns = torch.arange(length, dtype=torch.long, device=device)
+        self.next_tokens: torch.Tensor | None = None
+        self.logprobs: torch.Tensor | None = None
+        self.graph = None
+        self.capture_s: float | None = None
+        if use_graph:
+            self._capture()
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        valid = (self.columns[None, :] <= self.write) & (self.columns[None, :] >= self.pad[:, None])
+        valid = valid | (self.columns[None, :] == self.write)  # a row never attends to nothing
+        positions = (self.write - self.pad)[:, None]
+        logits = self.engine.forward(self.tokens[:, None], positions, self.cache, self.write, valid[:, None, None, :])
+        return counter_noise.sample(logits, self.seeds, self.step, self.inv_temperature, self.greedy)
+
+    def _capture(self) -> None:
+        import time
+
+        import torch
+
+        started = time.perf_counter()
+        self.write.fill_(self.length - 1)  # any in-range column: capture writes garbage that prefill overwrites
+        stream = torch.cuda.Stream(self.engine.device)
+        stream.wait_stream(torch.cuda.current_stream(self.engine.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm the kernels (cuBLAS workspaces, SDPA choice) outside the capture
+                self._step()
+        torch.cuda.current_stream(self.engine.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            self.next_tokens, self.logprobs = self._step()
+        torch.cuda.synchronize(self.engine.device)
+        self.graph = graph
+        self.capture_s = time.perf_counter() - started
+
+    def run_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        if self.graph is not None:
+            self.graph.replay()
+            return self.next_tokens, self.logprobs
+        with torch.inference_mode():
+            return self._step()
+
+
+class BucketSet:
+    """One static cache per row count (sized for the longest cell) and one bucket per (rows, length)."""
+
+    def __init__(self, engine: CompactQwen3, max_length: int, use_graphs: bool):
+        self.engine, self.max_length, self.use_graphs = engine, max_length, use_graphs
+        self.caches: dict[int, StaticCache] = {}
+        self.buckets: dict[tuple[int, int], DecodeBucket] = {}
+
+    def get(self, rows: int, length: int) -> DecodeBucket:
+        key = (rows, length)
+        if key not in self.buckets:
+            if length > self.max_length:
+                raise ValueError(f"cache length {length} exceeds the allocated {self.max_length}")
+            if rows not in self.caches:
+                self.caches[rows] = StaticCache.allocate(self.engine, rows, self.max_length)
+            self.buckets[key] = DecodeBucket(self.engine, self.caches[rows], length, self.use_graphs)
+        return self.buckets[key]
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches.values())
+
+    @property
+    def capture_s(self) -> float:
+        return sum(b.capture_s or 0.0 for b in self.buckets.values())
+
+
+def bucket_length(prompt_tokens: int, max_new_tokens: int, multiple: int = 64) -> int:
+    """Cache columns for a batch: its padded prompt width plus its longest response, rounded up so
+    a cell's requests always land in the same bucket (no capture inside a measured repetition)."""
+    return int(math.ceil((prompt_tokens + max_new_tokens) / multiple) * multiple)
+
+
+def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pad_id: int):
+    """Batched decoding on the static cache: an eager prefill, then one graph replay per token."""
+    import time
+
+    import torch
+
+    from rollout_lib.backends.decode import DecodeOutput, _StopTracker, synchronize
+
+    for request in requests:
+        if not request.greedy and (request.top_k is not None or request.top_p < 1.0):
+            raise ValueError(f"{request.request_id}: decode 'graphs' samples from the full distribution "
+                             f"(top_p 1.0, top_k null); got top_p {request.top_p}, top_k {request.top_k}: "
+                             "use decode 'eager'")
+    rows = len(requests)
+    width = max(len(r.prompt_token_ids) for r in requests)
+    longest = max(r.max_new_tokens for r in requests)
+    bucket = buckets.get(rows, bucket_length(width, longest))
+    device = engine.device
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    pad = torch.empty(rows, dtype=torch.long)
+    for row, request in enumerate(requests):
+        ids[row, width - len(request.prompt_token_ids):] = torch.tensor(request.prompt_token_ids)
+        pad[row] = width - len(request.prompt_token_ids)
+    bucket.pad.copy_(pad)
+    bucket.seeds.copy_(torch.tensor([0 if r.seed is None else r.seed for r in requests]))
+    bucket.greedy.copy_(torch.tensor([r.greedy for r in requests]))
+    bucket.inv_temperature.copy_(torch.tensor([1.0 if r.greedy else 1.0 / r.temperature for r in requests]))
+    tracker = _StopTracker(requests)
+    steps = 0
+    with torch.inference_mode():
+        synchronize(device)
+        start = time.perf_counter()
+        ids = ids.to(device)
+        columns = torch.arange(width, device=device)
+        positions = (columns[None, :] - bucket.pad[:, None]).clamp(min=0)
+        key_columns = torch.arange(bucket.length, device=device)
+        valid = ((key_columns[None, None, :] <= columns[None, :, None])
+                 & (key_columns[None, None, :] >= bucket.pad[:, None, None]))
+        valid = valid | (key_columns[None, None, :] == columns[None, :, None])
+        logits = engine.forward(ids, positions, bucket.cache, columns, valid[:, None])
+        bucket.step.fill_(0)
+        tokens, logprobs = counter_noise.sample(logits, bucket.seeds, bucket.step, bucket.inv_temperature,
+                                                bucket.greedy)
+        tracker.add(tokens.tolist(), logprobs.tolist())
+        prefill_end = time.perf_counter()
+        column = width
+        while not tracker.done:
+            bucket.tokens.copy_(tokens)
+            bucket.write.fill_(column)
+            bucket.step.fill_(steps + 1)
+            tokens, logprobs = bucket.run_step()
+            tracker.add(tokens.tolist(), logprobs.tolist())
+            column += 1
+            steps += 1
+        synchronize(device)
+        end = time.perf_counter()
+    return DecodeOutput(tracker.tokens, tracker.logprobs, list(tracker.reasons), prefill_end - start,
+                        end - prefill_end, steps)

@@ -1,0 +1,60 @@
+"""Counter-based sampling noise: a pure function of (request seed, step, vocabulary index).
+
+Per-row `torch.Generator`s cannot live inside a captured CUDA graph (DESIGN.md decision 10), so the
+fast decode path draws its noise from an integer hash instead, computed on the device inside the
+graph: reproducible, and independent of batch mates, padding, batch size and partition, because a
+row's noise depends only on its own seed and step.
+
+Hash: a 32-bit avalanche mixer (lowbias32 by C. Wellons, second multiplier replaced by an odd
+constant below 2**31) applied to (seed, step, index) in turn. Every product stays below 2**63, so
+int64 tensor arithmetic gives the same bits on CPU and CUDA (no signed overflow anywhere). The top
+24 bits make a uniform u in (0, 1); the exponential race argmax(p / E) with E = -log(u) is an exact
+sample from p (the same trick as the eager sampler and vLLM's), written as
+argmax(log p - log E) to stay in log space.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+MASK32 = 0xFFFFFFFF
+MULT_1 = 0x7FEB352D  # < 2**31: (2**32 - 1) * MULT < 2**63
+MULT_2 = 0x6CA68B4D
+STREAM_SALT = 0x2545F491  # separates this stream from any other use of the same seeds
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """32-bit avalanche on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * MULT_1) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * MULT_2) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seeds: torch.Tensor, step: torch.Tensor | int, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 in (0, 1): u(seed_b, step, v). `seeds` [B] int64, `step` a 0-d tensor or int."""
+    import torch
+
+    seed = seeds.to(torch.int64) & MASK32
+    h = mix32(seed ^ STREAM_SALT)
+    h = mix32(h ^ (torch.as_tensor(step, dtype=torch.int64, device=seeds.device) & MASK32))
+    index = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    h = mix32(h[:, None] ^ index[None, :])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor | int, inv_temperature: torch.Tensor,
+           greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> (tokens [B] int64, log-probabilities [B] float32 of the chosen tokens
+    under softmax(logits * inv_temperature)). Greedy rows take the argmax of the logits and must
+    carry inv_temperature 1.0 (their log-probability is then that of softmax(logits))."""
+    import torch
+
+    logp = torch.log_softmax(logits * inv_temperature[:, None], dim=-1)
+    race = logp - torch.log(-torch.log(uniform(seeds, step, logits.shape[-1])))
+    tokens = torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]

@@ -1,0 +1,150 @@
+"""hf_cached fast path on CPU: the counter-based noise, and the compact static-cache decoder (the
+same step the CUDA graphs capture, run eagerly) against the transformers + peft eager path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollout_lib.backends import counter_noise, create_backend
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.workload import Workload
+
+# ------------------------------------------------------------------------------------------
+# The noise function
+# ------------------------------------------------------------------------------------------
+
+
+def test_noise_is_a_pure_function_of_seed_step_and_index():
+    seeds = torch.tensor([1101, 2101, 3101])
+    a = counter_noise.uniform(seeds, 7, 1000)
+    b = counter_noise.uniform(seeds.clone(), torch.tensor(7), 1000)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, counter_noise.uniform(seeds, 8, 1000)), "the step must change the noise"
+    assert not torch.equal(a[0], a[1]), "the seed must change the noise"
+
+
+def test_a_rows_noise_does_not_depend_on_its_batch_mates():
+    alone = counter_noise.uniform(torch.tensor([2101]), 3, 4096)
+    for mates in ([1101, 2101], [2101, 9, 10, 11], [5, 6, 7, 2101]):
+        batch = counter_noise.uniform(torch.tensor(mates), 3, 4096)
+        assert torch.equal(batch[mates.index(2101)], alone[0])
+
+
+def test_noise_is_uniform_enough():
+    u = counter_noise.uniform(torch.arange(64), 5, 16384).flatten()
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.002 and abs(u.var().item() - 1 / 12) < 0.001
+    counts = torch.histc(u, bins=32, min=0.0, max=1.0)
+    expected = u.numel() / 32
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 70, f"chi-square {chi2:.1f} over 31 degrees of freedom"  # p < 1e-4 for a uniform source
+    # neighbouring indices and neighbouring seeds are not correlated
+    grid = counter_noise.uniform(torch.arange(256), 0, 256)
+    corr_index = torch.corrcoef(torch.stack([grid[:, :-1].flatten(), grid[:, 1:].flatten()]))[0, 1]
+    corr_seed = torch.corrcoef(torch.stack([grid[:-1].flatten(), grid[1:].flatten()]))[0, 1]
+    assert abs(corr_index) < 0.02 and abs(corr_seed) < 0.02
+
+
+def test_the_exponential_race_samples_the_distribution():
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = torch.log(p).repeat(4000, 1)
+    seeds = torch.arange(4000)
+    draws = []
+    for step in range(5):
+        tokens, logprobs = counter_noise.sample(logits, seeds, step, torch.ones(4000),
+                                                torch.zeros(4000, dtype=torch.bool))
+        draws.append(tokens)
+        assert torch.allclose(logprobs, torch.log(p)[tokens])
+    freq = torch.bincount(torch.cat(draws), minlength=4).float() / 20000
+    assert torch.allclose(freq, p, atol=0.015), freq
+    greedy, _ = counter_noise.sample(logits[:3], seeds[:3], 0, torch.ones(3), torch.ones(3, dtype=torch.bool))
+    assert greedy.tolist() == [0, 0, 0]
+
+
+def test_temperature_scales_the_distribution():
+    logits = torch.tensor([[2.0, 0.0]]).repeat(8000, 1)
+    hot, _ = counter_noise.sample(logits, torch.arange(8000), 1, torch.full((8000,), 0.5),
+                                  torch.zeros(8000, dtype=torch.bool))
+    expected = 1 / (1 + math.exp(-1.0))  # softmax([1, 0])[0] at temperature 2
+    assert abs((hot == 0).float().mean().item() - expected) < 0.02
+
+
+# ------------------------------------------------------------------------------------------
+# The compact decoder against the eager path (tiny model)
+# ------------------------------------------------------------------------------------------
+
+CELLS = ["p48-r24-n2-greedy", "p16-r24-n2-stochastic"]
+
+
+@pytest.fixture(scope="module")
+def outputs(smoke_study, snapshot_cache):
+    workload = Workload(smoke_study)
+    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        for decode in ("eager", "graphs"):
+            backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype=dtype, decode=decode,
+                                     cache_dir=snapshot_cache)
+            backend.cold_start()
+            identity = backend.sync_policy(policy)
+            runs = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
+            partition = {c: [r for q in workload.requests(workload.cell(c)) for r in backend.generate([q]).results]
+                         for c in CELLS}
+            again = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
+            out[(dtype, decode)] = {"identity": identity, "runs": runs, "partition": partition, "again": again,
+                                    "environment": backend.environment(), "policy": policy}
+            backend.teardown()
+    return out
+
+
+def test_float32_greedy_tokens_and_stops_equal_the_eager_path(outputs):
+    eager, fast = outputs[("float32", "eager")], outputs[("float32", "graphs")]
+    for a, b in zip(eager["runs"]["p48-r24-n2-greedy"], fast["runs"]["p48-r24-n2-greedy"], strict=True):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def test_both_paths_serve_the_same_identity(outputs):
+    identities = {v["identity"] for v in outputs.values()}
+    assert identities == {outputs[("float32", "eager")]["policy"].identity}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_path_sampling_is_deterministic_and_independent_of_partition(outputs, dtype):
+    fast = outputs[(dtype, "graphs")]
+    for cell in CELLS:
+        tokens = [r.token_ids for r in fast["runs"][cell]]
+        assert tokens == [r.token_ids for r in fast["again"][cell]], "the same seeds must give the same tokens"
+        assert tokens == [r.token_ids for r in fast["partition"][cell]], "one request alone must match its batch row"
+    stochastic = [r.token_ids for r in fast["runs"]["p16-r24-n2-stochastic"]]
+    assert len(set(stochastic)) == len(stochastic), "different seeds must give different samples"
+
+
+def test_environment_names_the_path(outputs):
+    env = outputs[("float32", "graphs")]["environment"]
+    assert env["decode"] == "graphs" and env["cuda_graphs"] is False  # CPU: the same step, not captured
+    assert env["graph_buckets"] and env["static_cache_bytes"] > 0
+    assert outputs[("float32", "eager")]["environment"]["decode"] == "eager"
+
+
+def test_unknown_decode_path_is_refused(smoke_study):
+    with pytest.raises(ValueError, match="hf_cached: decode 'fast' is not allowed; allowed: graphs, eager"):
+        create_backend("hf_cached", smoke_study, device="cpu", decode="fast")
+
+
+def test_sync_rewrites_the_static_buffers_without_new_buckets(smoke_study, snapshot_cache):
+    workload = Workload(smoke_study)
+    versions = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 3)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", cache_dir=snapshot_cache)
+    backend.cold_start()
+    buckets = dict(backend.buckets.buckets)
+    logprobs = []
+    for version in versions:
+        assert backend.sync_policy(version) == version.identity
+        logprobs.append(backend.generate(workload.requests(workload.cell("p48-r24-n1-greedy"))).results[0].logprobs)
+        assert backend.buckets.buckets == buckets, "a policy sync must not rebuild (recapture) any bucket"
+    assert len(set(logprobs)) == len(versions), "the served policy must change what is computed"
+    backend.teardown()

@@ -1,0 +1,68 @@
+"""hf_cached fast path on the GPU (the synthetic Qwen3-0.6B actor): CUDA graphs vs the eager path,
+policy sync without recapture, sampling determinism, noise bits equal on CPU and CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout_lib.backends import counter_noise, create_backend
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.workload import Workload
+
+pytestmark = pytest.mark.gpu
+
+CELL = "p128-r64-n1-greedy"
+
+
+def test_noise_bits_equal_on_cpu_and_cuda():
+    seeds = torch.tensor([1101, 2101, 3101, 4101])
+    cpu = counter_noise.uniform(seeds, 17, 151936)
+    gpu = counter_noise.uniform(seeds.cuda(), torch.tensor(17, device="cuda"), 151936).cpu()
+    assert torch.equal(cpu, gpu)
+
+
+@pytest.fixture(scope="module")
+def study():
+    from rollout_lib.study.prereg import load
+
+    from .conftest import PREREG
+
+    return load(PREREG)
+
+
+def _run(study, decode, dtype, cells, versions=2):
+    workload = Workload(study)
+    policies = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, versions)
+    backend = create_backend("hf_cached", study, compute_dtype=dtype, decode=decode)
+    backend.cold_start()
+    backend.sync_policy(policies[0])
+    out = {c: backend.generate(workload.requests(workload.cell(c))).results for c in cells}
+    return backend, policies, out
+
+
+def test_graphs_equal_eager_greedy_in_float32(study):
+    cells = [CELL, "p512-r64-n4-greedy"]
+    eager, _, a = _run(study, "eager", "float32", cells)
+    eager.teardown()
+    graphs, _, b = _run(study, "graphs", "float32", cells)
+    assert graphs.environment()["cuda_graphs"] is True
+    graphs.teardown()
+    for cell in cells:
+        for x, y in zip(a[cell], b[cell], strict=True):
+            assert x.token_ids == y.token_ids and x.stop_reason == y.stop_reason
+
+
+def test_sync_without_recapture_and_deterministic_sampling(study):
+    backend, policies, first = _run(study, "graphs", "bfloat16", ["p128-r64-n4-stochastic"], versions=3)
+    graphs = {key: bucket.graph for key, bucket in backend.buckets.buckets.items()}
+    workload = Workload(study)
+    requests = workload.requests(workload.cell("p128-r64-n4-stochastic"))
+    again = backend.generate(requests).results
+    assert [r.token_ids for r in again] == [r.token_ids for r in first["p128-r64-n4-stochastic"]]
+    singles = [backend.generate([q]).results[0].token_ids for q in requests[:2]]
+    assert singles == [r.token_ids for r in again[:2]]
+    for policy in policies[1:]:
+        assert backend.sync_policy(policy) == policy.identity
+        assert {k: b.graph for k, b in backend.buckets.buckets.items() if k in graphs} == graphs
+    backend.teardown()
