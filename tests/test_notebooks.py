@@ -33,7 +33,9 @@ def test_measure_notebook_smoke(backend, tmp_path, monkeypatch, smoke_study):
     assert torn == b"" and records[0]["record"] == "header" and records[0]["preregistered"] is False
     assert records[0]["environment"]["preregistration_sha256"] == smoke_study.sha256
     reps = [r for r in records if r["record"] == "repetition"]
-    assert [(r["cell_id"], r["warmup"]) for r in reps] == [(c, w) for c in cells for w in (True, False)]
+    measured = smoke_study.protocol.measured_repetitions
+    assert [(r["cell_id"], r["warmup"]) for r in reps] == [(c, w) for c in cells
+                                                           for w in (True, *[False] * measured)]
     assert all(r["valid"] for r in reps)
     stochastic = [r for r in reps if r["cell_id"] == "p16-r8-n2-stochastic"]
     assert all(r["generated_tokens"] == 8 * 8 for r in stochastic)

@@ -133,7 +133,7 @@ def test_cli_validates_and_prints_sha(prereg_study):
 
 def test_cli_rejects_bad_file(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(SMOKE.read_text().replace("measured_repetitions: 1", "measured_repetitions: zero"))
+    bad.write_text(SMOKE.read_text().replace("measured_repetitions: 3", "measured_repetitions: zero"))
     out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "prereg", str(bad)], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 2

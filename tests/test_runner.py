@@ -119,7 +119,7 @@ def test_oom_is_recorded_and_the_run_continues(smoke_study, tmp_path):
     reps = [r for r in records if r["record"] == "repetition"]
     assert reps[0]["invalid_reasons"][0]["rule"] == "INV-OOM" and reps[0]["valid"] is False
     assert [r["status"] for r in records if r["record"] == "cell_complete"] == ["failed", "completed"]
-    assert len([r for r in reps if r["cell_id"] == "p16-r8-n2-greedy"]) == 2  # 1 warmup + 1 measured
+    assert len([r for r in reps if r["cell_id"] == "p16-r8-n2-greedy"]) == 4  # 1 warmup + 3 measured
     assert records[-1]["record"] == "teardown"
 
 

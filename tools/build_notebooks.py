@@ -19,20 +19,24 @@ cell as one batch), after a timed cold start and one policy sync; 1 warmup (reco
 and the preregistered measured repetitions; CUDA synchronized at every timing boundary; torch peak
 memory reset per cell and NVML process-tree memory sampled in the background.
 
-Output: one append-only raw file `outputs/raw/<campaign>/<backend>/<run_id>.jsonl` (reuse a
-`run_id` to resume: completed cells are skipped). The frozen calculator and the report read it.
+Output: one append-only raw file `<output_dir>/raw/<campaign>/<backend>/<run_id>.jsonl` (reuse a
+`run_id` to resume an interrupted run: completed cells are skipped). The frozen calculator and the
+report read it.
+
+The defaults are the **smoke profile** (tiny synthetic model, `outputs/smoke/`), so "Run All" is
+safe on a laptop; the study is `params=params/rollout-runtime-v2.yaml` on a GPU
+(`make measure BACKEND=hf_cached CAMPAIGN=h200-v2 PARAMS=params/rollout-runtime-v2.yaml`).
 
 Set `profile_cell` to a cell id to profile that one cell with `torch.profiler` instead of
-measuring: the top operators table is shown and a Chrome trace is saved under `outputs/profiles/`.
+measuring (no raw file is written): the top operators table is shown and a Chrome trace is saved
+under `<output_dir>/profiles/<campaign>/<backend>/`."""
 
-Run: `papermill notebooks/measure.ipynb outputs/runs/measure-hf_cached.ipynb -p backend hf_cached`."""
-
-PARAMETERS = """backend: str = "hf_cached"  # hf_reference, hf_cached (vllm once it lands)
-params: str = "params/rollout-runtime-v2.yaml"  # the preregistration, or a profile: params/profiles/smoke.yaml
-campaign: str = "default"  # raw files go to <output_dir>/raw/<campaign>/<backend>/
+PARAMETERS = """backend: str = "hf_cached"  # hf_reference, hf_cached or vllm
+params: str = "params/profiles/smoke.yaml"  # the smoke profile; the study: params/rollout-runtime-v2.yaml
+campaign: str = "smoke"  # raw files go to <output_dir>/raw/<campaign>/<backend>/
 cells: list = []  # cell ids such as p128-r64-n1-greedy; empty means every cell of the workload
 run_id: str = ""  # empty means a new UTC timestamp id; reuse an id to resume an interrupted run
-output_dir: str = "outputs"
+output_dir: str = "outputs/smoke"  # the study's evidence goes to "outputs"
 device: str = ""  # empty means cuda when present, else cpu
 profile_cell: str = ""  # a cell id: profile that one cell instead of measuring"""
 
@@ -50,7 +54,10 @@ spec, study, workload = validate_parameters(backend=backend, params=params, camp
                                             run_id=run_id, output_dir=output_dir, device=device,
                                             profile_cell=profile_cell)
 print(f"{study.study_id}: {study.status_label}; preregistration sha256 {study.sha256}")
-print(f"backend {spec.backend}; {len(spec.cells)} cell(s); raw file {spec.path}")"""
+if profile_cell:
+    print(f"backend {spec.backend}; profiling {profile_cell} (no raw file is written)")
+else:
+    print(f"backend {spec.backend}; {len(spec.cells)} cell(s); raw file {spec.path}")"""
 
 MEASURE = """import pandas as pd
 from IPython.display import display
@@ -84,12 +91,14 @@ PROFILE = """if profile_cell:
     from rollout_lib.models.policy import policy_versions
 
     profiled = create_backend(spec.backend, study, device=spec.device)
-    profiled.cold_start()
-    profiled.sync_policy(policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest,
-                                         MEASUREMENT_POLICY_VERSION)[-1])
-    trace = Path(output_dir) / "profiles" / campaign / spec.backend / f"{spec.run_id}-{profile_cell}.trace.json.gz"
-    operator_table, trace_path = profile_one_cell(profiled, workload.requests(workload.cell(profile_cell)), trace)
-    profiled.teardown()
+    try:
+        profiled.cold_start()
+        profiled.sync_policy(policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest,
+                                             MEASUREMENT_POLICY_VERSION)[-1])
+        trace = Path(output_dir) / "profiles" / campaign / spec.backend / f"{spec.run_id}-{profile_cell}.trace.json.gz"
+        operator_table, trace_path = profile_one_cell(profiled, workload.requests(workload.cell(profile_cell)), trace)
+    finally:  # a failed profile still releases the GPU memory and any engine process
+        profiled.teardown()
     print(operator_table)
     print(f"Chrome trace: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")"""
 
@@ -109,9 +118,10 @@ sys.path.insert(0, str(ROOT))
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
-from IPython.display import Markdown, display  # noqa: E402
+from IPython.display import HTML, Markdown, display  # noqa: E402
 
 from rollout_lib.evidence.publish import aggregate_path, collect_inputs, derive  # noqa: E402
+from rollout_lib.report import figures, verdict  # noqa: E402
 from rollout_lib.report import summary as report  # noqa: E402
 from rollout_lib.study.prereg import load  # noqa: E402
 
@@ -122,6 +132,7 @@ out = Path(output_dir)
 derived_bytes, aggregate = derive(study, campaign, out)  # refuses a calculator whose hash differs
 inputs = collect_inputs(study, campaign, out)
 stored = aggregate_path(out, campaign)
+notes = report.campaign_notes(out, campaign)
 matches = stored.exists() and stored.read_bytes() == derived_bytes
 banner = [f"**Campaign `{campaign}`** — {study.study_id}, {study.status_label}.",
           f"Frozen calculator verified (sha256 `{aggregate['calculator_sha256'][:16]}…`).",
@@ -133,6 +144,15 @@ if not study.preregistered:
                      "about the study.**")
 display(Markdown("\\n\\n".join(banner)))"""
 
+
+FIGURE = """fig = {call}
+if fig is None:
+    display(Markdown(figures.missing_line({missing})))
+else:
+    plt.show()"""
+
+CAVEATS = """for caveat in figures.caveats(aggregate, study, notes):
+    display(Markdown(f"> **Caveat:** {caveat}"))"""
 
 CONFORMANCE = """table = report.conformance_table(aggregate)
 display(report.styled(table) if len(table) else Markdown("No conformance evidence for this campaign yet."))
@@ -156,32 +176,43 @@ def summary_notebook() -> nbformat.NotebookNode:
                           "is computed from the raw files by the frozen calculator."),
         new_code_cell(SUMMARY_PARAMETERS, metadata={"tags": ["parameters", "remove-cell"]}),
         code(SUMMARY_LOAD),
-        new_markdown_cell("## Frozen setup"),
-        code("display(report.styled(report.setup_table(study, aggregate, inputs)))"),
+        code("display(HTML(verdict.verdict_html(aggregate, study)))"),
         new_markdown_cell("## Throughput per cell\n\nTokens/s = actual generated tokens / median wall time of "
-                          "the measured repetitions; peak = NVML process-tree peak over the cell."),
+                          "the measured repetitions (colour on a log scale)."),
+        code(FIGURE.format(call="figures.throughput_heatmap(aggregate, study)",
+                           missing="'tokens/s per cell', 'no cell measured yet'")),
         code("display(report.styled(report.throughput_table(aggregate)))"),
-        new_markdown_cell("## Speedups per paired cell"),
-        code("fig = report.speedup_figure(aggregate, study)\nplt.show()"),
+        new_markdown_cell("## Speedups per paired cell, against the gate lines"),
+        code(CAVEATS + "\n" + FIGURE.format(call="report.speedup_figure(aggregate, study)",
+                                            missing="'speedups', 'no paired cell measured yet'")
+             + "\nfor pair in report.missing_speedup_pairs(aggregate) if fig is not None else []:\n"
+               "    display(Markdown(figures.missing_line(pair, 'no paired cell measured yet')))"),
         new_markdown_cell("## Memory against budget and gate"),
-        code("fig = report.memory_figure(aggregate, study)\nplt.show()"),
+        code(FIGURE.format(call="report.memory_figure(aggregate, study)",
+                           missing="'peak GPU memory', 'no NVML peak measured (CPU run: not_applicable)'")),
         new_markdown_cell("## Phase breakdown\n\nMedians over measured repetitions; a phase the backend "
                           "cannot expose shows its status (`not_measured`), never 0."),
+        code(FIGURE.format(call="figures.phase_figure(aggregate)",
+                           missing="'phase breakdown', 'no backend exposed prefill and decode in these cells'")),
         code("display(report.styled(report.phase_table(aggregate)))"),
         new_markdown_cell("## Conformance and policy refresh"),
         code(CONFORMANCE),
-        new_markdown_cell("## Gate outcome\n\nConservative: every covered cell must be present, valid and pass."),
+        code(FIGURE.format(call="figures.refresh_figure(aggregate)",
+                           missing="'refresh sync-time series', 'no policy-refresh evidence for this campaign'")),
+        new_markdown_cell("## Gate outcome\n\nConservative: every covered cell must be present, valid and pass. "
+                          "INCOMPLETE: the gate fails only for lack of evidence."),
         code("display(report.styled(report.gate_table(aggregate)))"),
         new_markdown_cell("## Backend selection (fail closed)"),
         code("display(report.styled(report.selection_table(aggregate)))"),
         new_markdown_cell("## Cells still missing"),
         code("display(report.styled(report.missing_table(aggregate)))"),
         new_markdown_cell("## Campaign notes"),
-        code("notes = report.campaign_notes(out, campaign)\n"
-             "display(Markdown(notes or 'No notes for this campaign.'))"),
+        code("display(Markdown(notes or 'No notes for this campaign.'))"),
         new_markdown_cell("## Earlier and failed candidates\n\nEvery raw file stays listed: excluded files with "
                           "their reason, superseded and failed cells counted."),
         code("display(report.styled(report.candidates_table(aggregate)))"),
+        new_markdown_cell("## All failing cells"),
+        code("display(HTML(report.all_failures_html(aggregate)))"),
         new_markdown_cell("## Integrity"),
         code("display(report.styled(report.integrity_table(study, aggregate, stored if matches else None)))"),
     ]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollout_lib.backends import create_backend  # noqa: E402
-from rollout_lib.models.policy import policy_versions  # noqa: E402
-from rollout_lib.study.prereg import load  # noqa: E402
-from rollout_lib.study.workload import Workload  # noqa: E402
+from rollout_lib.backends import create_backend
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.prereg import load
+from rollout_lib.study.workload import Workload
 
 
 def measure(backend, workload, cell_ids, repetitions):

@@ -25,11 +25,30 @@ def styled(frame):
     def colour(value: Any) -> str:
         return {"PASS": "color:#276749;font-weight:bold", "FAIL": "color:#c53030;font-weight:bold"}.get(value, "")
 
+    import pandas as pd
+
     if not frame.index.is_unique:  # Styler needs unique labels (e.g. several "raw" artifacts)
         frame = frame.reset_index()
-    return (frame.style.map(colour)
-            .set_properties(**{"text-align": "left"})
-            .set_table_styles([{"selector": "th", "props": [("text-align", "left")]}]))
+    style = (frame.style.map(colour)
+             .set_properties(**{"text-align": "left"})
+             .set_table_styles([{"selector": "th", "props": [("text-align", "left")]}]))
+    if isinstance(frame.index, pd.RangeIndex):  # a bare 0, 1, 2 column tells a reader nothing
+        style = style.hide(axis="index")
+    return style
+
+
+def text(value: Any, digits: int = 4) -> str:
+    """A value as a reader wants it: never a bare None/True/False or raw JSON."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return "—" if math.isnan(value) else f"{value:.{digits}g}"
+    if isinstance(value, (dict, list)):
+        return ", ".join(f"{k}: {text(v)}" for k, v in value.items()) if isinstance(value, dict) else \
+            ", ".join(text(v) for v in value)
+    return str(value)
 
 
 def _fmt_status(phase: dict[str, Any]) -> str:
@@ -109,17 +128,16 @@ def throughput_table(aggregate: dict[str, Any]):
 def speedup_figure(aggregate: dict[str, Any], study: Preregistration):
     import matplotlib.pyplot as plt
 
-    pairs = [("hf_cached", "hf_reference"), ("vllm", "hf_cached")]
+    all_pairs = [("hf_cached", "hf_reference"), ("vllm", "hf_cached")]
+    pairs = [p for p in all_pairs if any(s["candidate"] == p[0] and s["baseline"] == p[1]
+                                         for s in aggregate["speedups"])]
+    if not pairs:
+        return None  # the notebook says in one line what is missing
     cells = {(c["backend"], c["cell_id"]): c for c in aggregate["cells"]}
     fig, axes = plt.subplots(len(pairs), 1, figsize=(11, 3.6 * len(pairs)), squeeze=False)
     for ax, (candidate, baseline) in zip(axes[:, 0], pairs, strict=True):
         points = [s for s in aggregate["speedups"] if s["candidate"] == candidate and s["baseline"] == baseline]
         gate = next((g for g in study.gates if g.kind == "speedup" and g.candidate == candidate), None)
-        if not points:
-            ax.text(0.5, 0.5, f"{candidate} / {baseline}: no paired cells measured yet", ha="center", va="center",
-                    transform=ax.transAxes)
-            ax.set_axis_off()
-            continue
         labels, ratios, lows, highs, colors = [], [], [], [], []
         for point in points:
             cand, base = cells[(candidate, point["cell_id"])], cells[(baseline, point["cell_id"])]
@@ -144,16 +162,18 @@ def speedup_figure(aggregate: dict[str, Any], study: Preregistration):
     return fig
 
 
+def missing_speedup_pairs(aggregate: dict[str, Any]) -> list[str]:
+    return [f"{c} / {b}" for c, b in (("hf_cached", "hf_reference"), ("vllm", "hf_cached"))
+            if not any(s["candidate"] == c and s["baseline"] == b for s in aggregate["speedups"])]
+
+
 def memory_figure(aggregate: dict[str, Any], study: Preregistration):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 3.6))
     cells = [c for c in aggregate["cells"] if c["memory"]["nvml_peak_process_tree_bytes"] is not None]
     if not cells:
-        ax.text(0.5, 0.5, "no NVML peak memory measured (CPU run: not_applicable)", ha="center", va="center",
-                transform=ax.transAxes)
-        ax.set_axis_off()
-        return fig
+        return None  # the notebook says in one line what is missing
+    fig, ax = plt.subplots(figsize=(11, 3.6))
     for backend, color in zip(BACKEND_ORDER, ("#718096", "#2b6cb0", "#38a169"), strict=True):
         mine = [c for c in cells if c["backend"] == backend]
         if mine:
@@ -167,7 +187,7 @@ def memory_figure(aggregate: dict[str, Any], study: Preregistration):
     ax.set_ylabel("GiB")
     ax.set_ylim(0, study.memory.budget_bytes / GIB * 1.08)
     ax.tick_params(axis="x", rotation=35, labelsize=8)
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: it hides no point
     ax.set_title("peak GPU memory per cell against budget and gate")
     fig.tight_layout()
     return fig
@@ -191,16 +211,48 @@ def gate_table(aggregate: dict[str, Any]):
             if v is None:
                 return "—"
             return f"{v / GIB:.3f} GiB" if unit == "bytes" else f"{v:.4g}"
-        failing = "; ".join(f"{f.get('backend', '') + ' ' if f.get('backend') else ''}{f['cell_id'] or ''} "
-                            f"{f['reason']}".strip() for f in g["failing_cells"][:6])
-        more = len(g["failing_cells"]) - 6
+        failing = "; ".join(_failure_text(f) for f in g["failing_cells"][:3])
+        more = len(g["failing_cells"]) - 3
         rows.append({"gate": g["id"], "rule": f"{g['candidate']} {g['comparison']} "
                      f"{fmt(g['threshold']) if g['unit'] == 'bytes' else g['threshold']}"
                      f"{'x' if g['unit'] == 'ratio' else ''}", "response": ", ".join(map(str, g["response_tokens"])),
-                     "passed": "PASS" if g["passed"] else "FAIL", "observed min": fmt(g["observed_min"]),
+                     "outcome": gate_outcome(g), "observed min": fmt(g["observed_min"]),
                      "observed max": fmt(g["observed_max"]),
-                     "failing cells": failing + (f"; … {more} more" if more > 0 else "")})
+                     "failing": (f"{len(g['failing_cells'])}: " if g["failing_cells"] else "none") + failing
+                     + (f"; … {more} more (see 'All failing cells')" if more > 0 else "")})
     return pd.DataFrame(rows).set_index("gate")
+
+
+def _failure_text(failure: dict[str, Any]) -> str:
+    where = " ".join(x for x in (failure.get("backend"), failure.get("cell_id")) if x)
+    return f"{where}: {failure['reason']}" if where else failure["reason"]
+
+
+INCOMPLETE_MARKERS = ("missing", "no accepted", "not_measured", "not_applicable")
+
+
+def gate_outcome(gate: dict[str, Any]) -> str:
+    """PASS, FAIL (a measured value fails) or INCOMPLETE (it fails only for lack of evidence)."""
+    if gate["passed"]:
+        return "PASS"
+    reasons = [f["reason"] for f in gate["failing_cells"]]
+    if reasons and all(any(marker in r for marker in INCOMPLETE_MARKERS) for r in reasons):
+        return "INCOMPLETE"
+    return "FAIL"
+
+
+def all_failures_html(aggregate: dict[str, Any]) -> str:
+    """Every failing cell of every gate, each gate under its own anchor."""
+    import html
+
+    parts = []
+    for g in aggregate["gates"]:
+        if not g["failing_cells"]:
+            continue
+        items = "".join(f"<li>{html.escape(_failure_text(f))}</li>" for f in g["failing_cells"])
+        parts.append(f'<h4 id="failures-{g["id"]}">{g["id"]} — {gate_outcome(g)}, '
+                     f'{len(g["failing_cells"])} failing</h4><ul>{items}</ul>')
+    return "".join(parts) or "<p>No gate has a failing cell.</p>"
 
 
 def selection_table(aggregate: dict[str, Any]):
@@ -226,7 +278,7 @@ def missing_table(aggregate: dict[str, Any]):
 def candidates_table(aggregate: dict[str, Any]):
     import pandas as pd
 
-    rows = [{"raw file": f["path"], "backend": f["backend"], "accepted": f["accepted"],
+    rows = [{"raw file": f["path"], "backend": f["backend"], "accepted": text(f["accepted"]),
              "binding": f.get("binding") or f.get("excluded_reason"),
              "completed": len(f.get("completed_cells", [])), "failed": ", ".join(f.get("failed_cells", [])) or "—",
              "superseded": len(f.get("superseded_cells", []))} for f in aggregate["raw_files"]]
@@ -246,18 +298,18 @@ def conformance_table(aggregate: dict[str, Any]):
         measured = report.get("bfloat16") or report.get("float32", {})
         tf = measured.get("teacher_forced", {})
         f32 = report.get("float32", {})
-        rows.append({"evidence": entry["path"], "kind": entry["kind"], "accepted": entry["accepted"],
-                     "passed": verdict.get("passed"),
+        rows.append({"evidence": entry["path"], "kind": entry["kind"], "accepted": text(entry["accepted"]),
+                     "passed": "PASS" if verdict.get("passed") else "FAIL",
                      "float32 greedy identical": f"{f32.get('greedy_free_running_identical')}/"
                                                  f"{f32.get('greedy_free_running_requests')}",
                      "float32 partitions identical": f"{f32.get('partitions_identical')}/"
                                                      f"{f32.get('partitions_requests')}",
                      "bf16 free-running identical": f"{verdict.get('bf16_free_running_identical')}/"
                                                     f"{verdict.get('bf16_free_running_requests')}",
-                     "bf16 teacher-forced argmax agreement": tf.get("argmax_agreement_rate"),
-                     "beyond tie margin": tf.get("disagreements_beyond_tie_margin"),
-                     "max |d logprob| bf16": verdict.get("max_abs_logprob_diff"),
-                     "max |d logprob| float32": f32.get("sampled_logprob", {}).get("max_abs_diff")})
+                     "bf16 teacher-forced argmax agreement": text(tf.get("argmax_agreement_rate")),
+                     "beyond tie margin": text(tf.get("disagreements_beyond_tie_margin")),
+                     "max |d logprob| bf16": text(verdict.get("max_abs_logprob_diff")),
+                     "max |d logprob| float32": text(f32.get("sampled_logprob", {}).get("max_abs_diff"))})
     return pd.DataFrame(rows).set_index("evidence") if rows else pd.DataFrame()
 
 
@@ -280,8 +332,22 @@ def refresh_table(aggregate: dict[str, Any]):
                      "sync s (min-max)": f"{min(syncs):.3f}-{max(syncs):.3f}" if syncs else "—",
                      "memory after each refresh": ", ".join(f"{v / GIB:.2f}" for v in series) + " GiB" if series
                      else report.get("memory_status", "—"),
-                     "teardown": json.dumps(report.get("teardown_proof"), sort_keys=True)})
+                     "teardown": _teardown_text(report.get("teardown_proof"))})
     return pd.DataFrame(rows).set_index("evidence") if rows else pd.DataFrame()
+
+
+def _teardown_text(proof: Any) -> str:
+    if not isinstance(proof, dict) or not proof:
+        return "not applicable (no server process)"
+    parts = []
+    if "port_closed" in proof:
+        parts.append("port closed" if proof["port_closed"] else "PORT STILL OPEN")
+    if "leftover_processes" in proof:
+        left = proof["leftover_processes"]
+        parts.append("no process left" if not left else f"{len(left)} process(es) left")
+    if "exit_code" in proof:
+        parts.append(f"exit code {proof['exit_code']}")
+    return ", ".join(parts) or text(proof)
 
 
 def integrity_table(study: Preregistration, aggregate: dict[str, Any], aggregate_file: Path | None):
@@ -322,5 +388,46 @@ def render(campaign: str, params: str, output_dir: Path) -> Path:
     exporter.register_preprocessor(hide, enabled=True)
     body, _ = exporter.from_notebook_node(nb)
     html = report_dir / f"{campaign}.html"
-    html.write_text(body, encoding="utf-8")
+    html.write_text(offline_html(body), encoding="utf-8")
     return html
+
+
+def external_references(soup) -> list[str]:
+    """Every URL the page would fetch: src/href attributes, CSS url(...), script imports."""
+    import re
+
+    found = []
+    for tag in soup.find_all(True):
+        for attribute in ("src", "href", "data"):
+            value = tag.get(attribute)
+            if isinstance(value, str) and re.match(r"\s*(https?:)?//", value):
+                found.append(f"<{tag.name} {attribute}={value}>")
+    for tag in soup.find_all(["script", "style"]):
+        for match in re.findall(r"(?:url\(|import\s*\(?|from\s*)[\"']?\s*((?:https?:)?//[^\"')\s]+)", tag.get_text()):
+            found.append(f"<{tag.name}> {match}")
+    return found
+
+
+def offline_html(body: str) -> str:
+    """nbconvert's page loads require.js, MathJax and mermaid from a CDN; the report needs none of
+    them (no widgets, no maths, no diagrams), so those tags go: the file opens fully offline."""
+    import re
+
+    from bs4 import BeautifulSoup, Comment
+
+    soup = BeautifulSoup(body, "html.parser")
+    for comment in soup.find_all(string=lambda s: isinstance(s, Comment)):  # "load mathjax" and the like
+        comment.extract()
+    for tag in soup.find_all(["script", "link"]):
+        source = tag.get("src") or tag.get("href") or ""
+        content = tag.get_text()
+        if (re.match(r"\s*(https?:)?//", source) or tag.get("type") == "text/x-mathjax-config"
+                or re.search(r"(https?:)?//cdn", content)):
+            tag.decompose()
+    for style in soup.find_all("style"):  # comments in the theme CSS cite URLs; drop the comments
+        if style.string:
+            style.string = re.sub(r"/\*.*?\*/", "", style.string, flags=re.S)
+    left = external_references(soup)
+    if left:
+        raise RuntimeError(f"the report still references external URLs: {left[:5]}")
+    return str(soup)
