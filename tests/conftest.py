@@ -46,3 +46,16 @@ def prereg_study():
 def snapshot_cache(tmp_path_factory) -> str:
     """One synthetic-snapshot cache per test session (tiny snapshots build in well under a second)."""
     return os.environ.get("ROLLOUT_TEST_CACHE") or str(tmp_path_factory.mktemp("snapshots"))
+
+
+@pytest.fixture()
+def scratch_calculator(tmp_path, smoke_study, monkeypatch):
+    """A copy of the frozen calculator that publish reads (its repository root points at a scratch
+    tree, so a test may edit the copy without touching the real one); returns the copy's path."""
+    import shutil
+
+    calc = tmp_path / "repo" / smoke_study.calculator.path
+    calc.parent.mkdir(parents=True)
+    shutil.copy(REPO / smoke_study.calculator.path, calc)
+    monkeypatch.setattr("rollout_lib.evidence.publish.REPO_ROOT", tmp_path / "repo")
+    return calc

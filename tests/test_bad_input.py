@@ -63,12 +63,8 @@ class Ctx:
 
 
 @pytest.fixture()
-def ctx(tmp_path, smoke_study, monkeypatch):
-    scratch = tmp_path / "repo"
-    calc = scratch / smoke_study.calculator.path
-    calc.parent.mkdir(parents=True)
-    shutil.copy(REPO / smoke_study.calculator.path, calc)
-    monkeypatch.setattr("rollout_lib.evidence.publish.REPO_ROOT", scratch)
+def ctx(tmp_path, scratch_calculator):
+    calc = scratch_calculator
     params = tmp_path / "smoke.yaml"
     params.write_text(SMOKE.read_text())
     study = load(params)

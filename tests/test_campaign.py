@@ -11,9 +11,7 @@ import sys
 import time
 
 import pytest
-import torch
 
-from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult
 from rollout_lib.campaign.schedule import CellCost, calibration_ratio, plan
 from rollout_lib.evidence.publish import campaign_cells, derive, publish
 from rollout_lib.measure.campaign_files import CampaignGPUMismatch, find_continuations
@@ -23,6 +21,7 @@ from rollout_lib.measure.runner import run, validate_parameters
 from rollout_lib.study.prereg import load
 
 from .conftest import REPO, SMOKE
+from .fakes import FakeBackend
 
 CELL = "p16-r8-n1-greedy"
 
@@ -37,37 +36,22 @@ class FakeClock:
         return self.now
 
 
-class _SlowBackend(Backend):
-    """Deterministic test double: every generate takes `delay_s` (slept, or added to a fake clock)."""
+class _SlowBackend(FakeBackend):
+    """Every generate takes `delay_s`: slept, or added to a fake clock."""
 
     name = "fake_slow"
-    description = "test double"
 
     def __init__(self, study, delay_s=0.25, clock=None):
         super().__init__(study)
         self.delay_s = delay_s
         self.clock = clock
-        self.device = torch.device("cpu")
 
-    def _start(self):
-        pass
-
-    def sync_policy(self, policy):
-        self.served_identity = policy.identity
-        return policy.identity
-
-    def generate(self, requests):
+    def before_generate(self, requests) -> float:
         if self.clock is not None:
             self.clock.now += self.delay_s
         else:
             time.sleep(self.delay_s)
-        results = [RequestResult(r.request_id, tuple([3] * r.max_new_tokens), "length", None, self.served_identity)
-                   for r in requests]
-        return BatchResult(results, self.delay_s,
-                           {k: Phase.not_measured("fake") for k in ("prefill_s", "decode_s", "ttft_s")})
-
-    def _stop(self):
-        pass
+        return self.delay_s
 
 
 @pytest.fixture()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from rollout_lib.core import sha256_file
@@ -23,14 +21,9 @@ from .test_runner import _OOMOnceBackend
 
 
 @pytest.fixture()
-def campaign(tmp_path, smoke_study, monkeypatch):
-    """Raw files from the runner (a fast test backend) and a copy of the calculator that publish reads
-    (its repository root points at a scratch tree, so a test may edit the copy)."""
-    scratch = tmp_path / "repo"
-    calc = scratch / smoke_study.calculator.path
-    calc.parent.mkdir(parents=True)
-    shutil.copy(REPO / smoke_study.calculator.path, calc)
-    monkeypatch.setattr("rollout_lib.evidence.publish.REPO_ROOT", scratch)
+def campaign(tmp_path, scratch_calculator):
+    """Raw files from the runner (a fast test backend) and a scratch copy of the calculator."""
+    calc = scratch_calculator
     params = tmp_path / "smoke.yaml"
     params.write_text(SMOKE.read_text())
     study = load(params)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult
+from rollout_lib.backends.base import BatchResult, RequestResult
 from rollout_lib.measure.rawfile import RawWriter, read_raw
 from rollout_lib.measure.runner import (
     ParameterError,
@@ -25,6 +25,7 @@ from rollout_lib.measure.runner import (
 from rollout_lib.measure.timing import PhaseTimer
 
 from .conftest import REPO, SMOKE
+from .fakes import FakeBackend
 
 
 @pytest.mark.parametrize("seconds", [0.05, 0.2])
@@ -79,34 +80,15 @@ def test_invalidation_rules(smoke_study):
     assert [r["rule"] for r in oom] == ["INV-OOM"]
 
 
-class _OOMOnceBackend(Backend):
+class _OOMOnceBackend(FakeBackend):
     """Raises CUDA OOM on its first cell; serves full-length outputs otherwise."""
 
     name = "fake_oom"
-    description = "test double"
 
-    def __init__(self, study):
-        super().__init__(study)
-        self.calls = 0
-        self.device = torch.device("cpu")
-
-    def _start(self):
-        pass
-
-    def sync_policy(self, policy):
-        self.served_identity = policy.identity
-        return policy.identity
-
-    def generate(self, requests):
-        self.calls += 1
+    def before_generate(self, requests) -> float:
         if requests[0].request_id.startswith("p16-r8-n1-greedy"):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        results = [RequestResult(r.request_id, tuple([3] * r.max_new_tokens), "length", None, self.served_identity)
-                   for r in requests]
-        return BatchResult(results, 0.01, {k: Phase.not_measured("fake") for k in ("prefill_s", "decode_s", "ttft_s")})
-
-    def _stop(self):
-        pass
+        return 0.01
 
 
 def test_oom_is_recorded_and_the_run_continues(smoke_study, tmp_path):

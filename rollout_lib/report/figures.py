@@ -4,12 +4,10 @@ backend, phase breakdown, refresh sync time. Each returns None when it would be 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.core import REPO_ROOT
-from rollout_lib.report.summary import BACKEND_ORDER
+from rollout_lib.report.summary import BACKEND_ORDER, refresh_reports
 
 
 def missing_line(what: str, why: str) -> str:
@@ -93,14 +91,10 @@ def refresh_figure(aggregate: dict[str, Any]):
     import matplotlib.pyplot as plt
 
     series = []
-    for entry in aggregate["evidence_files"]:
-        if entry["kind"] != "policy_refresh":
-            continue
-        path = Path(entry["path"]) if Path(entry["path"]).is_absolute() else REPO_ROOT / entry["path"]
-        report = json.loads(path.read_text())
+    for entry, report in refresh_reports(aggregate):
         syncs = [row["sync_s"] for row in report.get("rows", [])]
         if syncs:
-            series.append((f"{report.get('backend')} ({path.name})", syncs))
+            series.append((f"{report.get('backend')} ({Path(entry['path']).name})", syncs))
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(8, 3.2))

@@ -313,16 +313,22 @@ def conformance_table(aggregate: dict[str, Any]):
     return pd.DataFrame(rows).set_index("evidence") if rows else pd.DataFrame()
 
 
+def refresh_reports(aggregate: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(aggregate entry, evidence report) of every policy-refresh evidence file of the campaign."""
+    out = []
+    for entry in aggregate["evidence_files"]:
+        if entry["kind"] == "policy_refresh":
+            path = Path(entry["path"]) if Path(entry["path"]).is_absolute() else REPO_ROOT / entry["path"]
+            out.append((entry, json.loads(path.read_text())))
+    return out
+
+
 def refresh_table(aggregate: dict[str, Any]):
     """One row per policy-refresh evidence file: checks, sync time, memory after each version."""
     import pandas as pd
 
     rows = []
-    for entry in aggregate["evidence_files"]:
-        if entry["kind"] != "policy_refresh":
-            continue
-        path = Path(entry["path"]) if Path(entry["path"]).is_absolute() else REPO_ROOT / entry["path"]
-        report = json.loads(path.read_text())
+    for entry, report in refresh_reports(aggregate):
         syncs = [r["sync_s"] for r in report["rows"]]
         series = report.get("memory_series_bytes")
         failed = [name for name, ok in report["verdict"]["checks"].items() if not ok]
