@@ -90,14 +90,15 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
-def _verify_sealed(folder: Path, files: list[Path], what: str) -> tuple[dict[Path, str], list[str]]:
-    """Seal state of each file (`sealed` or `in progress: ...`) and the refusals, each naming the file
-    and the expected and found hashes."""
+def _verify_sealed(folder: Path, files: list[Path], what: str
+                   ) -> tuple[dict[Path, str], dict[Path, str], list[str]]:
+    """Seal state of each file (`sealed` or `in progress: ...`), the SHA-256 of each sealed file (read
+    once), and the refusals, each naming the file and the expected and found hashes."""
     try:
         seals = read_seals(folder)
     except (SealError, RawFileError) as exc:
-        return {}, [str(exc)]
-    states, problems = {}, []
+        return {}, {}, [str(exc)]
+    states, digests, problems = {}, {}, []
     present = set()
     for path in files:
         relative = path.relative_to(folder).as_posix()
@@ -109,7 +110,7 @@ def _verify_sealed(folder: Path, files: list[Path], what: str) -> tuple[dict[Pat
                 problems.append(f"{_rel(path)}: sealed with sha256 {seal['sha256']}, found {found}: the {what} "
                                 "changed after its run ended")
             else:
-                states[path] = "sealed"
+                states[path], digests[path] = "sealed", found
             continue
         holder = live_holder(path)
         if holder is not None:
@@ -120,7 +121,7 @@ def _verify_sealed(folder: Path, files: list[Path], what: str) -> tuple[dict[Pat
     for relative, seal in sorted(seals.items()):
         if relative not in present and not relative.endswith(".lock"):
             problems.append(f"{_rel(folder / relative)}: sealed with sha256 {seal['sha256']} but missing")
-    return states, problems
+    return states, digests, problems
 
 
 class EvidenceRefused(RuntimeError):
@@ -130,7 +131,8 @@ class EvidenceRefused(RuntimeError):
 def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> dict[str, Any]:
     campaign_dir = output_dir / "raw" / campaign
     paths = sorted(campaign_dir.glob("*/*.jsonl"))
-    states, problems = _verify_sealed(campaign_dir, paths, "raw file") if campaign_dir.exists() else ({}, [])
+    states, digests, problems = (_verify_sealed(campaign_dir, paths, "raw file") if campaign_dir.exists()
+                                 else ({}, {}, []))
     raw_files = []
     for path in paths:
         if path not in states:
@@ -146,7 +148,7 @@ def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> d
                 problems.append(f"{_rel(path)}: header {key} is {header.get(key)!r}, its place says {expected!r}")
         bound = header.get("environment", {}).get("preregistration_sha256")
         binding = binding_label(study, bound, (header.get("preregistration") or {}).get("calculator_pin"))
-        entry = {"path": _rel(path), "sha256": sha256_file(path), "backend": path.parent.name,
+        entry = {"path": _rel(path), "sha256": digests.get(path) or sha256_file(path), "backend": path.parent.name,
                  "run_id": path.stem, "records": records, "accepted": binding is not None, "binding": binding}
         if binding is None:
             entry["excluded_reason"] = f"bound to preregistration {bound}, not this one"
@@ -159,8 +161,8 @@ def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> d
         raw_files.append(entry)
     evidence_dir = output_dir / "conformance"
     evidence_paths = sorted(evidence_dir.glob("*.json"))
-    evidence_states, evidence_problems = _verify_sealed(evidence_dir, evidence_paths, "evidence file") \
-        if evidence_dir.exists() else ({}, [])
+    evidence_states, evidence_digests, evidence_problems = (
+        _verify_sealed(evidence_dir, evidence_paths, "evidence file") if evidence_dir.exists() else ({}, {}, []))
     problems += evidence_problems
     evidence = []
     for path in evidence_paths:
@@ -173,7 +175,8 @@ def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> d
             continue
         binding = binding_label(study, report.get("preregistration_sha256"),
                                 (report.get("preregistration") or {}).get("calculator_pin"))
-        evidence.append({"path": _rel(path), "sha256": sha256_file(path), "kind": report.get("kind", "unknown"),
+        evidence.append({"path": _rel(path), "sha256": evidence_digests.get(path) or sha256_file(path),
+                         "kind": report.get("kind", "unknown"),
                          "backend": report.get("backend", report.get("candidate")),
                          "accepted": binding is not None and evidence_states[path] == "sealed",
                          "verdict": report.get("verdict", {})})
