@@ -52,7 +52,11 @@ def test_real_engine_serves_seeded_token_id_requests(smoke_study, engine):
     assert [r.token_ids for r in first.results] == [r.token_ids for r in again.results]
     assert all(len(r.token_ids) == 24 and len(r.logprobs) == 24 for r in first.results)
     assert len({r.token_ids for r in first.results}) == len(requests)  # every (prompt, sample) has its own seed
-    assert first.phases["ttft_s"].status == "measured" and first.phases["decode_s"].status == "not_measured"
+    assert first.phases["ttft_s"].status == "measured"
+    for phase in ("prefill_s", "decode_s", "queue_s"):  # the engine's own histograms, source named
+        assert first.phases[phase].status == "measured", first.phases[phase]
+        assert first.phases[phase].reason.startswith("source: vLLM /metrics vllm:request_")
+    assert first.phases["decode_s"].seconds > 0 and first.phases["metrics_scrape_s"].status == "measured"
     engine.sync_policy(policies[1])
     moved = engine.generate(requests)
     assert [r.logprobs for r in moved.results] != [r.logprobs for r in first.results]
@@ -89,6 +93,13 @@ def test_real_engine_refresh_and_teardown_proof(smoke_study, tmp_path):
     report = run_refresh(smoke_study, fresh)  # cold start, 8 versions, teardown
     assert report["verdict"]["passed"], report["verdict"]
     assert report["teardown_proof"]["port_closed"] and report["teardown_proof"]["leftover_pids"] == []
+    served = report["teardown_proof"]["served_policies"]
+    assert [s["version"] for s in served] == list(range(1, 9))
+    assert all(row["served_bf16_identity"] and row["served_bf16_identity"] != row["served_identity"]
+               for row in report["rows"])  # what the engine holds: the bf16 rounding, recorded beside
+    assert set(report["diagnostics"]) >= {"sync_time_not_growing_monotonically", "sync_s_max"}
+    phases = report["backend_environment"]["cold_start_phases"]
+    assert phases["model_load_s"]["status"] == "measured", phases
 
 
 def test_vllm_conformance_report_on_the_real_engine(smoke_study, tmp_path, snapshot_cache):

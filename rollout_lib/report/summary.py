@@ -336,6 +336,8 @@ def refresh_table(aggregate: dict[str, Any]):
                      "passed": "PASS" if report["verdict"]["passed"] else "FAIL",
                      "failed checks": ", ".join(failed) or "none",
                      "sync s (min-max)": f"{min(syncs):.3f}-{max(syncs):.3f}" if syncs else "—",
+                     "sync grows every version (diagnostic)": text(
+                         not report.get("diagnostics", {}).get("sync_time_not_growing_monotonically", True)),
                      "memory after each refresh": ", ".join(f"{v / GIB:.2f}" for v in series) + " GiB" if series
                      else report.get("memory_status", "—"),
                      "teardown": _teardown_text(report.get("teardown_proof"))})
