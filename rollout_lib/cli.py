@@ -240,6 +240,36 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     return 0 if report["verdict"]["passed"] else 1
 
 
+def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
+    from rollout_lib.checks.vllm_inprocess import run_diagnostic
+    from rollout_lib.core import write_json_atomic
+    from rollout_lib.study.prereg import load
+
+    study = load(args.params)
+    out = Path(args.out)
+    _refuse_existing(out)
+    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    known = set(_cell_ids(study))
+    for cell in cells:
+        if cell not in known:
+            raise CommandError(f"cells: unknown cell id {cell!r}; valid cell ids: {', '.join(sorted(known))}")
+    report = run_diagnostic(study, cells, args.repetitions)
+    write_json_atomic(out, report)
+    for row in report["rows"]:
+        print(f"{row['cell_id']}: managed {row['managed_tokens_per_s']:.1f} tok/s, in-process with adapter "
+              f"{row['inprocess_adapter_tokens_per_s']:.1f}, without {row['inprocess_no_adapter_tokens_per_s']:.1f} "
+              f"(managed/in-process {row['managed_over_inprocess_adapter']:.3f}, "
+              f"LoRA tax {100 * row['lora_tax_fraction']:.1f}%)")
+    print(f"wrote {out}")
+    return 0
+
+
+def _cell_ids(study) -> list[str]:
+    from rollout_lib.study.workload import Workload
+
+    return Workload(study).cell_ids()
+
+
 def cmd_seal(args: argparse.Namespace) -> int:
     from rollout_lib.measure.rawfile import seal_abandoned, seal_file
 
@@ -418,6 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "run":
             p.add_argument("--detach", action="store_true", help="run in its own process session and return")
         p.set_defaults(func=cmd_campaign)
+
+    p = sub.add_parser("vllm-diagnostic", help="managed vLLM vs the in-process engine (with and without the "
+                                               "adapter) on the same requests; writes the JSON --out")
+    _common(p)
+    p.add_argument("--cells", required=True, help="comma-separated cell ids")
+    p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
+    p.set_defaults(func=cmd_vllm_diagnostic)
 
     p = sub.add_parser("seal", help="seal raw files whose run will not be resumed (writer dead), or older finished "
                                     "files, into SEALS.jsonl beside them (appends; refuses a live writer)")

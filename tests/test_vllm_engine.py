@@ -116,3 +116,20 @@ def test_vllm_conformance_report_on_the_real_engine(smoke_study, tmp_path, snaps
     assert all(row["generated_tokens"] == 8 for rows in sampled["cells"].values() for row in rows)
     assert report["verdict"]["checks"]["c_sampled_logprob_within_tolerance"] == (sampled["max_abs_diff"] <= 0.01)
     assert report["backend_environment"]["lora_dtype_served"].startswith("bfloat16")
+
+
+def test_inprocess_diagnostic_side_by_side(smoke_study, tmp_path):
+    """The managed backend, the in-process engine with the adapter and without, on the same requests."""
+    from rollout_lib.checks.vllm_inprocess import run_diagnostic
+
+    report = run_diagnostic(smoke_study, ["p16-r8-n1-greedy"], repetitions=1,
+                            backend_options={"server_python": ENGINE, "cache_dir": str(tmp_path),
+                                             "start_timeout_s": 600})
+    (row,) = report["rows"]
+    assert report["inprocess"]["adapter"]["adapter"] and not report["inprocess"]["no_adapter"]["adapter"]
+    for key in ("managed_tokens_per_s", "inprocess_adapter_tokens_per_s", "inprocess_no_adapter_tokens_per_s"):
+        assert row[key] > 0
+    generated = {report["managed"]["cells"]["p16-r8-n1-greedy"]["generated_tokens"],
+                 report["inprocess"]["adapter"]["cells"]["p16-r8-n1-greedy"]["generated_tokens"]}
+    assert generated == {4 * 8}  # the same requests: 4 prompts x 8 tokens on every path
+    assert isinstance(report["verdict"]["managed_within_5_percent_of_inprocess"], bool)

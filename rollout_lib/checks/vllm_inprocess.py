@@ -1,0 +1,96 @@
+"""Diagnostic: the managed vLLM backend side by side with the in-process engine (`vllm.LLM`, in a clean
+subprocess) on the same requests and seeds, with the same adapter and without one.
+
+Answers two questions of the vLLM issue: does the managed server (HTTP, streaming, one request per
+sample) cost throughput against the engine itself (goal: within 5% in every cell), and what does
+serving through a LoRA adapter cost against the bare base weights (the "LoRA tax")? Each variant
+runs in its own process, one after the other (no two engines share the GPU): one warmup, then the
+timed repetitions; tokens/s = generated tokens / median wall. Not a gate: evidence beside them.
+
+    rollout vllm-diagnostic --cells p128-r64-n1-greedy,p512-r256-n4-stochastic --out outputs/perf/x.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.backends import create_backend
+from rollout_lib.backends.vllm_managed import LORA_RANKS
+from rollout_lib.models.policy import policy_versions, write_peft_adapter
+from rollout_lib.study.prereg import Preregistration
+from rollout_lib.study.workload import Workload
+
+CHILD = Path(__file__).with_name("vllm_inprocess_child.py")
+
+
+def _job_requests(workload: Workload, cells: list[str]) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for cell_id in cells:
+        out[cell_id] = [{"prompt_token_ids": list(r.prompt_token_ids), "max_new_tokens": r.max_new_tokens,
+                         "temperature": 0.0 if r.greedy else r.temperature, "seed": r.seed,
+                         "eos_token_ids": list(r.eos_token_ids)} for r in workload.requests(workload.cell(cell_id))]
+    return out
+
+
+def run_child(python: str, job: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
+    done = subprocess.run([python, str(CHILD)], input=json.dumps(job), capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"in-process vLLM child failed (exit {done.returncode}): {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 3,
+                   backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    workload = Workload(study)
+    policy = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, 1)[-1]
+    managed = create_backend("vllm", study, **(backend_options or {}))
+    model_dir = managed._model_dir()  # the same mirror snapshot the server loads
+    adapter_dir = managed.cache_dir / "adapters" / f"diagnostic-{policy.identity[:16]}"
+    write_peft_adapter(policy, adapter_dir)
+    work = study.workload
+    job = {"model_dir": model_dir, "max_model_len": max(work.prompt_tokens) + max(work.response_tokens) + 8,
+           "kv_cache_memory_bytes": managed.kv_cache_bytes, "repetitions": repetitions,
+           "max_lora_rank": next(r for r in LORA_RANKS if r >= study.actor.lora.rank),
+           "cells": _job_requests(workload, cells),
+           "engine_overrides": {} if managed.on_gpu else {"gpu_memory_utilization": 0.1}}
+    inprocess = {"adapter": run_child(managed.server_python, job | {"adapter_dir": str(adapter_dir)}),
+                 "no_adapter": run_child(managed.server_python, job)}
+    started = time.perf_counter()
+    cold = managed.cold_start()
+    managed.sync_policy(policy)
+    measured = {}
+    try:
+        for cell_id in cells:
+            requests = workload.requests(workload.cell(cell_id))
+            managed.generate(requests)  # warmup, excluded
+            walls, tokens = [], None
+            for _ in range(repetitions):
+                begin = time.perf_counter()
+                batch = managed.generate(requests)
+                walls.append(time.perf_counter() - begin)
+                tokens = batch.generated_tokens
+            median = statistics.median(walls)
+            measured[cell_id] = {"wall_s": walls, "median_wall_s": median, "generated_tokens": tokens,
+                                 "tokens_per_s": tokens / median}
+    finally:
+        managed.teardown()
+    rows = []
+    for cell_id in cells:
+        m, a, b = (measured[cell_id]["tokens_per_s"], inprocess["adapter"]["cells"][cell_id]["tokens_per_s"],
+                   inprocess["no_adapter"]["cells"][cell_id]["tokens_per_s"])
+        rows.append({"cell_id": cell_id, "managed_tokens_per_s": m, "inprocess_adapter_tokens_per_s": a,
+                     "inprocess_no_adapter_tokens_per_s": b, "managed_over_inprocess_adapter": m / a,
+                     "lora_tax_fraction": 1.0 - a / b})
+    return {"kind": "vllm_inprocess_diagnostic", "cells": cells, "repetitions": repetitions,
+            "policy_identity": policy.identity, "managed": {"cold_start_s": cold.seconds, "cells": measured,
+                                                            "environment": managed.environment(),
+                                                            "total_s": time.perf_counter() - started},
+            "inprocess": inprocess, "rows": rows,
+            "verdict": {"managed_within_5_percent_of_inprocess": all(r["managed_over_inprocess_adapter"] >= 0.95
+                                                                      for r in rows)}}
