@@ -234,29 +234,32 @@ class CompactQwen3:
         return logits[:, -1] if keep == 1 else logits
 
     def score(self, prompt: tuple[int, ...], response: list[int]):
-        """Teacher-forced scoring of `response` after `prompt` (one row, one eager pass), in the shape
-        of `decode.teacher_forced`: per position log p(token), argmax, top-1 minus top-2 logit."""
+        """Teacher-forced scoring of `response` after `prompt` (one row, one eager pass): the shared
+        `decode.teacher_forced`, with this engine called the way a transformers model is."""
+        from rollout_lib.backends.decode import teacher_forced
+
+        return teacher_forced(_ScoringView(self), prompt, response, self.device)
+
+
+class _ScoringView:
+    """A CompactQwen3 behind transformers' call signature (`input_ids`, `logits_to_keep` -> `.logits`
+    [B, keep, V]), over a throw-away causal cache sized for the sequence."""
+
+    def __init__(self, engine: CompactQwen3):
+        self.engine = engine
+
+    def __call__(self, input_ids: torch.Tensor, use_cache: bool = False, logits_to_keep: int = 1):
+        import types
+
         import torch
 
-        from rollout_lib.backends.decode import TeacherForced
-
-        if not response:
-            return TeacherForced([], [], [])
-        ids = list(prompt) + list(response[:-1])
-        length = len(ids)
-        cache = StaticCache.allocate(self, 1, length)
-        columns = torch.arange(length, device=self.device)
+        length = input_ids.shape[1]
+        cache = StaticCache.allocate(self.engine, input_ids.shape[0], length)
+        columns = torch.arange(length, device=self.engine.device)
         mask = (columns[None, :] <= columns[:, None])[None, None]
-        with torch.inference_mode():
-            logits = self.forward(torch.tensor([ids], device=self.device), columns[None], cache, columns, mask,
-                                  keep=len(response))[0].float()
-            if logits.dim() == 1:
-                logits = logits[None]
-            logp = torch.log_softmax(logits, dim=-1)
-            target = torch.tensor(response, dtype=torch.long, device=self.device)
-            chosen = logp.gather(-1, target[:, None])[:, 0]
-            top2 = torch.topk(logits, 2, dim=-1).values
-        return TeacherForced(chosen.tolist(), logits.argmax(-1).tolist(), (top2[:, 0] - top2[:, 1]).tolist())
+        logits = self.engine.forward(input_ids, columns[None].expand(input_ids.shape[0], -1), cache, columns, mask,
+                                     keep=logits_to_keep)
+        return types.SimpleNamespace(logits=logits[:, None] if logits_to_keep == 1 else logits)
 
 
 @dataclass

@@ -102,9 +102,10 @@ def _raw_records(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def estimate_costs(study: Preregistration, campaign: str, backend: str, cells: list[str], output_dir: Path
+def estimate_costs(study: Preregistration, backend: str, cells: list[str], files: list[list[dict[str, Any]]]
                    ) -> tuple[list[CellCost], dict[str, Any]]:
-    """Per cell: seconds per repetition (prior x calibration) and the repetitions still to do."""
+    """Per cell: seconds per repetition (prior x calibration) and the repetitions still to do;
+    `files` are the records of this campaign's raw files of this backend."""
     workload = Workload(study)
     rows = study.workload.logical_prompts
     warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
@@ -119,11 +120,11 @@ def estimate_costs(study: Preregistration, campaign: str, backend: str, cells: l
     gpu_name = local_gpu_name()
     pairs, sources = [], set()
     known = set(workload.cell_ids())
-    for path in sorted((Path(output_dir) / "raw" / campaign / backend).glob("*.jsonl")):
-        for record in _raw_records(path):
+    for records in files:
+        for record in records:
             if record.get("record") == "repetition" and record.get("wall_s") and record.get("cell_id") in known:
                 pairs.append((record["wall_s"], prior(record["cell_id"])))
-                sources.add(path.name)
+                sources.add(records[0].get("run_id"))
     ratio = calibration_ratio(pairs)
     costs = [CellCost(c, prior(c) * ratio, warmups + measured) for c in cells]
     return costs, {"calibration_ratio": ratio, "calibration_repetitions": len(pairs),
@@ -133,11 +134,12 @@ def estimate_costs(study: Preregistration, campaign: str, backend: str, cells: l
 def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int,
               deadline_s: float, cells: list[str] | None = None) -> tuple[Plan, dict[str, Any]]:
     todo = cells if cells is not None else campaign_cells(study, campaign, output_dir)[backend]["to_measure"]
-    costs, calibration = estimate_costs(study, campaign, backend, todo, output_dir)
+    backend_dir = Path(output_dir) / "raw" / campaign / backend
+    files = [records for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
+    costs, calibration = estimate_costs(study, backend, todo, files)
     # a cell cut off earlier costs only its remaining repetitions (plus a warmup); the identity is the
     # latest file's (the driver cannot compute its own without CUDA; the worker decides exactly)
-    backend_dir = Path(output_dir) / "raw" / campaign / backend
-    headers = [records[0] for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
+    headers = [records[0] for records in files]
     identity = headers[-1].get("measurement_identity_sha256") if headers else None
     if identity:
         partial = find_continuations(backend_dir, identity, todo)
@@ -235,10 +237,11 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
     try:
         while any(w["_proc"].poll() is None for w in workers):
             time.sleep(POLL_S)
-            finished = sum(_finished_cells(Path(w["raw_file"])) for w in workers)
+            progress = [worker_progress(Path(w["raw_file"])) for w in workers]  # each file read once a poll
             if bar is not None:
-                bar.n = finished
-                bar.set_postfix_str(_short_status(workers))
+                bar.n = sum(len(p["done"]) for p in progress)
+                bar.set_postfix_str(" | ".join(f"g{w['gpu']}:{p['cell'] or '-'} {p['repetition'] or ''}".strip()
+                                               for w, p in zip(workers, progress, strict=True)))
                 bar.refresh()
             for w in workers:
                 w["returncode"] = w["_proc"].poll()
@@ -263,18 +266,6 @@ def _write_state(path: Path, state: dict[str, Any]) -> None:
     write_json_atomic(path, state, overwrite=True)  # operational state, not evidence
 
 
-def _finished_cells(raw: Path) -> int:
-    return sum(r.get("record") in ("cell_complete", "cell_suspended", "cell_skipped") for r in _raw_records(raw))
-
-
-def _short_status(workers: list[dict[str, Any]]) -> str:
-    parts = []
-    for w in workers:
-        current = worker_progress(Path(w["raw_file"]))
-        parts.append(f"g{w['gpu']}:{current['cell'] or '-'} {current['repetition'] or ''}".strip())
-    return " | ".join(parts)
-
-
 def worker_progress(raw: Path) -> dict[str, Any]:
     """The cell a worker is in and its repetition count, from its raw file."""
     records = _raw_records(raw)
@@ -288,8 +279,8 @@ def worker_progress(raw: Path) -> dict[str, Any]:
             planned = None if todo is None else len(todo)
         elif kind == "repetition" and record.get("cell_id") == current:
             reps += 1
-        elif kind in ("cell_complete", "cell_suspended"):
-            done.append((record["cell_id"], record.get("status", "suspended")))
+        elif kind in ("cell_complete", "cell_suspended", "cell_skipped"):
+            done.append((record["cell_id"], record.get("status", kind.removeprefix("cell_"))))
             current = None
     return {"cell": current, "repetition": f"rep {reps}" + (f"/{planned + 1}" if planned is not None else "")
             if current else None, "done": done, "ended": any(r.get("record") == "teardown" for r in records)}
