@@ -1,7 +1,12 @@
 """Quick probe of the hf_cached fast path on one GPU: capture time, ms per decode step and tok/s for
 the graph path (and optionally the eager path) on a few cells, float32 greedy equality of the two.
 
-    python tools/fast_path_probe.py --params params/rollout-runtime-v2.yaml --out probe.json [--eager]
+    python tools/fast_path_probe.py --params params/rollout-runtime-v2.yaml --out probe.json \
+        [--variants off,inductor,eager] [--before FILE] [--profile DIR]
+
+Variants: `off` / `inductor` are the graph path with the step uncompiled / compiled by inductor
+before capture; `eager` the transformers + peft loop; `before` the graph path with an older copy
+of compact_qwen3.py (`--before FILE`), for before/after in one process.
 """
 
 from __future__ import annotations
@@ -19,6 +24,47 @@ from rollout_lib.backends import create_backend
 from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.prereg import load
 from rollout_lib.study.workload import Workload
+
+
+def use_before(path):
+    """Serve the graph path from an older copy of compact_qwen3.py (its engine takes no compile flag)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rollout_lib.backends.compact_qwen3_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    engine = module.CompactQwen3
+
+    class Engine(engine):
+        def __init__(self, *args, compile_step=False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.compiled = False
+
+    module.CompactQwen3 = Engine
+    import rollout_lib.backends.compact_qwen3 as current
+
+    sys.modules["rollout_lib.backends.compact_qwen3"] = module
+    return current
+
+
+def profile(backend, workload, cell_id, directory, label):
+    """One torch.profiler trace of one generate call; returns the kernel count and GPU time per step."""
+    import torch
+
+    requests = workload.requests(workload.cell(cell_id))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        batch = backend.generate(requests)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(directory) / f"{label}-{cell_id}.json"))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    steps = max(batch.decode_steps, 1)
+    top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+    return {"cuda_events": len(kernels), "cuda_events_per_step": len(kernels) / (steps + 1),
+            "cuda_time_ms_per_step": sum(e.device_time for e in kernels) / 1000 / (steps + 1),
+            "top_kernels": [{"name": e.key[:90], "count": e.count, "device_time_total_us": e.device_time_total}
+                            for e in top]}
 
 
 def measure(backend, workload, cell_ids, repetitions):
@@ -45,7 +91,9 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cells", default="p128-r64-n1-greedy,p128-r64-n4-stochastic,p512-r256-n4-greedy")
     parser.add_argument("--repetitions", type=int, default=3)
-    parser.add_argument("--eager", action="store_true", help="also the eager path, side by side")
+    parser.add_argument("--variants", default="off,inductor")
+    parser.add_argument("--before", default=None, help="older compact_qwen3.py for the `before` variant")
+    parser.add_argument("--profile", default=None, help="directory for one profiler trace per variant")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     study = load(args.params)
@@ -53,21 +101,33 @@ def main() -> int:
     policy = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, 1)[-1]
     cells = args.cells.split(",")
     report = {"cells": cells}
-    for decode in ("graphs", "eager") if args.eager else ("graphs",):
-        options = {"decode": decode} | ({"device": args.device} if args.device else {})
-        backend = create_backend("hf_cached", study, **options)
-        started = time.perf_counter()
-        cold = backend.cold_start()
-        sync_started = time.perf_counter()
-        backend.sync_policy(policy)
-        sync_s = time.perf_counter() - sync_started
-        env = backend.environment()
-        print(decode, "cold start", round(cold.seconds, 2), "capture", env.get("graph_capture_s"), "sync", sync_s,
-              flush=True)
-        report[decode] = {"cold_start_s": cold.seconds, "policy_sync_s": sync_s, "environment": env,
-                          "cells": measure(backend, workload, cells, args.repetitions),
-                          "total_s": time.perf_counter() - started}
-        backend.teardown()
+    for variant in args.variants.split(","):
+        options = ({"decode": "eager"} if variant == "eager" else
+                   {"decode": "graphs", "step_compile": "off" if variant == "before" else variant})
+        options |= {"device": args.device} if args.device else {}
+        current = use_before(args.before) if variant == "before" else None
+        try:
+            backend = create_backend("hf_cached", study, **options)
+            started = time.perf_counter()
+            cold = backend.cold_start()
+            syncs = []
+            for _ in range(3):
+                sync_started = time.perf_counter()
+                backend.sync_policy(policy)
+                syncs.append(time.perf_counter() - sync_started)
+            env = backend.environment()
+            print(variant, "cold start", round(cold.seconds, 2), "capture", env.get("graph_capture_s"), "syncs", syncs,
+                  flush=True)
+            report[variant] = {"cold_start_s": cold.seconds, "policy_sync_s": syncs, "environment": env,
+                               "cells": measure(backend, workload, cells, args.repetitions)}
+            if args.profile:
+                report[variant]["profile"] = profile(backend, workload, cells[0], args.profile, variant)
+                print(variant, "profile", json.dumps(report[variant]["profile"])[:400], flush=True)
+            report[variant]["total_s"] = time.perf_counter() - started
+            backend.teardown()
+        finally:
+            if current is not None:
+                sys.modules["rollout_lib.backends.compact_qwen3"] = current
     Path(args.out).write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
     return 0
 

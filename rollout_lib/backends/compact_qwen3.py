@@ -91,7 +91,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class CompactQwen3:
     """Built from a peft-wrapped mirror (`actor.add_lora(build_mirror_base(...))`)."""
 
-    def __init__(self, peft_mirror: Any, lora_rank: int, lora_targets: tuple[str, ...], scaling: float):
+    def __init__(self, peft_mirror: Any, lora_rank: int, lora_targets: tuple[str, ...], scaling: float,
+                 compile_step: bool = False):
+        import functools
+
         import torch
 
         model = peft_mirror.get_base_model() if hasattr(peft_mirror, "get_base_model") else peft_mirror
@@ -116,6 +119,12 @@ class CompactQwen3:
             head = model.get_output_embeddings().weight.detach()
             self.lm_head = head if head.dtype == torch.float32 else head.to(torch.float32)
             self.layers = [self._layer(block) for block in model.model.layers]
+        # `compile_step`: the decode step goes through inductor before it is captured, which fuses the
+        # elementwise chains (norms, rotary, LoRA casts and adds, the noise hash) into a few kernels per
+        # layer. One dynamic-shape compilation serves every (rows, length) bucket; it is cold start.
+        self.compiled = bool(compile_step)
+        step = functools.partial(decode_step, self)
+        self.step_fn = torch.compile(step, dynamic=True, fullgraph=True) if self.compiled else step
 
     def _layer(self, block: Any) -> Layer:
         import torch
@@ -191,7 +200,8 @@ class CompactQwen3:
     def _attention_block(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, write: torch.Tensor,
                          mask: torch.Tensor) -> torch.Tensor:
-        """h [B, T, hidden]; writes this chunk's k/v at cache columns `write` [T]; mask [B, 1, T, L]."""
+        """h [B, T, hidden]; writes this chunk's k/v at cache columns `write` [T]; mask: additive
+        [B, 1, groups * T, L] (see forward)."""
         import torch
 
         batch, length, _ = h.shape
@@ -206,9 +216,14 @@ class CompactQwen3:
         k = k * cos + _rotate_half(k) * sin
         k_cache.index_copy_(2, write, k)
         v_cache.index_copy_(2, write, v)
+        # GQA as plain attention over the kv heads: the query heads that share a kv head become extra
+        # query rows (head h = kv head h // groups, as transformers' repeat_kv), so the cache is read
+        # once and never expanded, and SDPA can take its fused kernel with the additive mask
+        groups = self.heads // self.kv_heads
         attn = torch.nn.functional.scaled_dot_product_attention(
-            q, k_cache, v_cache, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim),
-            enable_gqa=self.heads != self.kv_heads)
+            q.reshape(batch, self.kv_heads, groups * length, self.head_dim), k_cache, v_cache, attn_mask=mask,
+            scale=1.0 / math.sqrt(self.head_dim))
+        attn = attn.view(batch, self.heads, length, self.head_dim)
         return layer.proj["o"](attn.transpose(1, 2).reshape(batch, length, q_size), self.scaling)
 
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
@@ -225,6 +240,10 @@ class CompactQwen3:
 
         h = torch.nn.functional.embedding(tokens, self.embed)
         cos, sin = self._rope(positions)
+        # the boolean mask [B, 1, T, L] once per forward as an additive bias, repeated for the grouped
+        # query rows of _attention_block (row g*T + t is query position t)
+        bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
         for index, layer in enumerate(self.layers):
             h = h + self._attention_block(layer, _rms(h, layer.input_norm, self.eps), cos, sin,
                                           cache.k[index], cache.v[index], write, mask)
@@ -290,6 +309,19 @@ class StaticCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor, pad: torch.Tensor,
+                seeds: torch.Tensor, step: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
+                columns: torch.Tensor, k: list[torch.Tensor],
+                v: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for every row of a bucket: mask and positions from the per-row padding, the
+    forward pass, and the in-graph sampler. A pure function of its tensors (what is captured)."""
+    valid = (columns[None, :] <= write) & (columns[None, :] >= pad[:, None])
+    valid = valid | (columns[None, :] == write)  # a row never attends to nothing
+    positions = (write - pad)[:, None]
+    logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :])
+    return counter_noise.sample(logits, seeds, step, inv_temperature, greedy)
+
+
 class DecodeBucket:
     """Static buffers and (on CUDA) one captured graph for a (rows, cache length) shape.
 
@@ -321,11 +353,8 @@ class DecodeBucket:
             self._capture()
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        valid = (self.columns[None, :] <= self.write) & (self.columns[None, :] >= self.pad[:, None])
-        valid = valid | (self.columns[None, :] == self.write)  # a row never attends to nothing
-        positions = (self.write - self.pad)[:, None]
-        logits = self.engine.forward(self.tokens[:, None], positions, self.cache, self.write, valid[:, None, None, :])
-        return counter_noise.sample(logits, self.seeds, self.step, self.inv_temperature, self.greedy)
+        return self.engine.step_fn(self.tokens, self.write, self.pad, self.seeds, self.step, self.inv_temperature,
+                                   self.greedy, self.columns, self.cache.k, self.cache.v)
 
     def _capture(self) -> None:
         import time

@@ -34,19 +34,24 @@ from rollout_lib.models.policy import (
 )
 
 DECODE_PATHS = ("graphs", "eager")
+STEP_COMPILE = ("auto", "inductor", "off")  # auto: inductor on CUDA, off on a CPU (no capture there)
 
 
 @register_backend
 class HFCachedBackend(HFBackendBase):
     name = "hf_cached"
     description = "batched KV-cache decoding on the BF16 mirror of the NF4 actor, exact live LoRA synced per version"
-    allowed_options = (*HFBackendBase.allowed_options, "decode")
+    allowed_options = (*HFBackendBase.allowed_options, "decode", "step_compile")
 
     def __init__(self, study, **options):
         super().__init__(study, **options)
         self.decode = options.get("decode") or "graphs"
         if self.decode not in DECODE_PATHS:
             raise ValueError(f"hf_cached: decode {self.decode!r} is not allowed; allowed: {', '.join(DECODE_PATHS)}")
+        self.step_compile = options.get("step_compile") or "auto"
+        if self.step_compile not in STEP_COMPILE:
+            raise ValueError(f"hf_cached: step_compile {self.step_compile!r} is not allowed; "
+                             f"allowed: {', '.join(STEP_COMPILE)}")
         self.engine = None
         self.buckets = None
 
@@ -63,7 +68,9 @@ class HFCachedBackend(HFBackendBase):
             return
         from rollout_lib.backends.compact_qwen3 import BucketSet, CompactQwen3, bucket_length
 
-        self.engine = CompactQwen3(mirror, lora.rank, tuple(lora.target_modules), lora.alpha / lora.rank)
+        compile_step = self.step_compile == "inductor" or (self.step_compile == "auto" and self.device.type == "cuda")
+        self.engine = CompactQwen3(mirror, lora.rank, tuple(lora.target_modules), lora.alpha / lora.rank,
+                                   compile_step=compile_step)
         del mirror  # the engine keeps what it reads (fused copies, norms, embedding, float32 head)
         work = self.study.workload
         lengths = [bucket_length(p, r) for p in work.prompt_tokens for r in work.response_tokens]
@@ -136,6 +143,7 @@ class HFCachedBackend(HFBackendBase):
         return out | {"decode": "graphs", "decode_loop": "compact qwen3, static kv cache, fused qkv/gate_up, "
                                                          "lora as fused float32 low-rank terms",
                       "cuda_graphs": self.buckets.use_graphs if self.buckets else None,
+                      "step_compile": "inductor" if self.engine.compiled else "off",
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,
                       "static_cache_bytes": self.buckets.cache_bytes if self.buckets else None,
