@@ -119,17 +119,26 @@ def main() -> int:
             print(variant, "cold start", round(cold.seconds, 2), "capture", env.get("graph_capture_s"), "syncs", syncs,
                   flush=True)
             report[variant] = {"cold_start_s": cold.seconds, "policy_sync_s": syncs, "environment": env,
-                               "cells": measure(backend, workload, cells, args.repetitions)}
+                               "capture_s_by_bucket": {f"{r}x{n}": b.capture_s
+                                                       for (r, n), b in (backend.buckets.buckets.items()
+                                                                         if backend.buckets else [])}}
+            write(args.out, report)  # each step lands as it comes (a killed probe keeps what it measured)
+            report[variant]["cells"] = measure(backend, workload, cells, args.repetitions)
+            write(args.out, report)
             if args.profile:
                 report[variant]["profile"] = profile(backend, workload, cells[0], args.profile, variant)
                 print(variant, "profile", json.dumps(report[variant]["profile"])[:400], flush=True)
             report[variant]["total_s"] = time.perf_counter() - started
+            write(args.out, report)
             backend.teardown()
         finally:
             if current is not None:
                 sys.modules["rollout_lib.backends.compact_qwen3"] = current
-    Path(args.out).write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
     return 0
+
+
+def write(path, report):
+    Path(path).write_text(json.dumps(report, indent=1, sort_keys=True, default=str))
 
 
 if __name__ == "__main__":

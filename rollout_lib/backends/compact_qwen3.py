@@ -53,13 +53,19 @@ class FusedLinear:
     lora_parts: tuple[str, ...] = ()
 
     def __call__(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
-        import torch
+        return _fused_linear(x, self.weight, self.lora_a, self.lora_b, scaling)
 
-        base = torch.nn.functional.linear(x, self.weight)
-        if self.lora_a is None:
-            return base
-        low = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), self.lora_a), self.lora_b)
-        return (base.float() + low * scaling).to(base.dtype)
+
+def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+                  scaling: float) -> torch.Tensor:
+    """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft does)."""
+    import torch
+
+    base = torch.nn.functional.linear(x, weight)
+    if lora_a is None:
+        return base
+    low = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), lora_a), lora_b)
+    return (base.float() + low * scaling).to(base.dtype)
 
 
 @dataclass
@@ -69,6 +75,10 @@ class Layer:
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     proj: dict[str, FusedLinear] = field(default_factory=dict)
+
+    def tensors(self, fused: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        linear = self.proj[fused]
+        return linear.weight, linear.lora_a, linear.lora_b
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,12 +129,21 @@ class CompactQwen3:
             head = model.get_output_embeddings().weight.detach()
             self.lm_head = head if head.dtype == torch.float32 else head.to(torch.float32)
             self.layers = [self._layer(block) for block in model.model.layers]
-        # `compile_step`: the decode step goes through inductor before it is captured, which fuses the
-        # elementwise chains (norms, rotary, LoRA casts and adds, the noise hash) into a few kernels per
-        # layer. One dynamic-shape compilation serves every (rows, length) bucket; it is cold start.
+        # `compile_step`: the per-layer pieces of the decode step and its sampler go through inductor
+        # before capture, which fuses the elementwise chains (norms, rotary, LoRA casts and adds, the
+        # noise hash) into a few kernels. They are compiled once per piece, not per layer (the layer's
+        # tensors are arguments) and with dynamic shapes (one compilation serves every bucket): a
+        # whole-model compilation of the 28 unrolled layers took longer than 6 minutes on the H200.
         self.compiled = bool(compile_step)
-        step = functools.partial(decode_step, self)
-        self.step_fn = torch.compile(step, dynamic=True, fullgraph=True) if self.compiled else step
+        compile = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+        if self.compiled:  # only rows and lengths vary: the weights' shapes are constants of the kernels
+            for layer in self.layers:
+                for tensor in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+                               *(t for fused in FUSED for t in layer.tensors(fused) if t is not None)):
+                    torch._dynamo.mark_static(tensor)
+        self.before_attention = compile(self._before_attention) if self.compiled else None
+        self.after_attention = compile(self._after_attention) if self.compiled else None
+        self.sample = compile(counter_noise.sample) if self.compiled else counter_noise.sample
 
     def _layer(self, block: Any) -> Layer:
         import torch
@@ -197,57 +216,64 @@ class CompactQwen3:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
 
-    def _attention_block(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, write: torch.Tensor,
-                         mask: torch.Tensor) -> torch.Tensor:
-        """h [B, T, hidden]; writes this chunk's k/v at cache columns `write` [T]; mask: additive
-        [B, 1, groups * T, L] (see forward)."""
-        import torch
-
+    def _before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
+                          q_norm: torch.Tensor, k_norm: torch.Tensor, weight: torch.Tensor,
+                          lora_a: torch.Tensor | None, lora_b: torch.Tensor | None):
+        """h [B, T, hidden] -> q [B, kv_heads, groups * T, D] (grouped query rows), k, v [B, kv_heads, T, D]."""
         batch, length, _ = h.shape
-        qkv = layer.proj["qkv"](h, self.scaling)
+        qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        q = _rms(q.view(batch, length, self.heads, self.head_dim), layer.q_norm, self.eps).transpose(1, 2)
-        k = _rms(k.view(batch, length, self.kv_heads, self.head_dim), layer.k_norm, self.eps).transpose(1, 2)
+        q = _rms(q.view(batch, length, self.heads, self.head_dim), q_norm, self.eps).transpose(1, 2)
+        k = _rms(k.view(batch, length, self.kv_heads, self.head_dim), k_norm, self.eps).transpose(1, 2)
         v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k_cache.index_copy_(2, write, k)
-        v_cache.index_copy_(2, write, v)
         # GQA as plain attention over the kv heads: the query heads that share a kv head become extra
         # query rows (head h = kv head h // groups, as transformers' repeat_kv), so the cache is read
         # once and never expanded, and SDPA can take its fused kernel with the additive mask
         groups = self.heads // self.kv_heads
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            q.reshape(batch, self.kv_heads, groups * length, self.head_dim), k_cache, v_cache, attn_mask=mask,
-            scale=1.0 / math.sqrt(self.head_dim))
-        attn = attn.view(batch, self.heads, length, self.head_dim)
-        return layer.proj["o"](attn.transpose(1, 2).reshape(batch, length, q_size), self.scaling)
+        return q.reshape(batch, self.kv_heads, groups * length, self.head_dim), k, v
 
-    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+    def _after_attention(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor,
+                         o: tuple, gate_up: tuple, down: tuple) -> torch.Tensor:
+        """The o projection, the residual, the MLP and its residual; `o`, `gate_up`, `down` are
+        (weight, lora_a, lora_b)."""
         import torch
 
-        gate, up = layer.proj["gate_up"](h, self.scaling).chunk(2, dim=-1)
-        return layer.proj["down"](torch.nn.functional.silu(gate) * up, self.scaling)
+        batch, length, _ = h.shape
+        attn = attn.view(batch, self.heads, length, self.head_dim).transpose(1, 2)
+        h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling)
+        gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling).chunk(2, dim=-1)
+        return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
-                mask: torch.Tensor, keep: int = 1) -> torch.Tensor:
+                mask: torch.Tensor, keep: int = 1, compiled: bool = False) -> torch.Tensor:
         """Float32 logits of the last position of each row [B, V] (tokens/positions [B, T]); with
-        `keep` > 1, of the last `keep` positions [B, keep, V] (teacher-forced scoring)."""
+        `keep` > 1, of the last `keep` positions [B, keep, V] (teacher-forced scoring). Writes this
+        chunk's k/v at cache columns `write` [T]; mask: boolean [B, 1, T, L]. `compiled`: the
+        per-layer pieces through inductor (the decode step only; see __init__)."""
         import torch
 
+        before, after = ((self.before_attention, self.after_attention) if compiled
+                         else (self._before_attention, self._after_attention))
         h = torch.nn.functional.embedding(tokens, self.embed)
         cos, sin = self._rope(positions)
-        # the boolean mask [B, 1, T, L] once per forward as an additive bias, repeated for the grouped
-        # query rows of _attention_block (row g*T + t is query position t)
+        # the boolean mask once per forward as an additive bias, repeated for the grouped query rows
+        # (row g*T + t is query position t)
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
+        scale = 1.0 / math.sqrt(self.head_dim)
         for index, layer in enumerate(self.layers):
-            h = h + self._attention_block(layer, _rms(h, layer.input_norm, self.eps), cos, sin,
-                                          cache.k[index], cache.v[index], write, mask)
-            h = h + self._mlp(layer, _rms(h, layer.post_norm, self.eps))
+            q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"))
+            # the cache write and attention stay outside inductor: an in-place write into a graph
+            # input could be functionalized into a copy of the whole cache
+            cache.k[index].index_copy_(2, write, k)
+            cache.v[index].index_copy_(2, write, v)
+            attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
+                                                                    attn_mask=mask, scale=scale)
+            h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"))
         h = _rms(h[:, -keep:, :], self.final_norm, self.eps)
         logits = torch.nn.functional.linear(h.to(torch.float32), self.lm_head)
         return logits[:, -1] if keep == 1 else logits
@@ -318,8 +344,9 @@ def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor,
     valid = (columns[None, :] <= write) & (columns[None, :] >= pad[:, None])
     valid = valid | (columns[None, :] == write)  # a row never attends to nothing
     positions = (write - pad)[:, None]
-    logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :])
-    return counter_noise.sample(logits, seeds, step, inv_temperature, greedy)
+    logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :],
+                            compiled=engine.compiled)
+    return engine.sample(logits, seeds, step, inv_temperature, greedy)
 
 
 class DecodeBucket:
@@ -353,8 +380,8 @@ class DecodeBucket:
             self._capture()
 
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.engine.step_fn(self.tokens, self.write, self.pad, self.seeds, self.step, self.inv_temperature,
-                                   self.greedy, self.columns, self.cache.k, self.cache.v)
+        return decode_step(self.engine, self.tokens, self.write, self.pad, self.seeds, self.step,
+                           self.inv_temperature, self.greedy, self.columns, self.cache.k, self.cache.v)
 
     def _capture(self) -> None:
         import time
