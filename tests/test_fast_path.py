@@ -148,3 +148,29 @@ def test_sync_rewrites_the_static_buffers_without_new_buckets(smoke_study, snaps
         assert backend.buckets.buckets == buckets, "a policy sync must not rebuild (recapture) any bucket"
     assert len(set(logprobs)) == len(versions), "the served policy must change what is computed"
     backend.teardown()
+
+
+def test_unknown_step_compile_is_refused(smoke_study):
+    with pytest.raises(ValueError, match="hf_cached: step_compile 'max' is not allowed; allowed: auto, inductor, off"):
+        create_backend("hf_cached", smoke_study, device="cpu", step_compile="max")
+
+
+def test_inductor_step_gives_the_uncompiled_tokens(smoke_study, snapshot_cache):
+    """The compiled pieces (LoRA products as reductions, fused norms and rotary, fused sampler) are
+    the same float32 math in another order: the same greedy and seeded tokens, log-probabilities
+    within float32 rounding. (On a CPU, `auto` means uncompiled; CUDA compiles and captures.)"""
+    workload = Workload(smoke_study)
+    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    results = {}
+    for mode in ("off", "inductor"):
+        backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile=mode,
+                                 cache_dir=snapshot_cache)
+        backend.cold_start()
+        backend.sync_policy(policy)
+        results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
+        assert backend.environment()["step_compile"] == mode
+        backend.teardown()
+    for cell in CELLS:
+        for a, b in zip(results["off"][cell], results["inductor"][cell], strict=True):
+            assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

@@ -57,14 +57,23 @@ class FusedLinear:
 
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
-                  scaling: float) -> torch.Tensor:
-    """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft does)."""
+                  scaling: float, lora_as_reductions: bool = False) -> torch.Tensor:
+    """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft does).
+
+    `lora_as_reductions` (only under inductor): the two low-rank products written as broadcast
+    multiply-and-sum, which inductor turns into reduction kernels fused with their neighbours (the
+    B product with the add-and-round epilogue) instead of two tiny float32 GEMMs with split-K
+    reductions; still float32 throughout. Eagerly it would materialize [.., out, r] products."""
     import torch
 
     base = torch.nn.functional.linear(x, weight)
     if lora_a is None:
         return base
-    low = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), lora_a), lora_b)
+    if lora_as_reductions:
+        xa = (x.float()[..., None, :] * lora_a).sum(-1)
+        low = (xa[..., None, :] * lora_b).sum(-1)
+    else:
+        low = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), lora_a), lora_b)
     return (base.float() + low * scaling).to(base.dtype)
 
 
@@ -218,10 +227,11 @@ class CompactQwen3:
 
     def _before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
                           q_norm: torch.Tensor, k_norm: torch.Tensor, weight: torch.Tensor,
-                          lora_a: torch.Tensor | None, lora_b: torch.Tensor | None):
-        """h [B, T, hidden] -> q [B, kv_heads, groups * T, D] (grouped query rows), k, v [B, kv_heads, T, D]."""
+                          lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, fused: bool = False):
+        """h [B, T, hidden] -> q [B, kv_heads, groups * T, D] (grouped query rows), k, v [B, kv_heads, T, D].
+        `fused`: traced by inductor (LoRA products as reductions, see _fused_linear)."""
         batch, length, _ = h.shape
-        qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling)
+        qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = _rms(q.view(batch, length, self.heads, self.head_dim), q_norm, self.eps).transpose(1, 2)
@@ -237,16 +247,16 @@ class CompactQwen3:
         return q.reshape(batch, self.kv_heads, groups * length, self.head_dim), k, v
 
     def _after_attention(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor,
-                         o: tuple, gate_up: tuple, down: tuple) -> torch.Tensor:
+                         o: tuple, gate_up: tuple, down: tuple, fused: bool = False) -> torch.Tensor:
         """The o projection, the residual, the MLP and its residual; `o`, `gate_up`, `down` are
         (weight, lora_a, lora_b)."""
         import torch
 
         batch, length, _ = h.shape
         attn = attn.view(batch, self.heads, length, self.head_dim).transpose(1, 2)
-        h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling)
-        gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling).chunk(2, dim=-1)
-        return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling)
+        h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused)
+        gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused).chunk(2, dim=-1)
+        return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
                 mask: torch.Tensor, keep: int = 1, compiled: bool = False) -> torch.Tensor:
@@ -266,14 +276,16 @@ class CompactQwen3:
         mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
         scale = 1.0 / math.sqrt(self.head_dim)
         for index, layer in enumerate(self.layers):
-            q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"))
+            q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
+                             fused=compiled)
             # the cache write and attention stay outside inductor: an in-place write into a graph
             # input could be functionalized into a copy of the whole cache
             cache.k[index].index_copy_(2, write, k)
             cache.v[index].index_copy_(2, write, v)
             attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
                                                                     attn_mask=mask, scale=scale)
-            h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"))
+            h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),
+                      fused=compiled)
         h = _rms(h[:, -keep:, :], self.final_norm, self.eps)
         logits = torch.nn.functional.linear(h.to(torch.float32), self.lm_head)
         return logits[:, -1] if keep == 1 else logits
@@ -354,7 +366,10 @@ class DecodeBucket:
 
     Inputs the graph reads: `tokens` [B], `write` [1] (the cache column this step writes),
     `pad` [B] (left padding per row), `seeds` [B], `step` [] (the row-independent step counter of the
-    noise), `inv_temperature` [B], `greedy` [B]. Outputs: `next_tokens` [B], `logprobs` [B].
+    noise), `inv_temperature` [B], `greedy` [B]. A step also advances its own inputs (the sampled
+    tokens become the next `tokens`; `write` and `step` count up), so the host only replays, and it
+    leaves the sampled tokens and their log-probabilities in `out` [2, B] (float64, exact for both),
+    read back in one transfer.
     """
 
     def __init__(self, engine: CompactQwen3, cache: StaticCache, length: int, use_graph: bool):
@@ -372,16 +387,27 @@ class DecodeBucket:
         self.inv_temperature = torch.ones(rows, dtype=torch.float32, device=device)
         self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
         self.columns = torch.arange(length, dtype=torch.long, device=device)
-        self.next_tokens: torch.Tensor | None = None
-        self.logprobs: torch.Tensor | None = None
+        self.out = torch.zeros(2, rows, dtype=torch.float64, device=device)
         self.graph = None
         self.capture_s: float | None = None
         if use_graph:
             self._capture()
 
-    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return decode_step(self.engine, self.tokens, self.write, self.pad, self.seeds, self.step,
-                           self.inv_temperature, self.greedy, self.columns, self.cache.k, self.cache.v)
+    def start(self, tokens: torch.Tensor, column: int, step: int) -> None:
+        """Set the first decode step: its input tokens [B], the cache column it writes, its noise step."""
+        self.tokens.copy_(tokens)
+        self.write.fill_(column)
+        self.step.fill_(step)
+
+    def _step(self) -> None:
+        import torch
+
+        tokens, logprobs = decode_step(self.engine, self.tokens, self.write, self.pad, self.seeds, self.step,
+                                       self.inv_temperature, self.greedy, self.columns, self.cache.k, self.cache.v)
+        self.out.copy_(torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))))
+        self.tokens.copy_(tokens)
+        self.write.add_(1)
+        self.step.add_(1)
 
     def _capture(self) -> None:
         import time
@@ -389,28 +415,32 @@ class DecodeBucket:
         import torch
 
         started = time.perf_counter()
-        self.write.fill_(self.length - 1)  # any in-range column: capture writes garbage that prefill overwrites
         stream = torch.cuda.Stream(self.engine.device)
         stream.wait_stream(torch.cuda.current_stream(self.engine.device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):  # warm the kernels (cuBLAS workspaces, SDPA choice) outside the capture
+            for _ in range(2):  # warm the kernels (cuBLAS workspaces, SDPA choice, inductor) outside the capture
+                # any in-range column: the warm steps write garbage that the next prefill overwrites
+                self.write.fill_(self.length - 1)
                 self._step()
         torch.cuda.current_stream(self.engine.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph):
-            self.next_tokens, self.logprobs = self._step()
+            self._step()
         torch.cuda.synchronize(self.engine.device)
         self.graph = graph
         self.capture_s = time.perf_counter() - started
 
-    def run_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_step(self) -> tuple[list[int], list[float]]:
+        """One decode step; the sampled tokens and their log-probabilities, on the host."""
         import torch
 
         if self.graph is not None:
             self.graph.replay()
-            return self.next_tokens, self.logprobs
-        with torch.inference_mode():
-            return self._step()
+        else:
+            with torch.inference_mode():
+                self._step()
+        tokens, logprobs = self.out.tolist()
+        return [int(t) for t in tokens], logprobs
 
 
 class BucketSet:
@@ -491,14 +521,9 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
                                                 bucket.greedy)
         tracker.add(tokens.tolist(), logprobs.tolist())
         prefill_end = time.perf_counter()
-        column = width
+        bucket.start(tokens, column=width, step=1)
         while not tracker.done:
-            bucket.tokens.copy_(tokens)
-            bucket.write.fill_(column)
-            bucket.step.fill_(steps + 1)
-            tokens, logprobs = bucket.run_step()
-            tracker.add(tokens.tolist(), logprobs.tolist())
-            column += 1
+            tracker.add(*bucket.run_step())
             steps += 1
         synchronize(device)
         end = time.perf_counter()
