@@ -133,3 +133,45 @@ def test_inprocess_diagnostic_side_by_side(smoke_study, tmp_path):
                  report["inprocess"]["adapter"]["cells"]["p16-r8-n1-greedy"]["generated_tokens"]}
     assert generated == {4 * 8}  # the same requests: 4 prompts x 8 tokens on every path
     assert isinstance(report["verdict"]["managed_within_5_percent_of_inprocess"], bool)
+
+
+def test_merged_refresh_serves_its_own_identity_and_never_a_stale_prefix(smoke_study, tmp_path):
+    """refresh: merged (issue 13): the engine reloads W + s*B@A in place; the identity is the merged
+    weights' own; after a reload the prompt KV cached under the previous weights is not reused (v2
+    after v1 equals v2 on an emptied prefix cache); the previous merged folder is removed once the
+    next one is loaded."""
+    from rollout_lib.backends.vllm_managed import _post
+    from rollout_lib.models.merged import merge_policy, merged_identity, read_projection_weights
+
+    work = Workload(smoke_study)
+    v1, v2 = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)
+    # blocks of 16 tokens: the 48-token prompts fill whole blocks, so the prefix cache holds them
+    backend = create_backend("vllm", smoke_study, server_python=ENGINE, cache_dir=str(tmp_path), start_timeout_s=600,
+                             refresh="merged", extra_server_args=["--block-size", "16", "--enable-prefix-caching"])
+    backend.cold_start()
+    try:
+        requests = work.requests(work.cell("p48-r24-n1-greedy"))
+        served_v1 = backend.sync_policy(v1)
+        folder_v1 = backend.merged_folder
+        under_v1 = backend.generate(requests).results  # fills the prefix cache under v1's weights
+        served_v2 = backend.sync_policy(v2)
+        under_v2 = backend.generate(requests).results
+        _post(f"{backend.server.base_url}/reset_prefix_cache", {}, 60)
+        clean_v2 = backend.generate(requests).results
+        assert not folder_v1.exists(), "the previous version's merged file must be removed once replaced"
+    finally:
+        backend.teardown()
+    base = read_projection_weights(backend.model_dir_path, tuple(smoke_study.actor.lora.target_modules))
+    assert served_v1 == merged_identity(backend.mirror_digest, merge_policy(base, v1))
+    assert served_v1 != v1.identity and served_v2 != served_v1, "merged weights carry their own identity"
+    assert [r.logprobs for r in under_v2] != [r.logprobs for r in under_v1], "the reload must change the model"
+    assert [r.logprobs for r in under_v2] == [r.logprobs for r in clean_v2], "prompt KV of v1 reused under v2"
+    env = backend.environment()
+    assert env["refresh"] == "merged" and "reload_weights" in env["lora_refresh"]
+    phases = backend.teardown_report()["served_policies"][-1]["sync_phases_s"]
+    assert set(phases) >= {"merge_s", "write_s", "reload_s", "reset_prefix_cache_s"}
+
+
+def test_unknown_refresh_path_is_refused(smoke_study):
+    with pytest.raises(ValueError, match="vllm: refresh 'lora' is not allowed; allowed: adapter, merged"):
+        create_backend("vllm", smoke_study, refresh="lora")

@@ -20,6 +20,16 @@
   `/v1/load_lora_adapter` (runtime LoRA updating); requests name that adapter. vLLM 0.26 keeps
   LoRA weights in the model dtype (`lora_dtype` allows only auto/float16/bfloat16), so the served
   tensors are the bf16 rounding of the exact ones: the raw file records both identities.
+- Option `refresh: merged` (a diagnostic beside the preregistered adapter path, issue 13): the server
+  runs without LoRA, and a sync merges W + s * B @ A in float32 over the mirror's exact projections,
+  rounds once to the serving dtype, writes the merged projections as one safetensors file and has
+  the engine reload them in place (`/collective_rpc` `reload_weights(weights_path=...)`, vLLM's dev
+  mode, still on 127.0.0.1), then resets the prefix cache (cached prompt KV of the previous weights
+  must not be reused). The served identity is then the merged weights' own (models/merged.py),
+  never the policy's: the exactness checks show the difference. vLLM's faster CUDA-IPC weight
+  transfer needs pickled handles over HTTP (`VLLM_ALLOW_INSECURE_SERIALIZATION`), which this
+  project does not allow.
+- Option `dtype` (bfloat16 as preregistered, or float32 for the precision ladder).
 - A server that dies mid-cell raises `ServerDied` with the log tail; the next `generate` starts a
   fresh server and re-loads the current policy.
 """
@@ -38,6 +48,7 @@ from typing import Any
 
 from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult, ServerDied, register_backend
 from rollout_lib.backends.server import ManagedServer, ServerStartError
+from rollout_lib.models.merged import merge_policy, merged_identity, read_projection_weights, write_merged
 from rollout_lib.models.policy import PolicyVersion, policy_identity, write_peft_adapter
 from rollout_lib.models.synthetic import DEFAULT_CACHE_DIR, ensure_snapshot
 
@@ -45,6 +56,8 @@ SERVED_BASE_NAME = "actor"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
 CPU_KV_CACHE_BYTES = 256 * 2**20  # CPU engine (tests): the KV cache lives in host memory
 _NOT_EXPOSED = "the engine's /metrics could not be read for this batch"
+REFRESH_PATHS = ("adapter", "merged")
+SERVING_DTYPES = ("bfloat16", "float32")
 
 
 class EngineRequestError(RuntimeError):
@@ -171,18 +184,28 @@ def _cuda_available() -> bool:
 class VLLMManagedBackend(Backend):
     """Options: server_python (interpreter with vLLM; default $ROLLOUT_VLLM_PYTHON or this one),
     server_command (list with `{port}`, for tests), model_dir (skip building the mirror),
-    start_timeout_s, request_timeout_s, kv_cache_fraction_of_budget, cache_dir, extra_server_args."""
+    start_timeout_s, request_timeout_s, kv_cache_fraction_of_budget, cache_dir, extra_server_args,
+    refresh (adapter | merged), dtype (bfloat16 | float32)."""
 
     name = "vllm"
     description = "managed vLLM OpenAI server on 127.0.0.1, CUDA graphs, runtime LoRA refresh"
     allowed_options = ("server_python", "server_command", "model_dir", "start_timeout_s", "request_timeout_s",
-                       "kv_cache_fraction_of_budget", "cache_dir", "extra_server_args", "device", "log_dir")
+                       "kv_cache_fraction_of_budget", "cache_dir", "extra_server_args", "device", "log_dir",
+                       "refresh", "dtype")
 
     def __init__(self, study, **options: Any):
         unknown = sorted(set(options) - set(self.allowed_options))
         if unknown:
             raise ValueError(f"vllm: unknown option {unknown[0]!r}; allowed: {', '.join(self.allowed_options)}")
         super().__init__(study, **{k: v for k, v in options.items() if v is not None})
+        self.refresh = options.get("refresh") or "adapter"
+        if self.refresh not in REFRESH_PATHS:
+            raise ValueError(f"vllm: refresh {self.refresh!r} is not allowed; allowed: {', '.join(REFRESH_PATHS)}")
+        self.serving_dtype = options.get("dtype") or "bfloat16"
+        if self.serving_dtype not in SERVING_DTYPES:
+            raise ValueError(f"vllm: dtype {self.serving_dtype!r} is not allowed; allowed: {', '.join(SERVING_DTYPES)}")
+        self.base_projections = None  # merged refresh: the mirror's exact projections, read once (CPU)
+        self.merged_folder: Path | None = None
         self.server: ManagedServer | None = None
         self.restarts = 0
         self.policy: PolicyVersion | None = None
@@ -232,10 +255,11 @@ class VLLMManagedBackend(Backend):
         lora = self.study.actor.lora
         max_len = max(self.study.workload.prompt_tokens) + max(self.study.workload.response_tokens) + 8
         max_rank = next(r for r in LORA_RANKS if r >= lora.rank)
+        lora_args = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(max_rank)]
         args = [self.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--served-model-name", SERVED_BASE_NAME, "--host", "127.0.0.1", "--dtype", "bfloat16",
+                "--served-model-name", SERVED_BASE_NAME, "--host", "127.0.0.1", "--dtype", self.serving_dtype,
                 "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-                "--enable-lora", "--max-loras", "1", "--max-lora-rank", str(max_rank), "--seed", "0",
+                *(lora_args if self.refresh == "adapter" else []), "--seed", "0",
                 "--generation-config", "vllm", *self.options.get("extra_server_args", [])]
         if not self.on_gpu:  # vLLM's CPU backend also checks this fraction of host memory at start-up
             args += ["--gpu-memory-utilization", "0.1"]
@@ -265,8 +289,11 @@ class VLLMManagedBackend(Backend):
             self.server.stop(grace_s=10)
         self.lora_name = None  # a fresh engine holds no adapter
         model_dir = self._model_dir()
+        self.model_dir_path = model_dir
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_USE_FLASHINFER_SAMPLER="0",
                    VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
+        if self.refresh == "merged":  # /collective_rpc and /reset_prefix_cache are dev-mode routes
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"server-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{self.restarts}.log"
         self.server = ManagedServer(self._command(model_dir), log, env=env,
@@ -295,6 +322,8 @@ class VLLMManagedBackend(Backend):
 
     # -- policy --------------------------------------------------------------------------------
     def sync_policy(self, policy: PolicyVersion) -> str:
+        if self.refresh == "merged":
+            return self._sync_merged(policy)
         import torch
 
         folder = self.cache_dir / "adapters" / f"policy-v{policy.version}-{policy.identity[:16]}"
@@ -307,13 +336,57 @@ class VLLMManagedBackend(Backend):
         if self.lora_name and self.lora_name != name:
             _post(f"{url}/v1/unload_lora_adapter", {"lora_name": self.lora_name}, timeout)
         self.lora_name, self.policy = name, policy
-        # what the engine holds: the bf16 rounding of the exact tensors (lora_dtype = model dtype)
+        # what the engine holds: the rounding of the exact tensors to the model dtype (lora_dtype =
+        # model dtype): bf16 as preregistered; a float32 engine holds them exactly
         self.served_bf16_identity = policy_identity(
-            policy.base_digest, {k: v.to(torch.bfloat16) for k, v in policy.tensors.items()})
+            policy.base_digest, {k: v.to(torch.bfloat16) for k, v in policy.tensors.items()}) \
+            if self.serving_dtype == "bfloat16" else None
         self.served_identity = identity
         self.served_policies.append({"version": policy.version, "identity": identity, "adapter": name,
                                      "served_bf16_identity": self.served_bf16_identity})
         self.metrics_before = None  # adapter loads are not a batch
+        return identity
+
+    def _sync_merged(self, policy: PolicyVersion) -> str:
+        """Merge, write, reload in place, reset the prefix cache; each step timed (seconds)."""
+        import shutil
+
+        import torch
+
+        timings = {}
+        started = time.perf_counter()
+        if self.base_projections is None:
+            self.base_projections = read_projection_weights(self.model_dir_path,
+                                                            tuple(self.study.actor.lora.target_modules))
+            timings["read_base_s"] = time.perf_counter() - started
+        step = time.perf_counter()
+        merged = merge_policy(self.base_projections, policy, device="cuda" if self.on_gpu else "cpu")
+        if self.serving_dtype == "float32":
+            merged = {k: v.to(torch.float32) for k, v in merged.items()}
+        identity = merged_identity(self.mirror_digest or policy.base_digest, merged)
+        timings["merge_s"] = time.perf_counter() - step
+        step = time.perf_counter()
+        folder = self.cache_dir / "merged" / f"policy-v{policy.version}-{identity[:16]}"
+        if not folder.exists():
+            write_merged(merged, folder, identity, policy.identity)
+        timings["write_s"] = time.perf_counter() - step
+        del merged
+        url, timeout = self.server.base_url, float(self.options.get("request_timeout_s", 600))
+        step = time.perf_counter()
+        _post(f"{url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}, timeout)
+        timings["reload_s"] = time.perf_counter() - step
+        step = time.perf_counter()
+        _post(f"{url}/reset_prefix_cache", {}, timeout)
+        timings["reset_prefix_cache_s"] = time.perf_counter() - step
+        if self.merged_folder is not None and self.merged_folder != folder:
+            shutil.rmtree(self.merged_folder, ignore_errors=True)  # loaded and hashed: not evidence
+        self.merged_folder, self.policy = folder, policy
+        self.served_identity = identity
+        self.served_bf16_identity = None
+        self.served_policies.append({"version": policy.version, "policy_identity": policy.identity,
+                                     "merged_identity": identity, "refresh": "merged", "dtype": self.serving_dtype,
+                                     "sync_phases_s": timings})
+        self.metrics_before = None
         return identity
 
     # -- generation ----------------------------------------------------------------------------
@@ -402,8 +475,12 @@ class VLLMManagedBackend(Backend):
                 "port_note": self.server.port_note if self.server else None,
                 "kv_cache_memory_bytes": self.kv_cache_bytes, "mirror_payload_digest": self.mirror_digest,
                 "cuda_graphs": "on (no --enforce-eager)" if self.on_gpu else "not_applicable (CPU engine)",
-                "server_python": self.server_python, "lora_refresh": "runtime load_lora_adapter (peft files)",
-                "lora_dtype_served": "bfloat16 (vLLM 0.26 lora_dtype = model dtype)",
+                "server_python": self.server_python, "refresh": self.refresh, "dtype": self.serving_dtype,
+                "lora_refresh": ("runtime load_lora_adapter (peft files)" if self.refresh == "adapter" else
+                                 "merged W + s*B@A reloaded in place (collective_rpc reload_weights), "
+                                 "prefix cache reset"),
+                "lora_dtype_served": (f"{self.serving_dtype} (vLLM 0.26 lora_dtype = model dtype)"
+                                      if self.refresh == "adapter" else "not_applicable (merged weights)"),
                 "served_bf16_identity": getattr(self, "served_bf16_identity", None),
                 "healthy_after_s": getattr(self, "healthy_after_s", None), "restarts": self.restarts,
                 "cold_start_phases": getattr(self, "cold_start_phases", {}),
