@@ -232,8 +232,12 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     study = load(args.params)
     out = Path(args.out)
     _refuse_existing(out)
-    options = {"device": args.device} if args.device else {}
-    report = run_refresh(study, create_backend(args.backend, study, **options))
+    options = ({"device": args.device} if args.device else {}) | _backend_options(args.backend_option)
+    try:
+        backend = create_backend(args.backend, study, **options)
+    except ValueError as exc:  # an unknown option or value, named by the backend
+        raise CommandError(str(exc)) from exc
+    report = run_refresh(study, backend)
     sha = write_evidence(out, report, study=study, model_digests={"actor": study.actor.payload_digest})
     print(f"policy refresh {'PASSED' if report['verdict']['passed'] else 'FAILED'}: {report['verdict']['checks']}; "
           f"wrote {out} sha256 {sha}")
@@ -262,6 +266,55 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
               f"LoRA tax {100 * row['lora_tax_fraction']:.1f}%)")
     print(f"wrote {out}")
     return 0
+
+
+def cmd_vllm_compare(args: argparse.Namespace) -> int:
+    from rollout_lib.checks.vllm_compare import COMPARISONS, run_comparison
+    from rollout_lib.core import write_json_atomic
+    from rollout_lib.study.prereg import load
+
+    study = load(args.params)
+    out = Path(args.out)
+    _refuse_existing(out)
+    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    known = set(_cell_ids(study))
+    for cell in cells:
+        if cell not in known:
+            raise CommandError(f"cells: unknown cell id {cell!r}; valid cell ids: {', '.join(sorted(known))}")
+    rungs = [r.strip() for r in args.rungs.split(",")] if args.rungs else None
+    for rung in rungs or []:
+        if rung not in COMPARISONS[args.comparison]:
+            raise CommandError(f"rungs: {rung!r} is not a rung of {args.comparison}; allowed: "
+                               f"{', '.join(COMPARISONS[args.comparison])}")
+    report = run_comparison(study, args.comparison, cells, versions=args.versions, rungs=rungs, device=args.device,
+                            backend_options=_backend_options(args.backend_option))
+    write_json_atomic(out, report)
+    for rung in report["rungs"]:
+        mean = rung["mean_abs_logprob_diff"]
+        print(f"{rung['rung']}: max |d logprob| {rung['max_abs_logprob_diff']}, mean {mean}; "
+              f"teacher-forced disagreements {rung['teacher_forced']['argmax_disagreements']}/"
+              f"{rung['teacher_forced']['positions']} ({rung['teacher_forced']['beyond_tie_margin']} beyond the "
+              f"tie margin); sync s {[round(x, 3) for x in rung['sync_s']]}; "
+              f"tok/s {[round(c['tokens_per_s'] or 0, 1) for c in rung['cells']]}; "
+              f"attention {rung['attention_backend']}")
+    print(f"wrote {out}")
+    return 0
+
+
+def _backend_options(pairs: list[str] | None) -> dict:
+    """KEY=VALUE pairs; a VALUE that parses as JSON (a list, a number) is taken as such."""
+    import json
+
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CommandError(f"backend-option: {pair!r} is not KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def _cell_ids(study) -> list[str]:
@@ -428,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
     p.add_argument("--device", default=None)
+    p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="a backend option, repeatable (e.g. refresh=merged for vllm; JSON values allowed)")
     p.set_defaults(func=cmd_refresh)
 
     campaign = sub.add_parser("campaign", help="a campaign over GPU leases: plan, run (detachable), status; "
@@ -456,6 +511,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
     p.set_defaults(func=cmd_vllm_diagnostic)
+
+    p = sub.add_parser("vllm-compare", help="vLLM settings side by side on the same requests (diagnostic, no gate): "
+                                            "the PG-k1 precision ladder, or adapter vs merged refresh; writes --out")
+    _common(p)
+    p.add_argument("--comparison", required=True, choices=["ladder", "refresh-paths"])
+    p.add_argument("--cells", required=True, help="comma-separated cell ids (stochastic: |d logprob|; greedy: "
+                                                  "teacher-forced argmax)")
+    p.add_argument("--rungs", default=None, help="comma-separated subset of the comparison's settings")
+    p.add_argument("--versions", type=int, default=2, help="policy versions synced per setting (each timed)")
+    p.add_argument("--device", default=None, help="device of the NF4 actor that scores")
+    p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="an option for every vllm setting, repeatable (JSON values allowed)")
+    p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
+    p.set_defaults(func=cmd_vllm_compare)
 
     p = sub.add_parser("seal", help="seal raw files whose run will not be resumed (writer dead), or older finished "
                                     "files, into SEALS.jsonl beside them (appends; refuses a live writer)")

@@ -235,15 +235,21 @@ class VLLMManagedBackend(Backend):
         snapshot = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale,
                                    expected_digest=actor.payload_digest, cache_dir=self.cache_dir)
         quant = actor.quantization
-        out = self.cache_dir / f"mirror-{actor.payload_digest[:16]}-{quant.quant_type}-dq{int(quant.double_quant)}"
+        # a float32 engine serves the float32 dequantization (the precision ladder's rung c)
+        suffix = "-f32" if self.serving_dtype == "float32" else ""
+        name = f"mirror-{actor.payload_digest[:16]}-{quant.quant_type}-dq{int(quant.double_quant)}{suffix}"
+        out = self.cache_dir / name
         marker = out / "rollout_mirror.json"
         if marker.exists():
             self.mirror_digest = json.loads(marker.read_text())["mirror_payload_digest"]
         else:
             import torch
 
+            from rollout_lib.models.mirror import write_float32_mirror
+
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.mirror_digest = write_mirror_snapshot(snapshot.path, quant, out, device)
+            write = write_float32_mirror if self.serving_dtype == "float32" else write_mirror_snapshot
+            self.mirror_digest = write(snapshot.path, quant, out, device)
             if device == "cuda":
                 torch.cuda.empty_cache()  # the parent keeps no weights: the engine loads them from disk
         return str(out)

@@ -1,0 +1,152 @@
+"""vLLM settings side by side (issue 13), diagnostics beside the preregistered gates, never part of them.
+
+Two comparisons, each a list of settings ("rungs") run one after the other in one machine hold, on
+the same requests, seeds and policy versions:
+
+- `ladder` — the precision ladder for PG-k1: (a) bf16 as preregistered; (b) bf16 with vLLM's
+  float32 LM head (`--hf-overrides {"head_dtype": "float32"}`); (c) both sides in float32 (vLLM
+  `--dtype float32`, whose LoRA then runs in float32 too, and the NF4 actor scoring in float32).
+  Tells a user whether the machinery agrees when precision is not the limit.
+- `refresh-paths` — the adapter refresh (preregistered) against merged weights W + s*B@A reloaded
+  in place (`refresh: merged`): sync time per version, tok/s, exactness.
+
+Per rung: the server's cold start, `versions` policy syncs (each timed), then at the last version
+the stochastic cells (tok/s; every sampled token's log-probability against the NF4 actor scoring
+the same tokens teacher-forced: max and mean |d logprob|) and the greedy cells (every greedy token
+of the engine against the actor's argmax at that position: agreement, and the actor's logit gap
+for each disagreement against the preregistered tie margin), the attention backend vLLM picked
+(from its log) and the identity it served.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.backends import create_backend
+from rollout_lib.checks.conformance import score_sampled
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.study.prereg import Preregistration
+from rollout_lib.study.workload import Workload
+
+FP32_HEAD = ["--hf-overrides", '{"head_dtype": "float32"}']
+COMPARISONS: dict[str, dict[str, dict[str, Any]]] = {
+    "ladder": {
+        "a_bf16": {"options": {}, "scoring_dtype": "bfloat16", "about": "bf16 as preregistered"},
+        "b_bf16_fp32_head": {"options": {"extra_server_args": FP32_HEAD}, "scoring_dtype": "bfloat16",
+                             "about": "bf16 with vLLM's float32 LM head"},
+        "c_float32": {"options": {"dtype": "float32"}, "scoring_dtype": "float32",
+                      "about": "vLLM --dtype float32 (LoRA in float32) and the NF4 actor scoring in float32"},
+    },
+    "refresh-paths": {
+        "adapter": {"options": {"refresh": "adapter"}, "scoring_dtype": None,
+                    "about": "exact float32 LoRA written as a peft adapter, load_lora_adapter (preregistered)"},
+        "merged": {"options": {"refresh": "merged"}, "scoring_dtype": None,
+                   "about": "W + s*B@A in float32 rounded once, reload_weights in place, prefix cache reset"},
+    },
+}
+ATTENTION_PATTERNS = (r"Using (\w+) attention backend", r"Using (?:AttentionBackendEnum\.)?(\w+) backend\.")
+
+
+def attention_backend(log_text: str) -> str:
+    for pattern in ATTENTION_PATTERNS:
+        found = re.findall(pattern, log_text)
+        if found:
+            return found[-1]
+    return "not_measured: no attention-backend line in the server log"
+
+
+def greedy_gaps(model: Any, prompt: tuple[int, ...], tokens: list[int], device: Any) -> list[float]:
+    """The actor's logit of its own argmax minus its logit of the engine's token, per position (0 where
+    they agree), teacher-forced on the engine's sequence."""
+    import torch
+
+    if not tokens:
+        return []
+    ids = torch.tensor([list(prompt) + list(tokens[:-1])], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(tokens)).logits[0].float()
+        chosen = logits.gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0]
+        return (logits.max(dim=-1).values - chosen).tolist()
+
+
+def _rung(study: Preregistration, workload: Workload, name: str, spec: dict[str, Any], cells: list[str],
+          versions: int, device: str | None, cache_dir: str | None, backend_options: dict[str, Any]) -> dict[str, Any]:
+    policies = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, versions)
+    scoring_dtype = spec["scoring_dtype"] or study.actor.quantization.compute_dtype
+    scorer = create_backend("hf_reference", study, device=device, compute_dtype=scoring_dtype, cache_dir=cache_dir)
+    scorer.cold_start()
+    scorer.sync_policy(policies[-1])
+    engine = create_backend("vllm", study, **(backend_options | spec["options"]))
+    cold = engine.cold_start()
+    syncs = []
+    for policy in policies:
+        started = time.perf_counter()
+        served = engine.sync_policy(policy)
+        syncs.append({"version": policy.version, "sync_s": time.perf_counter() - started, "served_identity": served,
+                      "policy_identity": policy.identity, "exact": served == policy.identity})
+    tie_margin = study.tolerances.bf16_teacher_forced_tie_margin_logits
+    rows, diffs, worst, positions, beyond, disagree = [], [], 0.0, 0, 0, 0
+    for cell_id in cells:
+        cell = workload.cell(cell_id)
+        requests = workload.requests(cell)
+        engine.generate(requests)  # warmup, excluded
+        batch = engine.generate(requests)
+        tokens = sum(len(r.token_ids) for r in batch.results)
+        row = {"cell_id": cell_id, "wall_s": batch.wall_s, "generated_tokens": tokens,
+               "tokens_per_s": tokens / batch.wall_s if batch.wall_s > 0 else None}
+        if cell.sampling.name == "greedy":
+            gaps = [g for request, result in zip(requests, batch.results, strict=True)
+                    for g in greedy_gaps(scorer.model, request.prompt_token_ids, list(result.token_ids),
+                                         scorer.device)]
+            off = [g for g in gaps if g > 0]
+            positions, disagree = positions + len(gaps), disagree + len(off)
+            beyond += sum(g >= tie_margin for g in off)
+            row |= {"teacher_forced_positions": len(gaps), "argmax_disagreements": len(off),
+                    "max_gap_logits": max(off) if off else 0.0}
+        else:
+            scored, here, missing = score_sampled(scorer, requests, batch.results)
+            cell_diffs = [r["mean_abs_logprob_diff"] * r["generated_tokens"] for r in scored
+                          if r.get("mean_abs_logprob_diff") is not None]
+            diffs.append((sum(cell_diffs), sum(r["generated_tokens"] for r in scored
+                                               if r.get("mean_abs_logprob_diff") is not None)))
+            worst = max(worst, here)
+            row |= {"max_abs_logprob_diff": here, "requests_without_logprobs": missing}
+        rows.append(row)
+    environment = engine.environment()
+    log = environment.get("log")
+    log_text = Path(log).read_text(errors="replace") if log else ""
+    engine.teardown()
+    scorer.teardown()
+    total, count = sum(d for d, _ in diffs), sum(n for _, n in diffs)
+    return {"rung": name, "about": spec["about"], "options": spec["options"], "scoring_dtype": scoring_dtype,
+            "cold_start_s": cold.seconds, "syncs": syncs, "sync_s": [s["sync_s"] for s in syncs], "cells": rows,
+            "max_abs_logprob_diff": worst if count else None,
+            "mean_abs_logprob_diff": total / count if count else None,
+            "teacher_forced": {"positions": positions, "argmax_disagreements": disagree,
+                               "beyond_tie_margin": beyond, "tie_margin_logits": tie_margin},
+            "attention_backend": attention_backend(log_text), "served_policies": engine.served_policies,
+            "backend_environment": environment}
+
+
+def run_comparison(study: Preregistration, comparison: str, cells: list[str], versions: int = 2,
+                   rungs: list[str] | None = None, device: str | None = None, cache_dir: str | None = None,
+                   backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One report for `comparison` (ladder | refresh-paths): one row per rung, run in order."""
+    if comparison not in COMPARISONS:
+        raise ValueError(f"comparison {comparison!r} is not known; allowed: {', '.join(COMPARISONS)}")
+    known = COMPARISONS[comparison]
+    chosen = rungs or list(known)
+    for rung in chosen:
+        if rung not in known:
+            raise ValueError(f"rungs: {rung!r} is not a rung of {comparison}; allowed: {', '.join(known)}")
+    workload = Workload(study)
+    rows = [_rung(study, workload, rung, known[rung], cells, versions, device, cache_dir, backend_options or {})
+            for rung in chosen]
+    tolerance = study.tolerances.nf4_sampled_logprob_abs
+    return {"kind": f"vllm_{comparison.replace('-', '_')}", "comparison": comparison, "cells": cells,
+            "policy_versions": versions, "preregistration_sha256": study.sha256,
+            "preregistered_tolerance_logprob_abs": tolerance,
+            "note": "diagnostic beside the preregistered gates; it changes none of them", "rungs": rows}
