@@ -301,6 +301,21 @@ def cmd_vllm_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cycle(args: argparse.Namespace) -> int:
+    from rollout_lib.measure.cycle import CycleBudgetError, run_cycles
+    from rollout_lib.study.cycle import load as load_cycle
+
+    study = load_cycle(args.params)
+    try:
+        path = run_cycles(study, args.backend, args.algorithm, args.cell, args.campaign, run_id=args.run_id,
+                          output_dir=Path(args.output_dir), device=args.device, cycles=args.cycles,
+                          backend_options=_backend_options(args.backend_option))
+    except (ValueError, CycleBudgetError) as exc:
+        raise CommandError(str(exc)) from exc
+    print(f"wrote {path}")
+    return 0
+
+
 def _backend_options(pairs: list[str] | None) -> dict:
     """KEY=VALUE pairs; a VALUE that parses as JSON (a list, a number) is taken as such."""
     import json
@@ -525,6 +540,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an option for every vllm setting, repeatable (JSON values allowed)")
     p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
     p.set_defaults(func=cmd_vllm_compare)
+
+    p = sub.add_parser("cycle", help="the full RL cycle (rollout, teacher scoring, actor scoring, one optimizer "
+                                     "step, policy sync) for one backend, algorithm and cell; writes a sealed raw file "
+                                     "under <output-dir>/raw/<campaign>/cycle/")
+    p.add_argument("--params", default="params/rollout-runtime-v2-cycle.yaml", help="the cycle preregistration")
+    p.add_argument("--backend", required=True, help="hf_cached, vllm or hf_reference")
+    p.add_argument("--algorithm", required=True, help="direct_gkd or pg_k1")
+    p.add_argument("--cell", required=True, help="a cell of the cycle study")
+    p.add_argument("--campaign", required=True)
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--cycles", type=int, default=None, help="fewer cycles than the study's (a probe)")
+    p.add_argument("--output-dir", default="outputs")
+    p.add_argument("--device", default=None)
+    p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_cycle)
 
     p = sub.add_parser("seal", help="seal raw files whose run will not be resumed (writer dead), or older finished "
                                     "files, into SEALS.jsonl beside them (appends; refuses a live writer)")

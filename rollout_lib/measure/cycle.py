@@ -1,0 +1,356 @@
+"""The full RL cycle, measured (issue 15): what one on-policy training loop costs per cycle, by phase.
+
+Regime: a fresh process per (backend, algorithm, cell); cold start of the serving backend, the
+teacher and the trainer is recorded and excluded; then `cycles` cycles of
+rollout -> teacher scoring -> actor scoring -> actor update -> policy sync, each phase timed with
+device synchronization at its boundaries and its peak memory (NVML over the process tree, torch
+reserved) recorded. The complete cycle is one span from the rollout's start to the sync's end (not
+a sum of phases); full-cycle tokens/s = generated tokens / complete-cycle seconds, reported beside
+rollout tokens/s, never combined with it.
+
+Outputs one raw file (append-only, locked, sealed at the end) under
+`<output-dir>/raw/<campaign>/cycle/`: a header bound to the environment, both preregistrations and
+the model digests; one `cycle` record per cycle (phases, memory per phase, loss, gradient norm,
+mismatch diagnostics: mean/max |d logprob| between the rollout backend and the actor, min/mean/max
+importance ratio; requested and served policy identities); a teardown record.
+
+Memory plan: before anything is loaded, the bytes the process tree will hold (weights, LoRA and
+optimizer state, the engine's KV cache, one micro-batch of training activations and logits) are
+added up against the cycle study's budget; a plan over budget is refused (CycleBudgetError, each
+component named) instead of being discovered by an OOM halfway.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.backends import create_backend
+from rollout_lib.backends.base import Phase
+from rollout_lib.core import OUTPUTS_DIR
+from rollout_lib.measure.identity import environment_identity
+from rollout_lib.measure.rawfile import RawWriter, seal_file
+from rollout_lib.models.actor import add_lora, load_nf4_base, torch_dtype, use_float32_lm_head
+from rollout_lib.models.policy import policy_versions, read_policy_from_peft
+from rollout_lib.models.synthetic import ensure_snapshot, load_causal_lm
+from rollout_lib.models.training import (
+    ActorTrainer,
+    TrainedPolicy,
+    gkd_loss,
+    pg_k1_loss,
+    sequence_rewards,
+    token_logprobs,
+    token_scores,
+)
+from rollout_lib.study.arch import get_architecture
+from rollout_lib.study.cycle import ALGORITHMS, CycleStudy
+from rollout_lib.study.workload import Workload
+
+PHASES = ("rollout", "teacher_scoring", "actor_scoring", "actor_update", "policy_sync")
+
+
+class CycleBudgetError(RuntimeError):
+    """The planned memory of the cycle's process tree exceeds the study's budget."""
+
+
+def _arch_params(arch) -> int:
+    per_layer = (arch.hidden_size * (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
+                 + arch.num_attention_heads * arch.head_dim * arch.hidden_size + 3 * arch.hidden_size
+                 * arch.intermediate_size)
+    return arch.num_hidden_layers * per_layer + arch.vocab_size * arch.hidden_size
+
+
+def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]:
+    """Bytes the process tree will hold at the update's peak, by component (an estimate made before
+    loading; the measured NVML peaks per phase are what the report shows)."""
+    rollout = study.rollout
+    actor, teacher = get_architecture(rollout.actor.architecture.name), get_architecture(
+        rollout.teacher.architecture.name)
+    cell = Workload(rollout).cell(cell_id)
+    actor_params, teacher_params = _arch_params(actor), _arch_params(teacher)
+    lora = rollout.actor.lora
+    lora_params = _lora_params(actor, lora)
+    plan = {
+        "actor_nf4_weights": actor_params // 2 + actor.vocab_size * actor.hidden_size * 4,  # + float32 head
+        "teacher_weights": teacher_params * 2 + teacher.vocab_size * teacher.hidden_size * 4,
+        "lora_and_optimizer_state": lora_params * 4 * 4,  # weights, gradients, two AdamW moments (float32)
+    }
+    sequence = cell.prompt_tokens + cell.response_tokens
+    rows = study.optimizer.micro_batch_rows
+    plan["training_activations"] = rows * sequence * actor.hidden_size * actor.num_hidden_layers * 2 * 24
+    plan["training_logits"] = rows * cell.response_tokens * actor.vocab_size * 4 * 3
+    if backend == "hf_cached":
+        plan["serving_mirror_weights"] = actor_params * 2
+    if backend == "vllm":
+        plan["vllm_weights"] = actor_params * 2
+        plan["vllm_kv_cache"] = int(rollout.memory.budget_bytes * 0.25)
+    return plan
+
+
+def _lora_params(arch, lora) -> int:
+    shapes = arch.linear_shapes()
+    total = 0
+    for target in lora.target_modules:
+        module = next(k for k in shapes if k.endswith(target))
+        out_features, in_features = shapes[module]
+        total += lora.rank * (in_features + out_features)
+    return total * arch.num_hidden_layers
+
+
+def check_budget(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]:
+    plan = memory_plan(study, backend, cell_id)
+    total = sum(plan.values())
+    if total > study.memory.budget_bytes:
+        parts = ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in sorted(plan.items()))
+        raise CycleBudgetError(f"{backend} {cell_id}: the planned process tree holds {total / 2**30:.2f} GiB, over "
+                               f"the budget memory.budget_bytes {study.memory.budget_bytes / 2**30:.2f} GiB ({parts})")
+    return plan
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _PhaseMemory:
+    """Peak memory of one phase: torch (reset at the phase start) and NVML over the process tree."""
+
+    def __init__(self, device, sampler):
+        self.device, self.sampler = device, sampler
+
+    def start(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.sampler is not None:
+            self.sampler.start_window()
+
+    def read(self) -> dict[str, Any]:
+        import torch
+
+        if self.device.type != "cuda":
+            return {"status": "not_applicable", "reason": "CPU run: no GPU memory"}
+        return {"status": "measured", "torch_peak_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)),
+                "nvml": self.sampler.window_json() if self.sampler is not None else {"status": "not_measured"}}
+
+
+def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: str, campaign: str,
+               run_id: str | None = None, output_dir: Path = OUTPUTS_DIR, device: str | None = None,
+               cache_dir: str | None = None, backend_options: dict[str, Any] | None = None,
+               cycles: int | None = None) -> Path:
+    """Measure `cycles` (default: the study's) cycles; returns the sealed raw file."""
+    import torch
+
+    if backend_name not in study.backends:
+        raise ValueError(f"backend {backend_name!r} is not in the cycle study; allowed: {', '.join(study.backends)}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r} is not known; allowed: {', '.join(ALGORITHMS)}")
+    if cell_id not in study.cells:
+        raise ValueError(f"cell {cell_id!r} is not a cell of the cycle study; allowed: {', '.join(study.cells)}")
+    plan = check_budget(study, backend_name, cell_id)
+    rollout = study.rollout
+    workload = Workload(rollout)
+    cell = workload.cell(cell_id)
+    count = cycles or study.cycles
+    stamp = run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = Path(output_dir) / "raw" / campaign / "cycle" / f"{backend_name}-{algorithm}-{cell_id}-{stamp}.jsonl"
+    digests = {"actor": rollout.actor.payload_digest, "teacher": rollout.teacher.payload_digest}
+    writer = RawWriter(path, seal_folder=Path(output_dir) / "raw" / campaign)
+    header = {"record": "header", "kind": "rl_cycle", "campaign": campaign, "backend": backend_name,
+              "algorithm": algorithm, "cell_id": cell_id, "cycles": count, "run_id": stamp,
+              "cycle_study_sha256": study.sha256, "cycle_study_path": study.source_path,
+              "rollout_preregistration_sha256": rollout.sha256, "memory_plan_bytes": plan,
+              "budget_bytes": study.memory.budget_bytes, "gate_peak_total_bytes": study.memory.gate_peak_total_bytes,
+              "algorithm_spec": _spec_json(getattr(study.algorithms, algorithm)),
+              "optimizer": _spec_json(study.optimizer),
+              "environment": environment_identity(model_digests=digests, preregistration_sha256=rollout.sha256)}
+    writer.open(header)
+    backend = None
+    try:
+        options = {"cache_dir": cache_dir} if cache_dir and backend_name != "vllm" else {}
+        if device and backend_name != "vllm":
+            options["device"] = device
+        backend = create_backend(backend_name, rollout, **(options | (backend_options or {})))
+        cold = {"backend": backend.cold_start().to_json()}
+        torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if torch_device.type == "cuda" and torch_device.index is None:
+            torch_device = torch.device("cuda", torch.cuda.current_device())
+        started = time.perf_counter()
+        teacher_spec = rollout.teacher
+        teacher_snapshot = ensure_snapshot(teacher_spec.architecture.name, teacher_spec.synthetic_seed,
+                                           teacher_spec.logit_scale, expected_digest=teacher_spec.payload_digest,
+                                           cache_dir=cache_dir)
+        teacher = load_causal_lm(teacher_snapshot.path, torch_dtype(teacher_spec.serving_dtype), torch_device)
+        use_float32_lm_head(teacher)
+        _sync(torch_device)
+        cold["teacher"] = Phase.measured(time.perf_counter() - started).to_json()
+        started = time.perf_counter()
+        actor = _trainer_actor(backend, rollout, torch_device, cache_dir)
+        start_policy = policy_versions(workload.arch, rollout.actor.lora, rollout.actor.payload_digest, 1)[0]
+        trainer = ActorTrainer(actor, study.optimizer)
+        cold["trainer"] = Phase.measured(time.perf_counter() - started).to_json()
+        served = backend.sync_policy(start_policy)
+        if backend_name == "vllm":
+            from rollout_lib.models.policy import load_policy_into_peft
+
+            load_policy_into_peft(actor, start_policy)
+        writer.append({"record": "cold_start", "phases": cold, "start_policy_identity": start_policy.identity,
+                       "served_identity": served, "backend_environment": backend.environment()})
+        scores = token_scores(study.algorithms.pg_k1.reward_seed, workload.arch.vocab_size)
+        sampler = _nvml_sampler(torch_device)
+        memory = _PhaseMemory(torch_device, sampler)
+        policy = start_policy
+        try:
+            for index in range(count):
+                record = _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, algorithm,
+                                    scores, torch_device, memory)
+                policy = record.pop("_next_policy")
+                writer.append(record)
+        finally:
+            if sampler is not None:
+                sampler.__exit__(None, None, None)
+        teardown = backend.teardown()
+        writer.append({"record": "teardown", "teardown_s": teardown.to_json(),
+                       "teardown_report": backend.teardown_report()})
+        backend = None
+    finally:
+        if backend is not None:
+            backend.teardown()
+        writer.close()
+    seal_file(path, Path(output_dir) / "raw" / campaign, ended="teardown")
+    return path
+
+
+def _spec_json(spec: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(spec).items()}
+
+
+def _nvml_sampler(device):
+    if device.type != "cuda":
+        return None
+    from rollout_lib.measure.memory import NVMLSampler
+
+    return NVMLSampler(device.index or 0).__enter__()
+
+
+def _trainer_actor(backend, rollout, device, cache_dir):
+    """The NF4 + LoRA actor that trains: the backend's own where it holds one (hf_cached: its actor,
+    the source of truth its mirror is synced from; hf_reference: the oracle generates with the actor),
+    else a separate one in this process (vllm)."""
+    if backend.name == "hf_cached":
+        return backend.actor
+    if backend.name == "hf_reference":
+        return backend.model
+    actor = rollout.actor
+    snapshot = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale,
+                               expected_digest=actor.payload_digest, cache_dir=cache_dir)
+    return add_lora(load_nf4_base(snapshot.path, actor.quantization, torch_dtype(actor.quantization.compute_dtype),
+                                  str(device)), actor.lora)
+
+
+def _cycle_requests(workload: Workload, cell, index: int, stride: int):
+    import dataclasses
+
+    return [dataclasses.replace(r, seed=r.seed + index * stride, request_id=f"{r.request_id}-c{index}")
+            for r in workload.requests(cell)]
+
+
+def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, algorithm, scores, device,
+               memory) -> dict[str, Any]:
+    import torch
+
+    pad_id = workload.arch.bos_token_id
+    micro = study.optimizer.micro_batch_rows
+    requests = _cycle_requests(workload, cell, index, study.seeds.sample_seed_stride_per_cycle)
+    phases, peaks = {}, {}
+
+    def begin() -> float:
+        _sync(device)
+        memory.start()
+        return time.perf_counter()
+
+    def end(name: str, began: float) -> None:
+        _sync(device)
+        phases[name] = Phase.measured(time.perf_counter() - began).to_json()
+        peaks[name] = memory.read()
+
+    cycle_started = began = begin()
+    batch = backend.generate(requests)
+    end("rollout", began)
+    rows = [(r.prompt_token_ids, tuple(res.token_ids)) for r, res in zip(requests, batch.results, strict=True)]
+    tokens = sum(len(res) for _, res in rows)
+    rollout_lp = [torch.tensor(res.logprobs or [], dtype=torch.float32) for res in batch.results]
+
+    began = begin()
+    teacher_lp = token_logprobs(teacher, rows, device, pad_id, micro)
+    end("teacher_scoring", began)
+
+    began = begin()
+    actor_lp = token_logprobs(trainer.actor, rows, device, pad_id, micro)
+    end("actor_scoring", began)
+    mismatch = _mismatch(rollout_lp, actor_lp)
+
+    rewards = sequence_rewards([res for _, res in rows], scores)
+    baseline = statistics.fmean(rewards) if rewards else 0.0
+    advantages = [r - baseline for r in rewards]
+    spec = study.algorithms.pg_k1
+
+    def loss_for(indices, logprobs):
+        if algorithm == "direct_gkd":
+            return gkd_loss(logprobs, [teacher_lp[i] for i in indices], tokens)
+        return pg_k1_loss(logprobs, [rollout_lp[i] for i in indices], [advantages[i] for i in indices],
+                          spec.kl_coefficient, tokens)
+
+    began = begin()
+    update = trainer.step(loss_for, rows, device, pad_id)
+    end("actor_update", began)
+
+    began = begin()
+    live = read_policy_from_peft(trainer.actor)
+    trained = TrainedPolicy(version=policy.version + 1, base_digest=policy.base_digest, arch=policy.arch,
+                            lora=policy.lora, live=live)
+    served = backend.sync_policy(trained)
+    end("policy_sync", began)
+    complete = time.perf_counter() - cycle_started
+    rollout_s = phases["rollout"]["seconds"]
+    teacher_kl = [float((a - t).mean()) for a, t in zip(actor_lp, teacher_lp, strict=True) if len(a)]
+    return {"record": "cycle", "cycle": index, "policy_version": policy.version, "policy_identity": policy.identity,
+            "generated_tokens": tokens, "requests": len(requests), "phases": phases,
+            "complete_cycle_s": complete, "rollout_tokens_per_s": tokens / rollout_s if rollout_s > 0 else None,
+            "full_cycle_tokens_per_s": tokens / complete if complete > 0 else None,
+            "memory": peaks, "loss": update["loss"], "grad_norm": update["grad_norm"],
+            "trainable_parameters": update["trainable_parameters"],
+            "optimizer_state_bytes": trainer.optimizer_state_bytes(),
+            "mean_reward": baseline if algorithm == "pg_k1" else None,
+            "mean_actor_minus_teacher_logprob": statistics.fmean(teacher_kl) if teacher_kl else None,
+            "mismatch": mismatch, "next_policy_identity": trained.identity, "served_identity": served,
+            "sync_exact": served == trained.identity,
+            "served_bf16_identity": getattr(backend, "served_bf16_identity", None), "_next_policy": trained}
+
+
+def _mismatch(rollout_lp: list, actor_lp: list) -> dict[str, Any]:
+    """What RL frameworks log: |d logprob| between the rollout backend and the actor, and the
+    importance ratio exp(actor - rollout) on the sampled tokens."""
+    diffs, ratios, missing = [], [], 0
+    for rollout, actor in zip(rollout_lp, actor_lp, strict=True):
+        if len(rollout) != len(actor):
+            missing += 1
+            continue
+        delta = (actor - rollout).tolist()
+        diffs.extend(abs(d) for d in delta)
+        ratios.extend(math.exp(d) for d in delta)
+    if not diffs:
+        return {"status": "not_measured", "reason": "the backend returned no per-token log-probabilities",
+                "requests_without_logprobs": missing}
+    return {"status": "measured", "mean_abs_logprob_diff": statistics.fmean(diffs),
+            "max_abs_logprob_diff": max(diffs), "importance_ratio_min": min(ratios),
+            "importance_ratio_mean": statistics.fmean(ratios), "importance_ratio_max": max(ratios),
+            "tokens": len(diffs), "requests_without_logprobs": missing}
