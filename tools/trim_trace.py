@@ -19,7 +19,8 @@ def main() -> int:
     parser.add_argument("--start-fraction", type=float, default=0.5, help="where the window starts in the trace")
     parser.add_argument("--window-ms", type=float, default=20.0)
     args = parser.parse_args()
-    trace = json.load(open(args.trace))
+    with open(args.trace) as handle:
+        trace = json.load(handle)
     events = trace["traceEvents"]
     timed = [e for e in events if "ts" in e and e.get("ph") == "X"]
     first, last = min(e["ts"] for e in timed), max(e["ts"] + e.get("dur", 0) for e in timed)
