@@ -194,3 +194,21 @@ def test_precision_ladder_agrees_when_precision_is_not_the_limit(smoke_study, sn
     assert f32["backend_environment"]["dtype"] == "float32" and bf16["backend_environment"]["dtype"] == "bfloat16"
     assert f32["served_policies"][0]["served_bf16_identity"] is None, "a float32 engine holds no bf16 rounding"
     assert all(c["tokens_per_s"] > 0 for rung in report["rungs"] for c in rung["cells"])
+
+
+def test_a_cycle_through_the_real_engine_syncs_the_trained_adapter(tmp_path, snapshot_cache):
+    """Issue 15 on vLLM: the actor trains in this process; each new live LoRA reaches the engine as an
+    adapter (identity of the file as written), and the next rollout comes from it."""
+    from rollout_lib.measure.cycle import run_cycles
+    from rollout_lib.measure.rawfile import read_raw
+    from rollout_lib.study.cycle import load as load_cycle
+
+    study = load_cycle("params/profiles/smoke-cycle.yaml")
+    path = run_cycles(study, "vllm", "direct_gkd", "p16-r24-n2-stochastic", "cyc", run_id="v1", output_dir=tmp_path,
+                      device="cpu", cache_dir=snapshot_cache, cycles=2,
+                      backend_options={"server_python": ENGINE, "start_timeout_s": 600, "cache_dir": snapshot_cache})
+    cycles = [r for r in read_raw(path)[0] if r["record"] == "cycle"]
+    assert len(cycles) == 2 and all(c["sync_exact"] and c["served_bf16_identity"] for c in cycles)
+    assert cycles[1]["policy_identity"] == cycles[0]["next_policy_identity"]
+    assert all(c["mismatch"]["status"] == "measured" for c in cycles)
+    assert cycles[0]["mismatch"]["max_abs_logprob_diff"] > 0  # a bf16 engine against the actor: never identical

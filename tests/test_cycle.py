@@ -1,0 +1,190 @@
+"""The full RL cycle on CPU with the tiny smoke actor and teacher (issue 15): the cycle study's
+bad-input refusals, the losses decreasing on a fixed batch, the sync carrying the exact updated
+tensors, every phase present with its status, and the memory plan refusing a budget that is too small."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_lib.backends import create_backend
+from rollout_lib.core import REPO_ROOT
+from rollout_lib.measure.cycle import PHASES, CycleBudgetError, run_cycles
+from rollout_lib.measure.rawfile import read_raw, read_seals
+from rollout_lib.models.policy import policy_versions, read_policy_from_peft
+from rollout_lib.models.synthetic import ensure_snapshot, load_causal_lm
+from rollout_lib.models.training import ActorTrainer, TrainedPolicy, gkd_loss, pg_k1_loss, token_logprobs
+from rollout_lib.study.cycle import CycleStudyError, load, loads
+from rollout_lib.study.workload import Workload
+
+SMOKE_CYCLE = REPO_ROOT / "params" / "profiles" / "smoke-cycle.yaml"
+PREREGISTERED = REPO_ROOT / "params" / "rollout-runtime-v2-cycle.yaml"
+
+
+@pytest.fixture(scope="module")
+def cycle_study():
+    return load(SMOKE_CYCLE)
+
+
+def test_the_preregistered_cycle_study_loads_and_pins_the_rollout_study():
+    study = load(PREREGISTERED)
+    assert study.cycles == 8 and set(study.cells) == {"p128-r256-n4-stochastic", "p512-r512-n4-stochastic"}
+    assert study.rollout.sha256 == study.rollout_preregistration_sha256 and len(study.sha256) == 64
+    assert study.sha256 != study.rollout.sha256
+
+
+@pytest.mark.parametrize(("edit", "field", "message"), [
+    (("rollout_preregistration_sha256: 3bd6", "rollout_preregistration_sha256: 0bd6"),
+     "rollout_preregistration_sha256", "the cycle study pins"),
+    (("cells: [p16-r24-n2-stochastic", "cells: [p16-r24-n9-stochastic"), "cells[0]", "is not a cell of smoke.yaml"),
+    (("cells: [p16-r24-n2-stochastic", "cells: [p16-r24-n2-greedy"), "cells[0]", "allowed: the stochastic cells"),
+    (("name: adamw", "name: sgd"), "optimizer.name", "allowed: 'adamw'"),
+    (("cycles: 3", "cycles: 0"), "cycles", "below the minimum"),
+    (("kl_coefficient: 0.05", "kl_coefficient: 0.05\n    kl_target: 1"), "algorithms.pg_k1.kl_target", "unknown key"),
+    (("backends: [hf_cached, vllm, hf_reference]", "backends: [sglang]"), "backends[0]", "allowed: 'hf_reference'"),
+    (("micro_batch_rows: 2", "micro_batch_rows: two"), "optimizer.micro_batch_rows", "expected an integer"),
+])
+def test_a_malformed_cycle_study_is_refused_naming_the_field(edit, field, message):
+    text = SMOKE_CYCLE.read_text()
+    assert edit[0] in text
+    with pytest.raises(CycleStudyError) as caught:
+        loads(text.replace(edit[0], edit[1], 1))
+    assert caught.value.key_path == field and message in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def tiny(cycle_study, tmp_path_factory):
+    """The smoke actor (NF4 + LoRA, float32 compute on CPU), the smoke teacher and one fixed batch."""
+    cache = str(tmp_path_factory.mktemp("cycle-snapshots"))
+    rollout = cycle_study.rollout
+    backend = create_backend("hf_reference", rollout, device="cpu", compute_dtype="float32", cache_dir=cache)
+    backend.cold_start()
+    workload = Workload(rollout)
+    start = policy_versions(workload.arch, rollout.actor.lora, rollout.actor.payload_digest, 1)[0]
+    backend.sync_policy(start)
+    requests = workload.requests(workload.cell("p16-r24-n2-stochastic"))
+    batch = backend.generate(requests)
+    rows = [(r.prompt_token_ids, tuple(res.token_ids)) for r, res in zip(requests, batch.results, strict=True)]
+    spec = rollout.teacher
+    snapshot = ensure_snapshot(spec.architecture.name, spec.synthetic_seed, spec.logit_scale,
+                               expected_digest=spec.payload_digest, cache_dir=cache)
+    teacher = load_causal_lm(snapshot.path, torch.float32, "cpu")
+    yield {"backend": backend, "rows": rows, "teacher": teacher, "pad": workload.arch.bos_token_id,
+           "rollout_lp": [torch.tensor(res.logprobs) for res in batch.results], "cache": cache, "start": start}
+    backend.teardown()
+
+
+def test_scoring_matches_the_backends_own_log_probabilities(tiny):
+    """Micro-batched, right-padded teacher-forced scoring of the actor equals what the oracle recorded
+    while generating (same float32 actor): the padding and the micro-batches change nothing."""
+    scored = token_logprobs(tiny["backend"].model, tiny["rows"], "cpu", tiny["pad"], micro_batch_rows=3)
+    for got, expected in zip(scored, tiny["rollout_lp"], strict=True):
+        assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["direct_gkd", "pg_k1"])
+def test_the_loss_decreases_over_steps_on_a_fixed_batch(cycle_study, tiny, algorithm):
+    """On one fixed batch, the objective each loss follows goes down step after step: for direct GKD,
+    whose gradient is that of 1/2 mean (log pi - log p_T)^2 on a fixed batch, that squared gap; for
+    PG-k1 the loss itself. (The actor's LoRA is restored afterwards.)"""
+    actor = tiny["backend"].model
+    saved = read_policy_from_peft(actor)
+    rows, pad = tiny["rows"], tiny["pad"]
+    tokens = sum(len(r) for _, r in rows)
+    teacher = token_logprobs(tiny["teacher"], rows, "cpu", pad, 4)
+    rewards = [float(i % 3) for i in range(len(rows))]  # any fixed advantages
+    advantages = [r - sum(rewards) / len(rewards) for r in rewards]
+    beta = cycle_study.algorithms.pg_k1.kl_coefficient
+
+    def loss_for(indices, logprobs):
+        if algorithm == "direct_gkd":
+            return gkd_loss(logprobs, [teacher[i] for i in indices], tokens)
+        return pg_k1_loss(logprobs, [tiny["rollout_lp"][i] for i in indices], [advantages[i] for i in indices],
+                          beta, tokens)
+
+    def objective(logprobs):
+        if algorithm == "direct_gkd":
+            return float(sum(((a - t) ** 2).sum() for a, t in zip(logprobs, teacher, strict=True)) / (2 * tokens))
+        return float(loss_for(range(len(rows)), logprobs))
+
+    trainer = ActorTrainer(actor, cycle_study.optimizer)
+    try:
+        values = [objective(token_logprobs(actor, rows, "cpu", pad, 4))]
+        for _ in range(4):
+            trainer.step(loss_for, rows, "cpu", pad)
+            values.append(objective(token_logprobs(actor, rows, "cpu", pad, 4)))
+    finally:
+        from rollout_lib.models.policy import copy_lora_tensors
+
+        copy_lora_tensors(actor, saved, tiny["start"].scaling)
+    assert all(b < a for a, b in itertools.pairwise(values)), values
+
+
+def test_the_sync_carries_the_exact_updated_tensors(cycle_study, tiny):
+    """hf_cached (graphs path, CPU): after one optimizer step on its actor, the policy sync puts those
+    exact float32 tensors into the engine's static buffers, and the identity says so."""
+    rollout = cycle_study.rollout
+    backend = create_backend("hf_cached", rollout, device="cpu", compute_dtype="float32", cache_dir=tiny["cache"])
+    backend.cold_start()
+    try:
+        backend.sync_policy(tiny["start"])
+        before = backend.engine.read_lora()
+        trainer = ActorTrainer(backend.actor, cycle_study.optimizer)
+        rows, pad = tiny["rows"], tiny["pad"]
+        tokens = sum(len(r) for _, r in rows)
+        teacher = token_logprobs(tiny["teacher"], rows, "cpu", pad, 4)
+        trainer.step(lambda idx, lp: gkd_loss(lp, [teacher[i] for i in idx], tokens), rows, "cpu", pad)
+        live = read_policy_from_peft(backend.actor)
+        trained = TrainedPolicy(2, tiny["start"].base_digest, tiny["start"].arch, tiny["start"].lora, live)
+        assert backend.sync_policy(trained) == trained.identity != tiny["start"].identity
+        served = backend.engine.read_lora()
+        assert set(served) == set(live) and all(torch.equal(served[k], live[k]) for k in live)
+        assert any(not torch.equal(before[k], served[k]) for k in live), "the step must change the tensors"
+    finally:
+        backend.teardown()
+
+
+@pytest.mark.parametrize("backend_name", ["hf_cached", "hf_reference"])
+def test_a_cycle_run_records_every_phase_and_seals_its_raw_file(cycle_study, tiny, tmp_path, backend_name):
+    path = run_cycles(cycle_study, backend_name, "pg_k1", "p16-r24-n2-stochastic", "cyc", run_id="t1",
+                      output_dir=tmp_path, device="cpu", cache_dir=tiny["cache"], cycles=2)
+    records, torn = read_raw(path)
+    assert not torn and [r["record"] for r in records] == ["header", "cold_start", "cycle", "cycle", "teardown"]
+    header = records[0]
+    assert header["cycle_study_sha256"] == cycle_study.sha256 and header["algorithm"] == "pg_k1"
+    assert sum(header["memory_plan_bytes"].values()) <= header["budget_bytes"]
+    policies = []
+    for cycle in records[2:4]:
+        assert set(cycle["phases"]) == set(PHASES)
+        assert all(p["status"] == "measured" and p["seconds"] > 0 for p in cycle["phases"].values())
+        assert all(m["status"] == "not_applicable" for m in cycle["memory"].values())  # CPU: no GPU memory
+        assert cycle["complete_cycle_s"] >= sum(p["seconds"] for p in cycle["phases"].values())
+        assert cycle["full_cycle_tokens_per_s"] < cycle["rollout_tokens_per_s"]
+        assert cycle["sync_exact"] and cycle["served_identity"] == cycle["next_policy_identity"]
+        assert cycle["mismatch"]["status"] == "measured" and cycle["mismatch"]["importance_ratio_min"] > 0
+        policies.append((cycle["policy_identity"], cycle["next_policy_identity"]))
+    assert policies[1][0] == policies[0][1], "cycle 2 rolls out with the policy cycle 1 trained"
+    seals = read_seals(tmp_path / "raw" / "cyc")
+    assert f"cycle/{path.name}" in seals
+
+
+def test_the_budget_check_fires_when_the_budget_is_too_small(tmp_path):
+    text = SMOKE_CYCLE.read_text().replace("budget_bytes: 17179869184", "budget_bytes: 1048576", 1)
+    text = text.replace("gate_peak_total_bytes: 15569256448", "gate_peak_total_bytes: 1000000", 1)
+    study = loads(text)
+    with pytest.raises(CycleBudgetError, match=r"over the budget memory.budget_bytes 0.00 GiB \(actor_nf4_weights"):
+        run_cycles(study, "hf_cached", "pg_k1", "p16-r24-n2-stochastic", "cyc", output_dir=tmp_path, device="cpu")
+    assert not (tmp_path / "raw").exists(), "a refused plan writes nothing"
+
+
+def test_cycle_cli_refuses_an_unknown_algorithm(tmp_path, capsys):
+    from rollout_lib.cli import main
+
+    code = main(["cycle", "--params", str(SMOKE_CYCLE), "--backend", "hf_cached", "--algorithm", "ppo",
+                 "--cell", "p16-r24-n2-stochastic", "--campaign", "c", "--output-dir", str(tmp_path)])
+    assert code == 2
+    assert "algorithm 'ppo' is not known; allowed: direct_gkd, pg_k1" in capsys.readouterr().err
+    assert not Path(tmp_path, "raw").exists()
