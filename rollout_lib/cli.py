@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cycle", help="the full RL cycle (rollout, teacher scoring, actor scoring, one optimizer "
                                      "step, policy sync) for one backend, algorithm and cell; writes a sealed raw file "
-                                     "under <output-dir>/raw/<campaign>/cycle/")
+                                     "under <output-dir>/cycles/raw/<campaign>/<backend>/")
     p.add_argument("--params", default="params/rollout-runtime-v2-cycle.yaml", help="the cycle preregistration")
     p.add_argument("--backend", required=True, help="hf_cached, vllm or hf_reference")
     p.add_argument("--algorithm", required=True, help="direct_gkd or pg_k1")

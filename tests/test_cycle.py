@@ -167,8 +167,8 @@ def test_a_cycle_run_records_every_phase_and_seals_its_raw_file(cycle_study, tin
         assert cycle["mismatch"]["status"] == "measured" and cycle["mismatch"]["importance_ratio_min"] > 0
         policies.append((cycle["policy_identity"], cycle["next_policy_identity"]))
     assert policies[1][0] == policies[0][1], "cycle 2 rolls out with the policy cycle 1 trained"
-    seals = read_seals(tmp_path / "raw" / "cyc")
-    assert f"cycle/{path.name}" in seals
+    seals = read_seals(tmp_path / "cycles" / "raw" / "cyc")
+    assert f"{backend_name}/{path.name}" in seals
 
 
 def test_the_budget_check_fires_when_the_budget_is_too_small(tmp_path):
@@ -177,7 +177,7 @@ def test_the_budget_check_fires_when_the_budget_is_too_small(tmp_path):
     study = loads(text)
     with pytest.raises(CycleBudgetError, match=r"over the budget memory.budget_bytes 0.00 GiB \(actor_nf4_weights"):
         run_cycles(study, "hf_cached", "pg_k1", "p16-r24-n2-stochastic", "cyc", output_dir=tmp_path, device="cpu")
-    assert not (tmp_path / "raw").exists(), "a refused plan writes nothing"
+    assert not (tmp_path / "cycles").exists(), "a refused plan writes nothing"
 
 
 def test_cycle_cli_refuses_an_unknown_algorithm(tmp_path, capsys):
@@ -187,4 +187,4 @@ def test_cycle_cli_refuses_an_unknown_algorithm(tmp_path, capsys):
                  "--cell", "p16-r24-n2-stochastic", "--campaign", "c", "--output-dir", str(tmp_path)])
     assert code == 2
     assert "algorithm 'ppo' is not known; allowed: direct_gkd, pg_k1" in capsys.readouterr().err
-    assert not Path(tmp_path, "raw").exists()
+    assert not Path(tmp_path, "cycles").exists()

@@ -9,7 +9,7 @@ a sum of phases); full-cycle tokens/s = generated tokens / complete-cycle second
 rollout tokens/s, never combined with it.
 
 Outputs one raw file (append-only, locked, sealed at the end) under
-`<output-dir>/raw/<campaign>/cycle/`: a header bound to the environment, both preregistrations and
+`<output-dir>/cycles/raw/<campaign>/<backend>/`: a header bound to the environment, both preregistrations and
 the model digests; one `cycle` record per cycle (phases, memory per phase, loss, gradient norm,
 mismatch diagnostics: mean/max |d logprob| between the rollout backend and the actor, min/mean/max
 importance ratio; requested and served policy identities); a teardown record.
@@ -159,9 +159,10 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
     cell = workload.cell(cell_id)
     count = cycles or study.cycles
     stamp = run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = Path(output_dir) / "raw" / campaign / "cycle" / f"{backend_name}-{algorithm}-{cell_id}-{stamp}.jsonl"
+    seal_folder = cycle_raw_dir(output_dir, campaign)
+    path = seal_folder / backend_name / f"{algorithm}-{cell_id}-{stamp}.jsonl"
     digests = {"actor": rollout.actor.payload_digest, "teacher": rollout.teacher.payload_digest}
-    writer = RawWriter(path, seal_folder=Path(output_dir) / "raw" / campaign)
+    writer = RawWriter(path, seal_folder=seal_folder)
     header = {"record": "header", "kind": "rl_cycle", "campaign": campaign, "backend": backend_name,
               "algorithm": algorithm, "cell_id": cell_id, "cycles": count, "run_id": stamp,
               "cycle_study_sha256": study.sha256, "cycle_study_path": study.source_path,
@@ -223,8 +224,13 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         if backend is not None:
             backend.teardown()
         writer.close()
-    seal_file(path, Path(output_dir) / "raw" / campaign, ended="teardown")
+    seal_file(path, seal_folder, ended="teardown")
     return path
+
+
+def cycle_raw_dir(output_dir: Path, campaign: str) -> Path:
+    """Cycle raw files live apart from the rollout campaigns' (their own seals, their own aggregate)."""
+    return Path(output_dir) / "cycles" / "raw" / campaign
 
 
 def _spec_json(spec: Any) -> dict[str, Any]:
