@@ -316,6 +316,21 @@ def cmd_cycle(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cycle_publish(args: argparse.Namespace) -> int:
+    from rollout_lib.evidence.cycles import check_cycles, publish_cycles
+    from rollout_lib.study.cycle import load as load_cycle
+
+    study = load_cycle(args.params)
+    output_dir = Path(args.output_dir)
+    if args.check:
+        check_cycles(study, args.campaign, output_dir)
+        print(f"OK: {output_dir}/cycles/aggregate/{args.campaign}.json re-derives byte for byte")
+        return 0
+    path = publish_cycles(study, args.campaign, output_dir)
+    print(f"wrote {path}")
+    return 0
+
+
 def _backend_options(pairs: list[str] | None) -> dict:
     """KEY=VALUE pairs; a VALUE that parses as JSON (a list, a number) is taken as such."""
     import json
@@ -555,6 +570,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE")
     p.set_defaults(func=cmd_cycle)
+
+    p = sub.add_parser("cycle-publish", help="the frozen cycle calculator over a cycle campaign's sealed raw files; "
+                                             "writes <output-dir>/cycles/aggregate/<campaign>.json (--check: "
+                                             "re-derive and compare byte for byte)")
+    p.add_argument("--params", default="params/rollout-runtime-v2-cycle.yaml", help="the cycle preregistration")
+    p.add_argument("--campaign", required=True)
+    p.add_argument("--output-dir", default="outputs")
+    p.add_argument("--check", action="store_true")
+    p.set_defaults(func=cmd_cycle_publish)
 
     p = sub.add_parser("seal", help="seal raw files whose run will not be resumed (writer dead), or older finished "
                                     "files, into SEALS.jsonl beside them (appends; refuses a live writer)")

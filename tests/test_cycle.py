@@ -5,6 +5,7 @@ tensors, every phase present with its status, and the memory plan refusing a bud
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,25 @@ def test_cycle_cli_refuses_an_unknown_algorithm(tmp_path, capsys):
     assert code == 2
     assert "algorithm 'ppo' is not known; allowed: direct_gkd, pg_k1" in capsys.readouterr().err
     assert not Path(tmp_path, "cycles").exists()
+
+
+def test_cycle_publish_derives_checks_and_refuses_tampering(cycle_study, tiny, tmp_path):
+    from rollout_lib.evidence.cycles import check_cycles, publish_cycles
+    from rollout_lib.evidence.publish import EvidenceRefused
+
+    path = run_cycles(cycle_study, "hf_cached", "direct_gkd", "p16-r24-n2-stochastic", "cyc", run_id="p1",
+                      output_dir=tmp_path, device="cpu", cache_dir=tiny["cache"])
+    published = publish_cycles(cycle_study, "cyc", tmp_path)
+    check_cycles(cycle_study, "cyc", tmp_path)
+    aggregate = json.loads(published.read_text())
+    (row,) = aggregate["rows"]
+    assert row["complete"] and row["cycles"] == cycle_study.cycles and row["sync_exact"]
+    assert all(p["status"] == "measured" and p["median_s"] > 0 for p in row["phases"].values())
+    assert row["memory_gate"]["status"] == "fail" and "not_applicable" in row["memory_gate"]["reason"]
+    assert row["full_cycle_tokens_per_s_median"] < row["rollout_tokens_per_s_median"]
+    expected_missing = len(cycle_study.backends) * 2 * len(cycle_study.cells) - 1
+    assert len(aggregate["missing"]) == expected_missing
+    with path.open("ab") as handle:  # a fabricated cycle after the seal
+        handle.write(b'{"record": "cycle", "cycle": 9}\n')
+    with pytest.raises(EvidenceRefused, match="changed after its run ended"):
+        check_cycles(cycle_study, "cyc", tmp_path)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from rollout_lib.core import REPO_ROOT, sha256_bytes, sha256_file
-from rollout_lib.study.prereg import Preregistration
+from rollout_lib.study.prereg import CalculatorSpec, Preregistration
 from rollout_lib.study.prereg import load as load_rollout
 from rollout_lib.study.strict import StrictLoadError, from_mapping, load_yaml
 
@@ -106,6 +106,7 @@ class CycleStudy:
     optimizer: OptimizerSpec
     seeds: SeedsSpec
     memory: CycleMemorySpec
+    calculator: CalculatorSpec
     source_path: str = field(default="<string>", init=False)
     sha256: str = field(default="", init=False)
     rollout: Preregistration | None = field(default=None, init=False)

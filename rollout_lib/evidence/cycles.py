@@ -1,0 +1,104 @@
+"""Publish a cycle campaign: verified seals -> the frozen cycle calculator -> canonical aggregate.
+
+`outputs/cycles/raw/<campaign>/<backend>/*.jsonl` (sealed in that folder's SEALS.jsonl) ->
+`outputs/cycles/aggregate/<campaign>.json`. The calculator is imported from its file only after its
+SHA-256 matches the cycle study's pin; a raw file bound to another cycle study is excluded (named).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, canonical_json_bytes, sha256_file, write_json_atomic
+from rollout_lib.evidence.publish import CalculatorHashMismatch, EvidenceRefused, _verify_sealed
+from rollout_lib.measure.rawfile import RawFileError, read_raw
+from rollout_lib.study.cycle import CycleStudy
+
+
+def verified_cycle_calculator(study: CycleStudy):
+    path = REPO_ROOT / study.calculator.path
+    actual = sha256_file(path)
+    if actual != study.calculator.sha256:
+        raise CalculatorHashMismatch(f"cycle calculator {study.calculator.path} has sha256 {actual}; the cycle study "
+                                     f"pins {study.calculator.sha256}: refusing to compute with a calculator that "
+                                     "differs")
+    spec = importlib.util.spec_from_file_location("rollout_frozen_cycle_calculator", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, actual
+
+
+def collect_cycle_inputs(study: CycleStudy, campaign: str, output_dir: Path) -> list[dict[str, Any]]:
+    folder = output_dir / "cycles" / "raw" / campaign
+    paths = sorted(folder.glob("*/*.jsonl"))
+    states, digests, problems = _verify_sealed(folder, paths, "raw file") if folder.exists() else ({}, {}, [])
+    raw_files = []
+    for path in paths:
+        if path not in states:
+            continue
+        try:
+            records, torn = read_raw(path)
+        except RawFileError as exc:
+            problems.append(str(exc))
+            continue
+        header = records[0] if records else {}
+        relative = path.relative_to(output_dir).as_posix()
+        reason = None
+        if states[path] != "sealed":
+            reason = states[path]
+        elif torn:
+            reason = f"torn last line ({len(torn)} bytes)"
+        elif header.get("cycle_study_sha256") != study.sha256:
+            reason = f"bound to cycle study {header.get('cycle_study_sha256')}, not this one"
+        elif header.get("backend") != path.parent.name:
+            reason = f"header backend {header.get('backend')!r}, its place says {path.parent.name!r}"
+        entry = {"path": relative, "sha256": digests.get(path) or sha256_file(path), "records": records,
+                 "accepted": reason is None}
+        if reason is not None:
+            entry["excluded_reason"] = reason
+        raw_files.append(entry)
+    if problems:
+        raise EvidenceRefused(f"{len(problems)} evidence problem(s), nothing computed:\n  " + "\n  ".join(problems))
+    return raw_files
+
+
+def derive_cycles(study: CycleStudy, campaign: str, output_dir: Path = OUTPUTS_DIR) -> tuple[bytes, dict[str, Any]]:
+    calculator, calculator_sha = verified_cycle_calculator(study)
+    data = yaml.safe_load(Path(study.source_path).read_text()) if Path(study.source_path).is_file() else \
+        _as_plain(study)
+    aggregate = calculator.compute_cycle_aggregate(data, campaign=campaign, cycle_study_sha256=study.sha256,
+                                                   calculator_sha256=calculator_sha,
+                                                   raw_files=collect_cycle_inputs(study, campaign, output_dir))
+    return canonical_json_bytes(aggregate), aggregate
+
+
+def _as_plain(study: CycleStudy) -> dict[str, Any]:
+    return {f.name: getattr(study, f.name) for f in dataclasses.fields(study) if f.init} | {
+        "algorithms": dataclasses.asdict(study.algorithms), "memory": dataclasses.asdict(study.memory)}
+
+
+def aggregate_path(output_dir: Path, campaign: str) -> Path:
+    return output_dir / "cycles" / "aggregate" / f"{campaign}.json"
+
+
+def publish_cycles(study: CycleStudy, campaign: str, output_dir: Path = OUTPUTS_DIR) -> Path:
+    _, aggregate = derive_cycles(study, campaign, output_dir)
+    path = aggregate_path(output_dir, campaign)
+    write_json_atomic(path, aggregate, overwrite=True)  # derived, not evidence: re-derivable from the raw files
+    return path
+
+
+def check_cycles(study: CycleStudy, campaign: str, output_dir: Path = OUTPUTS_DIR) -> None:
+    """Re-derive the published cycle aggregate from the raw files; raise when a byte differs."""
+    path = aggregate_path(output_dir, campaign)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: publish the cycle campaign first")
+    data, _ = derive_cycles(study, campaign, output_dir)
+    if data != path.read_bytes():
+        raise EvidenceRefused(f"{path} does not re-derive from the sealed cycle raw files (sha256 "
+                              f"{sha256_file(path)} published, a re-derivation differs)")
