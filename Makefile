@@ -75,6 +75,21 @@ check: setup  ## re-derive the aggregate byte for byte (fails on any changed raw
 report: publish  ## summary notebook (papermill) -> <OUTPUT_DIR>/report/<CAMPAIGN>.html (nbconvert, code hidden)
 	$(ROLLOUT) report --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
 
+CYCLE_PARAMS ?= params/rollout-runtime-v2-cycle.yaml
+SMOKE_CYCLE ?= params/profiles/smoke-cycle.yaml
+
+cycle: setup  ## one full-RL-cycle run: BACKEND, ALGORITHM (direct_gkd|pg_k1), CELL, CAMPAIGN (raw file under <OUTPUT_DIR>/cycles/raw/)
+	$(ROLLOUT) cycle --params $(CYCLE_PARAMS) --backend $(BACKEND) --algorithm $(ALGORITHM) --cell $(CELL) --campaign $(CAMPAIGN) --output-dir $(OUTPUT_DIR)
+
+cycle-publish: setup  ## the frozen cycle calculator -> <OUTPUT_DIR>/cycles/aggregate/<CAMPAIGN>.json, then re-derive it
+	$(ROLLOUT) cycle-publish --params $(CYCLE_PARAMS) --campaign $(CAMPAIGN) --output-dir $(OUTPUT_DIR)
+	$(ROLLOUT) cycle-publish --params $(CYCLE_PARAMS) --campaign $(CAMPAIGN) --output-dir $(OUTPUT_DIR) --check
+
+smoke-cycle: setup  ## smoke cycle study: hf_cached, both algorithms, one cell, on the tiny pair (CPU)
+	$(ROLLOUT) cycle --params $(SMOKE_CYCLE) --backend hf_cached --algorithm direct_gkd --cell p16-r24-n2-stochastic --campaign smoke --output-dir outputs/smoke --run-id $(RUN_ID)
+	$(ROLLOUT) cycle --params $(SMOKE_CYCLE) --backend hf_cached --algorithm pg_k1 --cell p16-r24-n2-stochastic --campaign smoke --output-dir outputs/smoke --run-id $(RUN_ID)
+	$(MAKE) cycle-publish CYCLE_PARAMS=$(SMOKE_CYCLE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke
+
 smoke-report: setup
 	$(MAKE) report PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke
 	$(MAKE) check PARAMS=$(SMOKE) CAMPAIGN=smoke OUTPUT_DIR=outputs/smoke
@@ -122,7 +137,7 @@ conformance-smoke: setup  ## local conformance (hf_cached vs hf_reference) on th
 	$(if $(ROLLOUT_VLLM_PYTHON),$(ROLLOUT) conformance --candidate vllm --params $(SMOKE) --device cpu \
 	  --out outputs/smoke/conformance/vllm-conformance-$$(date -u +%Y%m%dT%H%M%SZ).json || [ $$? -eq 1 ],@true)
 
-smoke: prereg conformance-smoke smoke-measure smoke-report  ## the README's main command: ends in outputs/smoke/report/smoke.html
+smoke: prereg conformance-smoke smoke-measure smoke-cycle smoke-report  ## the README's main command: ends in outputs/smoke/report/smoke.html
 
 clean-cache:  ## synthetic snapshots are rebuilt bit-identically from seeds
 	rm -rf .cache/snapshots

@@ -211,3 +211,19 @@ def test_cycle_publish_derives_checks_and_refuses_tampering(cycle_study, tiny, t
         handle.write(b'{"record": "cycle", "cycle": 9}\n')
     with pytest.raises(EvidenceRefused, match="changed after its run ended"):
         check_cycles(cycle_study, "cyc", tmp_path)
+
+
+def test_report_full_cycle_section(cycle_study, tiny, tmp_path):
+    from rollout_lib.evidence.cycles import publish_cycles
+    from rollout_lib.report import cycle as cycle_report
+
+    assert cycle_report.load_cycle_aggregate(tmp_path, "cyc") is None
+    run_cycles(cycle_study, "hf_cached", "pg_k1", "p16-r24-n2-stochastic", "cyc", run_id="r1", output_dir=tmp_path,
+               device="cpu", cache_dir=tiny["cache"], cycles=1)
+    publish_cycles(cycle_study, "cyc", tmp_path)
+    aggregate = cycle_report.load_cycle_aggregate(tmp_path, "cyc")
+    table = cycle_report.cycle_table(aggregate)
+    assert list(table.columns[4:9]) == [f"{p} s" for p in PHASES]
+    assert table.loc[0, "cycles"] == f"1/{cycle_study.cycles} (incomplete)"
+    assert cycle_report.cycle_phase_figure(aggregate) is not None
+    assert cycle_report.cycle_memory_figure(aggregate) is None  # CPU: no GPU memory to draw

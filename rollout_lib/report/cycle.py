@@ -1,0 +1,105 @@
+"""The report's "Full cycle" section: the cycle aggregate (frozen cycle calculator) as a table, a
+stacked bar of the phases per run, and memory per phase against the budget and the gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PHASES = ("rollout", "teacher_scoring", "actor_scoring", "actor_update", "policy_sync")
+COLOURS = {"rollout": "#2b6cb0", "teacher_scoring": "#805ad5", "actor_scoring": "#38a169",
+           "actor_update": "#dd6b20", "policy_sync": "#e53e3e", "other": "#a0aec0"}
+
+
+def load_cycle_aggregate(output_dir: Path, campaign: str) -> dict[str, Any] | None:
+    path = Path(output_dir) / "cycles" / "aggregate" / f"{campaign}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"{row['backend']}\n{row['algorithm']}\n{row['cell_id']}"
+
+
+def _gib(value: Any) -> str:
+    return f"{value / 2**30:.2f}" if isinstance(value, (int, float)) else "—"
+
+
+def cycle_table(aggregate: dict[str, Any]):
+    import pandas as pd
+
+    rows = []
+    for row in aggregate["rows"]:
+        phases = {f"{name} s": (f"{row['phases'][name]['median_s']:.3f}"
+                                if row["phases"][name]["status"] == "measured" else row["phases"][name]["status"])
+                  for name in PHASES}
+        mismatch = row["mismatch"]
+        gate = row["memory_gate"]
+        rows.append({"backend": row["backend"], "algorithm": row["algorithm"], "cell": row["cell_id"],
+                     "cycles": f"{row['cycles']}/{aggregate['cycles_required']}" + ("" if row["complete"] else
+                                                                                   " (incomplete)"),
+                     **phases, "complete cycle s": row["complete_cycle_median_s"],
+                     "rollout tok/s": row["rollout_tokens_per_s_median"],
+                     "full-cycle tok/s": row["full_cycle_tokens_per_s_median"],
+                     "peak GiB": _gib(gate.get("peak_process_tree_bytes")),
+                     "memory gate": gate["status"] + (f" ({gate['reason']})" if gate.get("reason") else ""),
+                     "mean |d logprob|": mismatch.get("mean_abs_logprob_diff", mismatch["status"]),
+                     "max |d logprob|": mismatch.get("max_abs_logprob_diff", mismatch["status"]),
+                     "ratio min/max": _ratio(mismatch),
+                     "sync exact": row["sync_exact"]})
+    return pd.DataFrame(rows)
+
+
+def _ratio(mismatch: dict[str, Any]) -> str:
+    if mismatch["status"] != "measured":
+        return mismatch["status"]
+    return f"{mismatch['importance_ratio_min']:.3f} / {mismatch['importance_ratio_max']:.3f}"
+
+
+def cycle_phase_figure(aggregate: dict[str, Any]):
+    """Stacked median seconds per phase, one bar per (backend, algorithm, cell); `other` is the
+    complete cycle minus the phases (bookkeeping between them)."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in aggregate["rows"] if r["complete_cycle_median_s"] is not None]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 3), 3.8))
+    bottoms = [0.0] * len(rows)
+    for name in PHASES:
+        values = [r["phases"][name].get("median_s", 0.0) if r["phases"][name]["status"] == "measured" else 0.0
+                  for r in rows]
+        ax.bar(range(len(rows)), values, bottom=bottoms, label=name.replace("_", " "), color=COLOURS[name])
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    other = [max(0.0, r["complete_cycle_median_s"] - b) for r, b in zip(rows, bottoms, strict=True)]
+    ax.bar(range(len(rows)), other, bottom=bottoms, label="other", color=COLOURS["other"])
+    ax.set_xticks(range(len(rows)), [_label(r) for r in rows], fontsize=7)
+    ax.set_ylabel("seconds per cycle (median over cycles)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("one RL cycle, by phase")
+    fig.tight_layout()
+    return fig
+
+
+def cycle_memory_figure(aggregate: dict[str, Any]):
+    """Peak process-tree GiB per phase (NVML), one group per run, against the budget and the gate."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in aggregate["rows"] if any(m["status"] == "measured" for m in r["memory"].values())]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) + 3), 3.8))
+    width = 0.8 / len(PHASES)
+    for k, name in enumerate(PHASES):
+        values = [r["memory"][name].get("peak_process_tree_bytes", 0) / 2**30 for r in rows]
+        ax.bar([i + k * width for i in range(len(rows))], values, width, label=name.replace("_", " "),
+               color=COLOURS[name])
+    ax.axhline(aggregate["budget_bytes"] / 2**30, color="black", linestyle="--", linewidth=1, label="budget")
+    ax.axhline(aggregate["gate_peak_total_bytes"] / 2**30, color="#e53e3e", linestyle=":", linewidth=1.5,
+               label="gate")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [_label(r) for r in rows], fontsize=7)
+    ax.set_ylabel("peak GiB (process tree, NVML)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("memory per phase against the budget and the gate")
+    fig.tight_layout()
+    return fig
