@@ -309,7 +309,8 @@ def cmd_cycle(args: argparse.Namespace) -> int:
     try:
         path = run_cycles(study, args.backend, args.algorithm, args.cell, args.campaign, run_id=args.run_id,
                           output_dir=Path(args.output_dir), device=args.device, cycles=args.cycles,
-                          backend_options=_backend_options(args.backend_option))
+                          backend_options=_backend_options(args.backend_option),
+                          vllm_memory_mode=args.vllm_memory_mode)
     except (ValueError, CycleBudgetError) as exc:
         raise CommandError(str(exc)) from exc
     print(f"wrote {path}")
@@ -569,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="outputs")
     p.add_argument("--device", default=None)
     p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE")
+    p.add_argument("--vllm-memory-mode", default=None, help="vllm only: sleep (engine sleeps while the trainer works) "
+                                                            "or small_kv (awake, smaller KV cache)")
     p.set_defaults(func=cmd_cycle)
 
     p = sub.add_parser("cycle-publish", help="the frozen cycle calculator over a cycle campaign's sealed raw files; "

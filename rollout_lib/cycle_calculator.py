@@ -23,7 +23,10 @@ Rules:
   without NVML peaks fails the gate with its status named.
 - Mismatch: mean of the per-cycle mean |d logprob|, max of the max; importance-ratio min / max over
   cycles, mean of the means. Sync exact = every cycle served the identity it trained.
-- Missing = every (backend, algorithm, cell) of the study without a complete run.
+- vLLM runs are keyed by their memory mode too (`sleep`: the engine sleeps while the trainer works;
+  `small_kv`: awake with a smaller KV cache). Engine sleep: medians over cycles of the sleep seconds,
+  the device memory freed by the sleep and the wake seconds; `not_applicable` for other runs.
+- Missing = every (backend [x memory mode for vllm], algorithm, cell) of the study without a complete run.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ CYCLE_CALCULATOR_VERSION = 1
 PHASES = ("rollout", "teacher_scoring", "actor_scoring", "actor_update", "policy_sync")
 
 
-def _run_key(header: dict[str, Any]) -> tuple[str, str, str]:
-    return header["backend"], header["algorithm"], header["cell_id"]
+def _run_key(header: dict[str, Any]) -> tuple[str, str, str, str]:
+    return header["backend"], header.get("vllm_memory_mode") or "", header["algorithm"], header["cell_id"]
 
 
 def _complete(records: list[dict[str, Any]], cycles: int) -> bool:
@@ -89,6 +92,19 @@ def _mismatch(cycles: list[dict[str, Any]]) -> dict[str, Any]:
             "importance_ratio_max": max(m["importance_ratio_max"] for m in measured)}
 
 
+def _engine_sleep(cycles: list[dict[str, Any]]) -> dict[str, Any]:
+    entries = [c["engine_sleep"] for c in cycles if "sleep_s" in (c.get("engine_sleep") or {})]
+    if not entries:
+        return {"status": "not_applicable"}
+
+    def median(key: str) -> float | None:
+        values = [e[key] for e in entries if isinstance(e.get(key), (int, float))]
+        return statistics.median(values) if values else None
+
+    return {"status": "measured", "sleep_median_s": median("sleep_s"), "wake_median_s": median("wake_s"),
+            "freed_median_bytes": median("freed_bytes"), "cycles": len(entries)}
+
+
 def _row(entry: dict[str, Any], cycles_required: int, gate_bytes: int) -> dict[str, Any]:
     records = entry["records"]
     header = records[0]
@@ -101,7 +117,8 @@ def _row(entry: dict[str, Any], cycles_required: int, gate_bytes: int) -> dict[s
         missing = sorted(name for name, m in memory.items() if m["status"] != "measured")
         gate = {"status": "fail", "reason": f"no NVML peak for phase(s) {', '.join(missing)} "
                                             f"({memory[missing[0]]['status']})"}
-    return {"backend": header["backend"], "algorithm": header["algorithm"], "cell_id": header["cell_id"],
+    return {"backend": header["backend"], "vllm_memory_mode": header.get("vllm_memory_mode"),
+            "algorithm": header["algorithm"], "cell_id": header["cell_id"], "engine_sleep": _engine_sleep(cycles),
             "raw_file": entry["path"], "raw_sha256": entry["sha256"], "run_id": header.get("run_id"),
             "complete": _complete(records, cycles_required), "cycles": len(cycles),
             "phases": {name: _phase_row(cycles, name) for name in PHASES},
@@ -132,10 +149,11 @@ def compute_cycle_aggregate(study: dict[str, Any], *, campaign: str, cycle_study
         chosen = (complete or ordered)[-1]
         superseded += [{"path": e["path"], "by": chosen["path"]} for e in ordered if e is not chosen]
         rows.append(_row(chosen, cycles_required, gate_bytes))
-    done = {(r["backend"], r["algorithm"], r["cell_id"]) for r in rows if r["complete"]}
+    done = {(r["backend"], r["vllm_memory_mode"] or "", r["algorithm"], r["cell_id"]) for r in rows if r["complete"]}
     algorithms = sorted(study["algorithms"])
-    missing = [{"backend": b, "algorithm": a, "cell_id": c} for b in study["backends"] for a in algorithms
-               for c in study["cells"] if (b, a, c) not in done]
+    variants = [(b, m) for b in study["backends"] for m in (study["memory"]["vllm_modes"] if b == "vllm" else [""])]
+    missing = [{"backend": b, "vllm_memory_mode": m or None, "algorithm": a, "cell_id": c} for b, m in variants
+               for a in algorithms for c in study["cells"] if (b, m, a, c) not in done]
     return {"kind": "cycle_aggregate", "campaign": campaign, "cycle_study_sha256": cycle_study_sha256,
             "calculator_sha256": calculator_sha256, "cycle_calculator_version": CYCLE_CALCULATOR_VERSION,
             "cycles_required": cycles_required, "gate_peak_total_bytes": gate_bytes,

@@ -205,7 +205,8 @@ def test_cycle_publish_derives_checks_and_refuses_tampering(cycle_study, tiny, t
     assert all(p["status"] == "measured" and p["median_s"] > 0 for p in row["phases"].values())
     assert row["memory_gate"]["status"] == "fail" and "not_applicable" in row["memory_gate"]["reason"]
     assert row["full_cycle_tokens_per_s_median"] < row["rollout_tokens_per_s_median"]
-    expected_missing = len(cycle_study.backends) * 2 * len(cycle_study.cells) - 1
+    variants = len(cycle_study.backends) - 1 + len(cycle_study.memory.vllm_modes)  # vllm: one run per memory mode
+    expected_missing = variants * 2 * len(cycle_study.cells) - 1
     assert len(aggregate["missing"]) == expected_missing
     with path.open("ab") as handle:  # a fabricated cycle after the seal
         handle.write(b'{"record": "cycle", "cycle": 9}\n')
@@ -227,3 +228,14 @@ def test_report_full_cycle_section(cycle_study, tiny, tmp_path):
     assert table.loc[0, "cycles"] == f"1/{cycle_study.cycles} (incomplete)"
     assert cycle_report.cycle_phase_figure(aggregate) is not None
     assert cycle_report.cycle_memory_figure(aggregate) is None  # CPU: no GPU memory to draw
+
+
+def test_vllm_memory_modes_are_checked(cycle_study, tmp_path):
+    with pytest.raises(ValueError, match="vllm_memory_mode None is not allowed; allowed: sleep, small_kv"):
+        run_cycles(cycle_study, "vllm", "pg_k1", "p16-r24-n2-stochastic", "c", output_dir=tmp_path)
+    with pytest.raises(ValueError, match="vllm_memory_mode applies to the vllm backend only, not hf_cached"):
+        run_cycles(cycle_study, "hf_cached", "pg_k1", "p16-r24-n2-stochastic", "c", output_dir=tmp_path,
+                   vllm_memory_mode="sleep")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sleep_mode needs a CUDA device"):
+            create_backend("vllm", cycle_study.rollout, sleep_mode=True)

@@ -205,10 +205,11 @@ def test_a_cycle_through_the_real_engine_syncs_the_trained_adapter(tmp_path, sna
 
     study = load_cycle("params/profiles/smoke-cycle.yaml")
     path = run_cycles(study, "vllm", "direct_gkd", "p16-r24-n2-stochastic", "cyc", run_id="v1", output_dir=tmp_path,
-                      device="cpu", cache_dir=snapshot_cache, cycles=2,
+                      device="cpu", cache_dir=snapshot_cache, cycles=2, vllm_memory_mode="small_kv",
                       backend_options={"server_python": ENGINE, "start_timeout_s": 600, "cache_dir": snapshot_cache})
     cycles = [r for r in read_raw(path)[0] if r["record"] == "cycle"]
     assert len(cycles) == 2 and all(c["sync_exact"] and c["served_bf16_identity"] for c in cycles)
     assert cycles[1]["policy_identity"] == cycles[0]["next_policy_identity"]
     assert all(c["mismatch"]["status"] == "measured" for c in cycles)
     assert cycles[0]["mismatch"]["max_abs_logprob_diff"] > 0  # a bf16 engine against the actor: never identical
+    assert read_raw(path)[0][0]["vllm_memory_mode"] == "small_kv" and path.name.endswith(f"-small_kv-{'v1'}.jsonl")

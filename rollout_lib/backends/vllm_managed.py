@@ -185,13 +185,14 @@ class VLLMManagedBackend(Backend):
     """Options: server_python (interpreter with vLLM; default $ROLLOUT_VLLM_PYTHON or this one),
     server_command (list with `{port}`, for tests), model_dir (skip building the mirror),
     start_timeout_s, request_timeout_s, kv_cache_fraction_of_budget, cache_dir, extra_server_args,
-    refresh (adapter | merged), dtype (bfloat16 | float32)."""
+    refresh (adapter | merged), dtype (bfloat16 | float32), sleep_mode (bool: `--enable-sleep-mode`, for the
+    RL cycle's engine sleep between rollouts; CUDA only)."""
 
     name = "vllm"
     description = "managed vLLM OpenAI server on 127.0.0.1, CUDA graphs, runtime LoRA refresh"
     allowed_options = ("server_python", "server_command", "model_dir", "start_timeout_s", "request_timeout_s",
                        "kv_cache_fraction_of_budget", "cache_dir", "extra_server_args", "device", "log_dir",
-                       "refresh", "dtype")
+                       "refresh", "dtype", "sleep_mode")
 
     def __init__(self, study, **options: Any):
         unknown = sorted(set(options) - set(self.allowed_options))
@@ -214,6 +215,10 @@ class VLLMManagedBackend(Backend):
         self.lora_name: str | None = None
         self.mirror_digest: str | None = None
         self.on_gpu = _cuda_available()
+        self.sleep_mode = bool(options.get("sleep_mode"))
+        if self.sleep_mode and not self.on_gpu:
+            raise ValueError("vllm: sleep_mode needs a CUDA device (vLLM's sleep mode is CUDA-only); "
+                             "on a CPU it is not_applicable")
         import torch
 
         # the engine runs in a child process; the runner samples NVML memory over the whole process
@@ -262,10 +267,11 @@ class VLLMManagedBackend(Backend):
         max_len = max(self.study.workload.prompt_tokens) + max(self.study.workload.response_tokens) + 8
         max_rank = next(r for r in LORA_RANKS if r >= lora.rank)
         lora_args = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(max_rank)]
+        sleep_args = ["--enable-sleep-mode"] if self.sleep_mode else []
         args = [self.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--served-model-name", SERVED_BASE_NAME, "--host", "127.0.0.1", "--dtype", self.serving_dtype,
                 "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-                *(lora_args if self.refresh == "adapter" else []), "--seed", "0",
+                *(lora_args if self.refresh == "adapter" else []), *sleep_args, "--seed", "0",
                 "--generation-config", "vllm", *self.options.get("extra_server_args", [])]
         if not self.on_gpu:  # vLLM's CPU backend also checks this fraction of host memory at start-up
             args += ["--gpu-memory-utilization", "0.1"]
@@ -298,7 +304,7 @@ class VLLMManagedBackend(Backend):
         self.model_dir_path = model_dir
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_USE_FLASHINFER_SAMPLER="0",
                    VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
-        if self.refresh == "merged":  # /collective_rpc and /reset_prefix_cache are dev-mode routes
+        if self.refresh == "merged" or self.sleep_mode:  # /collective_rpc, /reset_prefix_cache, /sleep: dev mode
             env["VLLM_SERVER_DEV_MODE"] = "1"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"server-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{self.restarts}.log"
@@ -395,6 +401,20 @@ class VLLMManagedBackend(Backend):
         self.metrics_before = None
         return identity
 
+    # -- sleep (RL cycle: free the engine's GPU memory while the trainer works) -------------------
+    def sleep(self, level: int) -> float:
+        """`/sleep?level=N` (1: weights offloaded to CPU, KV cache dropped; 2: both dropped); seconds."""
+        if not self.sleep_mode:
+            raise RuntimeError("vllm: sleep() needs the backend option sleep_mode")
+        started = time.perf_counter()
+        _post(f"{self.server.base_url}/sleep?level={int(level)}", {}, float(self.options.get("request_timeout_s", 600)))
+        return time.perf_counter() - started
+
+    def wake_up(self) -> float:
+        started = time.perf_counter()
+        _post(f"{self.server.base_url}/wake_up", {}, float(self.options.get("request_timeout_s", 600)))
+        return time.perf_counter() - started
+
     # -- generation ----------------------------------------------------------------------------
     def _body(self, request) -> dict[str, Any]:
         body = {"model": self.lora_name or SERVED_BASE_NAME, "prompt": list(request.prompt_token_ids),
@@ -482,6 +502,7 @@ class VLLMManagedBackend(Backend):
                 "kv_cache_memory_bytes": self.kv_cache_bytes, "mirror_payload_digest": self.mirror_digest,
                 "cuda_graphs": "on (no --enforce-eager)" if self.on_gpu else "not_applicable (CPU engine)",
                 "server_python": self.server_python, "refresh": self.refresh, "dtype": self.serving_dtype,
+                "sleep_mode": self.sleep_mode,
                 "lora_refresh": ("runtime load_lora_adapter (peft files)" if self.refresh == "adapter" else
                                  "merged W + s*B@A reloaded in place (collective_rpc reload_weights), "
                                  "prefix cache reset"),

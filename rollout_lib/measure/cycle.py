@@ -143,8 +143,13 @@ class _PhaseMemory:
 def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: str, campaign: str,
                run_id: str | None = None, output_dir: Path = OUTPUTS_DIR, device: str | None = None,
                cache_dir: str | None = None, backend_options: dict[str, Any] | None = None,
-               cycles: int | None = None) -> Path:
-    """Measure `cycles` (default: the study's) cycles; returns the sealed raw file."""
+               cycles: int | None = None, vllm_memory_mode: str | None = None) -> Path:
+    """Measure `cycles` (default: the study's) cycles; returns the sealed raw file.
+
+    `vllm_memory_mode` (vllm only, one of the study's `memory.vllm_modes`): `sleep` puts the engine to
+    sleep after each rollout (`/sleep`, its own timed field and the device memory it freed) and wakes it
+    before the sync (its own timed field); `small_kv` keeps it awake with a KV cache of
+    `memory.vllm_small_kv_fraction_of_budget` of the budget."""
     import torch
 
     if backend_name not in study.backends:
@@ -153,6 +158,12 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         raise ValueError(f"algorithm {algorithm!r} is not known; allowed: {', '.join(ALGORITHMS)}")
     if cell_id not in study.cells:
         raise ValueError(f"cell {cell_id!r} is not a cell of the cycle study; allowed: {', '.join(study.cells)}")
+    if backend_name == "vllm":
+        if vllm_memory_mode not in study.memory.vllm_modes:
+            raise ValueError(f"vllm_memory_mode {vllm_memory_mode!r} is not allowed; allowed: "
+                             f"{', '.join(study.memory.vllm_modes)}")
+    elif vllm_memory_mode is not None:
+        raise ValueError(f"vllm_memory_mode applies to the vllm backend only, not {backend_name}")
     plan = check_budget(study, backend_name, cell_id)
     rollout = study.rollout
     workload = Workload(rollout)
@@ -160,11 +171,13 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
     count = cycles or study.cycles
     stamp = run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     seal_folder = cycle_raw_dir(output_dir, campaign)
-    path = seal_folder / backend_name / f"{algorithm}-{cell_id}-{stamp}.jsonl"
+    mode = f"-{vllm_memory_mode}" if vllm_memory_mode else ""
+    path = seal_folder / backend_name / f"{algorithm}-{cell_id}{mode}-{stamp}.jsonl"
     digests = {"actor": rollout.actor.payload_digest, "teacher": rollout.teacher.payload_digest}
     writer = RawWriter(path, seal_folder=seal_folder)
     header = {"record": "header", "kind": "rl_cycle", "campaign": campaign, "backend": backend_name,
               "algorithm": algorithm, "cell_id": cell_id, "cycles": count, "run_id": stamp,
+              "vllm_memory_mode": vllm_memory_mode,
               "cycle_study_sha256": study.sha256, "cycle_study_path": study.source_path,
               "rollout_preregistration_sha256": rollout.sha256, "memory_plan_bytes": plan,
               "budget_bytes": study.memory.budget_bytes, "gate_peak_total_bytes": study.memory.gate_peak_total_bytes,
@@ -177,6 +190,10 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         options = {"cache_dir": cache_dir} if cache_dir and backend_name != "vllm" else {}
         if device and backend_name != "vllm":
             options["device"] = device
+        if vllm_memory_mode == "sleep":
+            options["sleep_mode"] = True
+        elif vllm_memory_mode == "small_kv":
+            options["kv_cache_fraction_of_budget"] = study.memory.vllm_small_kv_fraction_of_budget
         backend = create_backend(backend_name, rollout, **(options | (backend_options or {})))
         cold = {"backend": backend.cold_start().to_json()}
         torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -210,7 +227,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         try:
             for index in range(count):
                 record = _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, algorithm,
-                                    scores, torch_device, memory)
+                                    scores, torch_device, memory, sleep=vllm_memory_mode == "sleep")
                 policy = record.pop("_next_policy")
                 writer.append(record)
         finally:
@@ -269,8 +286,17 @@ def _cycle_requests(workload: Workload, cell, index: int, stride: int):
             for r in workload.requests(cell)]
 
 
+def _device_free_bytes(device) -> int | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
 def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, algorithm, scores, device,
-               memory) -> dict[str, Any]:
+               memory, sleep: bool = False) -> dict[str, Any]:
     import torch
 
     pad_id = workload.arch.bos_token_id
@@ -291,6 +317,12 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
     cycle_started = began = begin()
     batch = backend.generate(requests)
     end("rollout", began)
+    engine = {}
+    if sleep:  # the engine's weights and KV cache leave the GPU while the trainer works
+        free_before = _device_free_bytes(device)
+        engine["sleep_s"] = backend.sleep(study.memory.vllm_sleep_level)
+        free_after = _device_free_bytes(device)
+        engine["freed_bytes"] = (free_after - free_before) if free_before is not None else None
     rows = [(r.prompt_token_ids, tuple(res.token_ids)) for r, res in zip(requests, batch.results, strict=True)]
     tokens = sum(len(res) for _, res in rows)
     rollout_lp = [torch.tensor(res.logprobs or [], dtype=torch.float32) for res in batch.results]
@@ -319,6 +351,11 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
     update = trainer.step(loss_for, rows, device, pad_id)
     end("actor_update", began)
 
+    if sleep:
+        free_before = _device_free_bytes(device)
+        engine["wake_s"] = backend.wake_up()
+        free_after = _device_free_bytes(device)
+        engine["wake_reclaimed_bytes"] = (free_before - free_after) if free_before is not None else None
     began = begin()
     live = read_policy_from_peft(trainer.actor)
     trained = TrainedPolicy(version=policy.version + 1, base_digest=policy.base_digest, arch=policy.arch,
@@ -330,6 +367,7 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
     teacher_kl = [float((a - t).mean()) for a, t in zip(actor_lp, teacher_lp, strict=True) if len(a)]
     return {"record": "cycle", "cycle": index, "policy_version": policy.version, "policy_identity": policy.identity,
             "generated_tokens": tokens, "requests": len(requests), "phases": phases,
+            "engine_sleep": engine or {"status": "not_applicable", "reason": "no engine sleep in this run"},
             "complete_cycle_s": complete, "rollout_tokens_per_s": tokens / rollout_s if rollout_s > 0 else None,
             "full_cycle_tokens_per_s": tokens / complete if complete > 0 else None,
             "memory": peaks, "loss": update["loss"], "grad_norm": update["grad_norm"],

@@ -18,7 +18,8 @@ def load_cycle_aggregate(output_dir: Path, campaign: str) -> dict[str, Any] | No
 
 
 def _label(row: dict[str, Any]) -> str:
-    return f"{row['backend']}\n{row['algorithm']}\n{row['cell_id']}"
+    backend = row["backend"] + (f" ({row['vllm_memory_mode']})" if row.get("vllm_memory_mode") else "")
+    return f"{backend}\n{row['algorithm']}\n{row['cell_id']}"
 
 
 def _gib(value: Any) -> str:
@@ -35,7 +36,10 @@ def cycle_table(aggregate: dict[str, Any]):
                   for name in PHASES}
         mismatch = row["mismatch"]
         gate = row["memory_gate"]
-        rows.append({"backend": row["backend"], "algorithm": row["algorithm"], "cell": row["cell_id"],
+        sleep = row.get("engine_sleep") or {"status": "not_applicable"}
+        rows.append({"backend": row["backend"] + (f" ({row['vllm_memory_mode']})" if row.get("vllm_memory_mode")
+                                                  else ""),
+                     "algorithm": row["algorithm"], "cell": row["cell_id"],
                      "cycles": f"{row['cycles']}/{aggregate['cycles_required']}" + ("" if row["complete"] else
                                                                                    " (incomplete)"),
                      **phases, "complete cycle s": row["complete_cycle_median_s"],
@@ -46,7 +50,10 @@ def cycle_table(aggregate: dict[str, Any]):
                      "mean |d logprob|": mismatch.get("mean_abs_logprob_diff", mismatch["status"]),
                      "max |d logprob|": mismatch.get("max_abs_logprob_diff", mismatch["status"]),
                      "ratio min/max": _ratio(mismatch),
-                     "sync exact": row["sync_exact"]})
+                     "sync exact": row["sync_exact"],
+                     "engine sleep / wake s": (f"{sleep['sleep_median_s']:.3f} / {sleep['wake_median_s']:.3f}"
+                                               if sleep["status"] == "measured" else sleep["status"]),
+                     "freed by sleep GiB": _gib(sleep.get("freed_median_bytes"))})
     return pd.DataFrame(rows)
 
 
