@@ -252,11 +252,7 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
     study = load(args.params)
     out = Path(args.out)
     _refuse_existing(out)
-    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
-    known = set(_cell_ids(study))
-    for cell in cells:
-        if cell not in known:
-            raise CommandError(f"cells: unknown cell id {cell!r}; valid cell ids: {', '.join(sorted(known))}")
+    cells = _cells_arg(study, args.cells)
     report = run_diagnostic(study, cells, args.repetitions)
     write_json_atomic(out, report)
     for row in report["rows"]:
@@ -276,11 +272,7 @@ def cmd_vllm_compare(args: argparse.Namespace) -> int:
     study = load(args.params)
     out = Path(args.out)
     _refuse_existing(out)
-    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
-    known = set(_cell_ids(study))
-    for cell in cells:
-        if cell not in known:
-            raise CommandError(f"cells: unknown cell id {cell!r}; valid cell ids: {', '.join(sorted(known))}")
+    cells = _cells_arg(study, args.cells)
     rungs = [r.strip() for r in args.rungs.split(",")] if args.rungs else None
     for rung in rungs or []:
         if rung not in COMPARISONS[args.comparison]:
@@ -346,6 +338,16 @@ def _backend_options(pairs: list[str] | None) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def _cells_arg(study, text: str) -> list[str]:
+    """`--cells a,b`: the cell ids, each checked against the study's workload."""
+    cells = [c.strip() for c in text.split(",") if c.strip()]
+    known = set(_cell_ids(study))
+    for cell in cells:
+        if cell not in known:
+            raise CommandError(f"cells: unknown cell id {cell!r}; valid cell ids: {', '.join(sorted(known))}")
+    return cells
 
 
 def _cell_ids(study) -> list[str]:
