@@ -41,7 +41,10 @@ def use_before(path):
             super().__init__(*args, **kwargs)
             self.compiled = False
 
-    module.CompactQwen3 = Engine
+    import inspect
+
+    if "compile_step" not in inspect.signature(engine.__init__).parameters:
+        module.CompactQwen3 = Engine  # an engine from before the compile option: uncompiled
     import rollout_lib.backends.compact_qwen3 as current
 
     sys.modules["rollout_lib.backends.compact_qwen3"] = module
@@ -103,7 +106,7 @@ def main() -> int:
     report = {"cells": cells}
     for variant in args.variants.split(","):
         options = ({"decode": "eager"} if variant == "eager" else
-                   {"decode": "graphs", "step_compile": "off" if variant == "before" else variant})
+                   {"decode": "graphs", "step_compile": "auto" if variant == "before" else variant})
         options |= {"device": args.device} if args.device else {}
         current = use_before(args.before) if variant == "before" else None
         try:
