@@ -304,6 +304,13 @@ class VLLMManagedBackend(Backend):
         self.model_dir_path = model_dir
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_USE_FLASHINFER_SAMPLER="0",
                    VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
+        # vLLM's torch.compile cache in the project cache, so every server start of this process tree
+        # (a restart after a crash, the next setting of a comparison) finds the previous start's
+        # artifacts; whether it was warm is recorded beside the cold-start phases
+        compile_cache = self.cache_dir / "vllm-cache"
+        self.compile_cache_warm = (compile_cache / "torch_compile_cache").is_dir() and any(
+            (compile_cache / "torch_compile_cache").iterdir())
+        env.setdefault("VLLM_CACHE_ROOT", str(compile_cache))
         if self.refresh == "merged" or self.sleep_mode:  # /collective_rpc, /reset_prefix_cache, /sleep: dev mode
             env["VLLM_SERVER_DEV_MODE"] = "1"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -511,6 +518,7 @@ class VLLMManagedBackend(Backend):
                 "served_bf16_identity": getattr(self, "served_bf16_identity", None),
                 "healthy_after_s": getattr(self, "healthy_after_s", None), "restarts": self.restarts,
                 "cold_start_phases": getattr(self, "cold_start_phases", {}),
+                "compile_cache_warm_at_start": getattr(self, "compile_cache_warm", None),
                 "engine_phases": "prefill/decode/queue from the server's /metrics histograms",
                 "log": str(self.server.log_path) if self.server else None}
 
