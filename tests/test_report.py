@@ -108,3 +108,25 @@ def test_empty_figures_become_one_line(smoke_html):
     soup, _ = smoke_html
     text = soup.get_text(" ")
     assert "refresh sync-time series: no policy-refresh evidence for this campaign." in text
+
+
+def test_vllm_diagnostics_section_reads_compare_files_by_kind(tmp_path):
+    import json
+
+    from rollout_lib.report import diagnostics
+
+    perf = tmp_path / "perf"
+    perf.mkdir()
+    rung = {"rung": "merged", "about": "W + s*B@A", "max_abs_logprob_diff": 0.03, "mean_abs_logprob_diff": 0.004,
+            "teacher_forced": {"argmax_disagreements": 1, "positions": 96, "beyond_tie_margin": 0},
+            "sync_s": [0.5, 0.7, 0.6], "cells": [{"cell_id": "c1", "tokens_per_s": 900.0}],
+            "attention_backend": "FLASH_ATTN", "syncs": [{"exact": False}]}
+    (perf / "compare.json").write_text(json.dumps({"kind": "vllm_refresh_paths", "rungs": [rung]}))
+    (perf / "probe.json").write_text(json.dumps({"kind": "something_else"}))
+    (perf / "broken.json").write_text("{not json")
+    found = diagnostics.diagnostic_files(tmp_path)
+    assert [p.name for p, _ in found] == ["compare.json"]
+    table = diagnostics.diagnostic_table(*found[0])
+    assert table.loc[0, "sync s (first / max / last)"] == "0.500 / 0.700 / 0.600"
+    assert table.loc[0, "served identity"] == "merged weights' own (not the policy's)"
+    assert "refresh paths: adapter vs merged weights" in diagnostics.caption(*found[0])

@@ -1,0 +1,70 @@
+"""The report's "vLLM diagnostics" section: the side-by-side runs of issue 13 (LoRA tax, adapter vs
+merged refresh, the PG-k1 precision ladder), read from `outputs/perf/*.json` by their `kind`.
+
+Diagnostics beside the gates, never part of them: each table names its file and SHA-256, so a
+reader can re-derive every number from it, but no gate or selection reads these files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.core import sha256_file
+
+KINDS = ("vllm_inprocess_diagnostic", "vllm_refresh_paths", "vllm_ladder")
+
+
+def diagnostic_files(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    out = []
+    for path in sorted((Path(output_dir) / "perf").glob("*.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(report, dict) and report.get("kind") in KINDS:
+            out.append((path, report))
+    return out
+
+
+def _num(value: Any, digits: int = 4) -> Any:
+    return round(value, digits) if isinstance(value, float) else value
+
+
+def diagnostic_table(path: Path, report: dict[str, Any]):
+    """One table per file: a row per cell (LoRA tax) or per setting (ladder, refresh paths)."""
+    import pandas as pd
+
+    if report["kind"] == "vllm_inprocess_diagnostic":
+        rows = [{"cell": r["cell_id"], "managed tok/s": _num(r["managed_tokens_per_s"], 1),
+                 "in-process + adapter tok/s": _num(r["inprocess_adapter_tokens_per_s"], 1),
+                 "in-process, no adapter tok/s": _num(r["inprocess_no_adapter_tokens_per_s"], 1),
+                 "managed / in-process": _num(r["managed_over_inprocess_adapter"], 3),
+                 "LoRA tax": f"{100 * r['lora_tax_fraction']:.1f}%"} for r in report["rows"]]
+    else:
+        rows = []
+        for rung in report["rungs"]:
+            syncs = rung["sync_s"]
+            tf = rung["teacher_forced"]
+            rows.append({"setting": rung["rung"], "about": rung["about"],
+                         "max |d logprob|": _num(rung["max_abs_logprob_diff"]),
+                         "mean |d logprob|": _num(rung["mean_abs_logprob_diff"], 5),
+                         "greedy vs actor argmax": f"{tf['argmax_disagreements']}/{tf['positions']} "
+                                                   f"({tf['beyond_tie_margin']} beyond the tie margin)",
+                         "sync s (first / max / last)": (f"{syncs[0]:.3f} / {max(syncs):.3f} / {syncs[-1]:.3f}"
+                                                         if syncs else "—"),
+                         "tok/s per cell": ", ".join(f"{c['cell_id']}: {c['tokens_per_s']:.0f}"
+                                                     for c in rung["cells"] if c.get("tokens_per_s")),
+                         "attention": rung["attention_backend"],
+                         "served identity": "policy's own" if all(s["exact"] for s in rung["syncs"])
+                         else "merged weights' own (not the policy's)"})
+    return pd.DataFrame(rows)
+
+
+def caption(path: Path, report: dict[str, Any]) -> str:
+    titles = {"vllm_inprocess_diagnostic": "LoRA tax and client overhead (managed vs in-process engine)",
+              "vllm_refresh_paths": "refresh paths: adapter vs merged weights",
+              "vllm_ladder": "precision ladder for PG-k1 (preregistered tolerance "
+                             f"{report.get('preregistered_tolerance_logprob_abs')})"}
+    return f"**{titles[report['kind']]}** — `{path.name}`, sha256 `{sha256_file(path)[:16]}…`"
