@@ -15,8 +15,7 @@ from typing import Any
 import yaml
 
 from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, canonical_json_bytes, sha256_file, write_json_atomic
-from rollout_lib.evidence.publish import CalculatorHashMismatch, EvidenceRefused, _verify_sealed
-from rollout_lib.measure.rawfile import RawFileError, read_raw
+from rollout_lib.evidence.publish import CalculatorHashMismatch, EvidenceRefused, read_sealed_raw
 from rollout_lib.study.cycle import CycleStudy
 
 
@@ -34,30 +33,21 @@ def verified_cycle_calculator(study: CycleStudy):
 
 
 def collect_cycle_inputs(study: CycleStudy, campaign: str, output_dir: Path) -> list[dict[str, Any]]:
-    folder = output_dir / "cycles" / "raw" / campaign
-    paths = sorted(folder.glob("*/*.jsonl"))
-    states, digests, problems = _verify_sealed(folder, paths, "raw file") if folder.exists() else ({}, {}, [])
+    files, problems = read_sealed_raw(output_dir / "cycles" / "raw" / campaign)
     raw_files = []
-    for path in paths:
-        if path not in states:
-            continue
-        try:
-            records, torn = read_raw(path)
-        except RawFileError as exc:
-            problems.append(str(exc))
-            continue
+    for path, records, torn, state, digest in files:
         header = records[0] if records else {}
         relative = path.relative_to(output_dir).as_posix()
         reason = None
-        if states[path] != "sealed":
-            reason = states[path]
+        if state != "sealed":
+            reason = state
         elif torn:
             reason = f"torn last line ({len(torn)} bytes)"
         elif header.get("cycle_study_sha256") != study.sha256:
             reason = f"bound to cycle study {header.get('cycle_study_sha256')}, not this one"
         elif header.get("backend") != path.parent.name:
             reason = f"header backend {header.get('backend')!r}, its place says {path.parent.name!r}"
-        entry = {"path": relative, "sha256": digests.get(path) or sha256_file(path), "records": records,
+        entry = {"path": relative, "sha256": digest or sha256_file(path), "records": records,
                  "accepted": reason is None}
         if reason is not None:
             entry["excluded_reason"] = reason

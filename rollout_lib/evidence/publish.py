@@ -128,12 +128,13 @@ class EvidenceRefused(RuntimeError):
     """Raw or evidence files fail their seals or identity: nothing is computed from them."""
 
 
-def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> dict[str, Any]:
-    campaign_dir = output_dir / "raw" / campaign
-    paths = sorted(campaign_dir.glob("*/*.jsonl"))
-    states, digests, problems = (_verify_sealed(campaign_dir, paths, "raw file") if campaign_dir.exists()
-                                 else ({}, {}, []))
-    raw_files = []
+def read_sealed_raw(folder: Path) -> tuple[list[tuple[Path, list[dict[str, Any]], bytes, str, str | None]], list[str]]:
+    """The raw files `<folder>/<backend>/*.jsonl` whose seal holds or whose writer is live:
+    (path, records, torn bytes, state, sha256), plus every refusal (tampered, missing, unsealed,
+    unreadable), each naming the file."""
+    paths = sorted(folder.glob("*/*.jsonl"))
+    states, digests, problems = _verify_sealed(folder, paths, "raw file") if folder.exists() else ({}, {}, [])
+    out = []
     for path in paths:
         if path not in states:
             continue
@@ -142,6 +143,16 @@ def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> d
         except RawFileError as exc:
             problems.append(str(exc))
             continue
+        out.append((path, records, torn, states[path], digests.get(path)))
+    return out, problems
+
+
+def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> dict[str, Any]:
+    files, problems = read_sealed_raw(output_dir / "raw" / campaign)
+    states = {path: state for path, _, _, state, _ in files}
+    digests = {path: digest for path, _, _, _, digest in files if digest}
+    raw_files = []
+    for path, records, torn, _, _ in files:
         header = records[0] if records else {}
         for key, expected in (("campaign", campaign), ("backend", path.parent.name), ("run_id", path.stem)):
             if header.get(key) != expected and states[path] == "sealed":  # in-progress files are not used

@@ -17,7 +17,6 @@ the gradient of that mean):
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -177,13 +176,3 @@ class TrainedPolicy:
     @property
     def scaling(self) -> float:
         return self.lora.alpha / self.lora.rank
-
-
-def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """Content hash of a tensor dict (for the optimizer-state and update records)."""
-    from rollout_lib.models.synthetic import update_with_tensor
-
-    digest = hashlib.sha256(b"rollout-runtime-v2/tensors/v1\n")
-    for name in sorted(tensors):
-        update_with_tensor(digest, name, tensors[name])
-    return digest.hexdigest()
