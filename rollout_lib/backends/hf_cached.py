@@ -25,11 +25,11 @@ from rollout_lib.backends.base import BatchResult, Phase, RequestResult, registe
 from rollout_lib.backends.decode import generate_kv_cache
 from rollout_lib.backends.hf_common import HFBackendBase
 from rollout_lib.models.actor import add_lora, build_mirror_base, load_nf4_base
+from rollout_lib.models.fast_identity import policy_identity_fast
 from rollout_lib.models.policy import (
     PolicyIdentityMismatch,
     copy_lora_tensors,
     load_policy_into_peft,
-    policy_identity,
     read_policy_from_peft,
 )
 
@@ -54,6 +54,7 @@ class HFCachedBackend(HFBackendBase):
                              f"allowed: {', '.join(STEP_COMPILE)}")
         self.engine = None
         self.buckets = None
+        self.served_policies: list[dict] = []  # graphs path: each sync's copy and identity seconds
 
     def _start(self) -> None:
         self._apply_memory_budget()
@@ -93,13 +94,17 @@ class HFCachedBackend(HFBackendBase):
             self.served_identity = self._served_identity(self.mirror, policy)
             return self.served_identity
         # device to device into the static buffers the graphs read: no recapture
+        started = time.perf_counter()
         self.engine.load_lora(live_lora_tensors(self.actor), policy.scaling)
         self._synchronize()
-        identity = policy_identity(policy.base_digest, self.engine.read_lora())
+        copied = time.perf_counter()
+        identity = policy_identity_fast(policy.base_digest, self.engine.read_lora())
         if identity != policy.identity:
             raise PolicyIdentityMismatch(f"hf_cached serves identity {identity}, policy version {policy.version} "
                                          f"is {policy.identity}")
         self.served_identity = identity
+        self.served_policies.append({"version": policy.version, "identity": identity, "sync_phases_s": {
+            "copy_into_buffers_s": copied - started, "identity_from_buffers_s": time.perf_counter() - copied}})
         return identity
 
     def generate(self, requests) -> BatchResult:
