@@ -154,6 +154,33 @@ else:
 CAVEATS = """for caveat in figures.caveats(aggregate, study, notes):
     display(Markdown(f"> **Caveat:** {caveat}"))"""
 
+FULL_CYCLE = """from rollout_lib.report import cycle as cycle_report
+
+cycles = cycle_report.load_cycle_aggregate(Path(output_dir), campaign)
+if cycles is None:
+    display(Markdown(f'No cycle campaign `{campaign}` published yet (`rollout cycle` then `rollout cycle-publish`).'))
+else:
+    display(report.styled(cycle_report.cycle_table(cycles)))
+    for make, what in ((cycle_report.cycle_phase_figure, 'phases per cycle'),
+                       (cycle_report.cycle_memory_figure, 'memory per phase')):
+        fig = make(cycles)
+        if fig is None:
+            display(Markdown(figures.missing_line(what, 'no GPU memory measured (CPU run: not_applicable)')))
+        else:
+            plt.show()
+    if cycles['missing']:
+        display(Markdown(f"Cycle runs still missing: {len(cycles['missing'])} of "
+                         f"{len(cycles['missing']) + sum(r['complete'] for r in cycles['rows'])}."))"""
+
+DIAGNOSTICS = """from rollout_lib.report import diagnostics
+
+found = diagnostics.diagnostic_files(Path(output_dir))
+if not found:
+    display(Markdown('No vLLM diagnostic runs in this output folder yet.'))
+for path, diagnostic in found:
+    display(Markdown(diagnostics.caption(path, diagnostic)))
+    display(report.styled(diagnostics.diagnostic_table(path, diagnostic)))"""
+
 CONFORMANCE = """table = report.conformance_table(aggregate)
 display(report.styled(table) if len(table) else Markdown("No conformance evidence for this campaign yet."))
 refresh_rows = report.refresh_table(aggregate)
@@ -199,6 +226,13 @@ def summary_notebook() -> nbformat.NotebookNode:
         code(CONFORMANCE),
         code(FIGURE.format(call="figures.refresh_figure(aggregate)",
                            missing="'refresh sync-time series', 'no policy-refresh evidence for this campaign'")),
+        new_markdown_cell("## Full cycle\n\nOne RL cycle per backend, algorithm and cell (cycle study, frozen cycle "
+                          "calculator): rollout, teacher scoring, actor scoring, one optimizer step, policy sync. "
+                          "Complete-cycle time and full-cycle tokens/s stand beside rollout tokens/s, never combined."),
+        code(FULL_CYCLE),
+        new_markdown_cell("## vLLM diagnostics\n\nSide-by-side runs beside the gates, never part of them "
+                          "(`rollout vllm-diagnostic`, `rollout vllm-compare`, files under `<output_dir>/perf/`)."),
+        code(DIAGNOSTICS),
         new_markdown_cell("## Gate outcome\n\nConservative: every covered cell must be present, valid and pass. "
                           "INCOMPLETE: the gate fails only for lack of evidence."),
         code("display(report.styled(report.gate_table(aggregate)))"),
