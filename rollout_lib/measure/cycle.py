@@ -84,6 +84,12 @@ def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]
     plan["training_logits"] = rows * cell.response_tokens * actor.vocab_size * 4 * 3
     if backend == "hf_cached":
         plan["serving_mirror_weights"] = actor_params * 2
+        # the graphs path's static KV caches: one per row count, sized for the longest cell (as BucketSet)
+        work = rollout.workload
+        longest = max(work.prompt_tokens) + max(work.response_tokens)
+        rows_total = sum(work.logical_prompts * n for n in work.samples_per_prompt)
+        plan["serving_static_kv_cache"] = (2 * actor.num_hidden_layers * rows_total * actor.num_key_value_heads
+                                           * (longest + 64) * actor.head_dim * 2)
     if backend == "vllm":
         plan["vllm_weights"] = actor_params * 2
         plan["vllm_kv_cache"] = int(rollout.memory.budget_bytes * 0.25)
