@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call for issue 12's evidence on the lab H200, from the repository root, after the
+# extras are installed (`eval "$(bash .stage/extras/install-extras.sh)"`). Every step has its own
+# timeout and writes under $OUT as it goes (at most 8 files come back):
+#   probe.json / probe.log   before vs after in one process (tools/fast_path_probe.py)
+#   trace-*.json.gz          20 ms profiler windows of p128-r64-n1-greedy, before and after
+#   gpu-tests.log            the GPU-marked fast-path tests
+#   evidence.tgz             outputs/conformance after hf_cached conformance (float32 + bf16) and the
+#                            8-refresh run (merge SEALS.jsonl: the local file must be a prefix)
+# BEFORE names the older compact_qwen3.py (default: the copy of commit b627994 under .stage/before).
+set -u
+export PYTHONPATH=/tmp/site:$PWD
+BEFORE=${BEFORE:-.stage/before/compact_qwen3_b627994.py}
+CAMPAIGN=${CAMPAIGN:-h200-v2}
+STEPS=${STEPS:-probe,tests,refresh}   # conformance takes a call of its own: STEPS=conformance
+mkdir -p "$OUT" /tmp/prof
+if [[ $STEPS == *probe* ]]; then
+  timeout 300 python3 tools/fast_path_probe.py --variants before,inductor --before "$BEFORE" \
+    --cells p128-r64-n1-greedy,p128-r64-n4-stochastic,p512-r256-n4-greedy --repetitions 3 \
+    --profile /tmp/prof --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1
+  for trace in /tmp/prof/*.json; do
+    [ -e "$trace" ] && python3 tools/trim_trace.py "$trace" "$OUT/trace-$(basename "$trace" .json)-20ms.json.gz" >> "$OUT/probe.log"
+  done
+fi
+if [[ $STEPS == *tests* ]]; then
+  timeout 240 python3 -m pytest -q -m gpu tests/test_gpu_fast_path.py > "$OUT/gpu-tests.log" 2>&1
+fi
+if [[ $STEPS == *refresh* ]]; then
+  timeout 240 python3 -m rollout_lib.cli refresh --backend hf_cached \
+    --out "outputs/conformance/refresh-$CAMPAIGN-hf_cached-$(date -u +%Y%m%dT%H%M%SZ).json" >> "$OUT/gpu-tests.log" 2>&1
+fi
+if [[ $STEPS == *conformance* ]]; then
+  # h200-v1's run of the same settings took 466 s (the oracle generates too): one call on its own
+  timeout "${CONFORMANCE_TIMEOUT_S:-560}" python3 -m rollout_lib.cli conformance --candidate hf_cached \
+    --out "outputs/conformance/conformance-$CAMPAIGN-hf_cached-$(date -u +%Y%m%dT%H%M%SZ).json" >> "$OUT/gpu-tests.log" 2>&1
+fi
+tar czf "$OUT/evidence.tgz" outputs/conformance
