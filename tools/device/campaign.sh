@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The campaign over a lease, in back-to-back device calls (the machine stays warm 30 s after a call).
+#   start: BACKEND=hf_reference DEADLINE_S=1300 bash tools/device/campaign.sh start
+#          copies the tree to /tmp/rr/src without .git (the carried .source-commit binds the commit),
+#          starts the detached driver, polls until ~540 s into the call, then packs what exists
+#   poll:  bash tools/device/campaign.sh poll   (in the next calls: status until the driver ends
+#          or ~540 s pass, then pack)
+# Each call leaves $OUT/campaign.tgz (outputs/raw/<campaign> + outputs/campaigns/<campaign>): untar it,
+# copy the new raw files and SEALS.jsonl (the local one must be its prefix), publish, check, commit.
+set -u
+CAMPAIGN=${CAMPAIGN:-h200-v2}
+BACKEND=${BACKEND:-hf_reference}
+GPUS=${GPUS:-1}
+CALL_S=${CALL_S:-540}
+started=$(date +%s)
+export PYTHONPATH=/tmp/site
+if [ "${1:-poll}" = start ]; then
+  rm -rf /tmp/rr && mkdir -p /tmp/rr && cp -r . /tmp/rr/src && rm -rf /tmp/rr/src/.stage /tmp/rr/src/.git
+  cd /tmp/rr/src
+  python3 -m rollout_lib.cli campaign run --campaign "$CAMPAIGN" --backend "$BACKEND" --gpus "$GPUS" \
+    --deadline-s "${DEADLINE_S:?DEADLINE_S: seconds of device time the driver may use}" --detach
+else
+  cd /tmp/rr/src
+fi
+while [ $(( $(date +%s) - started )) -lt "$CALL_S" ]; do
+  python3 -m rollout_lib.cli campaign status --campaign "$CAMPAIGN" --backend "$BACKEND" 2>/dev/null | grep -q running || break
+  sleep 10
+done
+python3 -m rollout_lib.cli campaign status --campaign "$CAMPAIGN" --backend "$BACKEND" | tail -15
+tar czf "$OUT/campaign.tgz" "outputs/raw/$CAMPAIGN" "outputs/campaigns/$CAMPAIGN"
