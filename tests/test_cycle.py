@@ -224,8 +224,11 @@ def test_report_full_cycle_section(cycle_study, tiny, tmp_path):
     publish_cycles(cycle_study, "cyc", tmp_path)
     aggregate = cycle_report.load_cycle_aggregate(tmp_path, "cyc")
     table = cycle_report.cycle_table(aggregate)
-    assert list(table.columns[4:9]) == [f"{p} s" for p in PHASES]
+    assert list(table.columns[4:9]) == [f"{p.replace('_', ' ')} s" for p in PHASES]
     assert table.loc[0, "cycles"] == f"1/{cycle_study.cycles} (incomplete)"
+    cells = [str(v) for v in table.to_numpy().ravel()]
+    assert not {"None", "True", "False", "nan"} & set(cells), cells  # issue 14: no bare values
+    assert table.loc[0, "memory gate (peak)"] == "FAIL: no NVML peak per phase (not_applicable)"
     assert cycle_report.cycle_phase_figure(aggregate) is not None
     assert cycle_report.cycle_memory_figure(aggregate) is None  # CPU: no GPU memory to draw
 

@@ -130,3 +130,4 @@ def test_vllm_diagnostics_section_reads_compare_files_by_kind(tmp_path):
     assert table.loc[0, "sync s (first / max / last)"] == "0.500 / 0.700 / 0.600"
     assert table.loc[0, "served identity"] == "merged weights' own (not the policy's)"
     assert "refresh paths: adapter vs merged weights" in diagnostics.caption(*found[0])
+    assert not {"None", "True", "False", "nan"} & {str(v) for v in table.to_numpy().ravel()}

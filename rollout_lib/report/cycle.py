@@ -26,31 +26,47 @@ def _gib(value: Any) -> str:
     return f"{value / 2**30:.2f}" if isinstance(value, (int, float)) else "—"
 
 
+def _rate(value: Any) -> str:
+    return f"{value:,.1f}" if isinstance(value, (int, float)) else "—"
+
+
+def _gate_text(gate: dict[str, Any]) -> str:
+    if gate["status"] in ("pass", "fail") and "peak_process_tree_bytes" in gate:
+        return f"{gate['status'].upper()} ({_gib(gate['peak_process_tree_bytes'])} GiB)"
+    reason = gate.get("reason", "no measurement")
+    if reason.startswith("no NVML peak for phase(s)"):  # name the status, not every phase
+        reason = f"no NVML peak per phase ({reason.rsplit('(', 1)[-1].rstrip(')')})"
+    return f"{gate['status'].upper()}: {reason}"
+
+
 def cycle_table(aggregate: dict[str, Any]):
+    """One row per run, every value formatted for a reader (units in the headers, no bare values)."""
     import pandas as pd
+
+    from rollout_lib.report.summary import text
 
     rows = []
     for row in aggregate["rows"]:
-        phases = {f"{name} s": (f"{row['phases'][name]['median_s']:.3f}"
-                                if row["phases"][name]["status"] == "measured" else row["phases"][name]["status"])
+        phases = {f"{name.replace('_', ' ')} s": (f"{row['phases'][name]['median_s']:.3f}"
+                                                  if row["phases"][name]["status"] == "measured"
+                                                  else row["phases"][name]["status"])
                   for name in PHASES}
         mismatch = row["mismatch"]
-        gate = row["memory_gate"]
         sleep = row.get("engine_sleep") or {"status": "not_applicable"}
+        complete = row["complete_cycle_median_s"]
         rows.append({"backend": row["backend"] + (f" ({row['vllm_memory_mode']})" if row.get("vllm_memory_mode")
                                                   else ""),
                      "algorithm": row["algorithm"], "cell": row["cell_id"],
                      "cycles": f"{row['cycles']}/{aggregate['cycles_required']}" + ("" if row["complete"] else
                                                                                    " (incomplete)"),
-                     **phases, "complete cycle s": row["complete_cycle_median_s"],
-                     "rollout tok/s": row["rollout_tokens_per_s_median"],
-                     "full-cycle tok/s": row["full_cycle_tokens_per_s_median"],
-                     "peak GiB": _gib(gate.get("peak_process_tree_bytes")),
-                     "memory gate": gate["status"] + (f" ({gate['reason']})" if gate.get("reason") else ""),
-                     "mean |d logprob|": mismatch.get("mean_abs_logprob_diff", mismatch["status"]),
-                     "max |d logprob|": mismatch.get("max_abs_logprob_diff", mismatch["status"]),
-                     "ratio min/max": _ratio(mismatch),
-                     "sync exact": row["sync_exact"],
+                     **phases, "complete cycle s": f"{complete:.3f}" if complete is not None else "—",
+                     "rollout tok/s": _rate(row["rollout_tokens_per_s_median"]),
+                     "full-cycle tok/s": _rate(row["full_cycle_tokens_per_s_median"]),
+                     "memory gate (peak)": _gate_text(row["memory_gate"]),
+                     "mean |d logprob|": text(mismatch.get("mean_abs_logprob_diff", mismatch["status"]), 3),
+                     "max |d logprob|": text(mismatch.get("max_abs_logprob_diff", mismatch["status"]), 3),
+                     "ratio min / max": _ratio(mismatch),
+                     "sync exact": text(row["sync_exact"]),
                      "engine sleep / wake s": (f"{sleep['sleep_median_s']:.3f} / {sleep['wake_median_s']:.3f}"
                                                if sleep["status"] == "measured" else sleep["status"]),
                      "freed by sleep GiB": _gib(sleep.get("freed_median_bytes"))})

@@ -28,8 +28,10 @@ def diagnostic_files(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
-def _num(value: Any, digits: int = 4) -> Any:
-    return round(value, digits) if isinstance(value, float) else value
+def _num(value: Any, digits: int = 4) -> str:
+    from rollout_lib.report.summary import text
+
+    return f"{value:,.{digits}f}" if isinstance(value, float) else text(value)
 
 
 def diagnostic_table(path: Path, report: dict[str, Any]):
