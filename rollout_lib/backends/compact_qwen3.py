@@ -52,9 +52,6 @@ class FusedLinear:
     lora_b: torch.Tensor | None = None
     lora_parts: tuple[str, ...] = ()
 
-    def __call__(self, x: torch.Tensor, scaling: float) -> torch.Tensor:
-        return _fused_linear(x, self.weight, self.lora_a, self.lora_b, scaling)
-
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
                   scaling: float, lora_as_reductions: bool = False) -> torch.Tensor:

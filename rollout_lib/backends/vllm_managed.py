@@ -55,6 +55,7 @@ from rollout_lib.models.synthetic import DEFAULT_CACHE_DIR, ensure_snapshot
 SERVED_BASE_NAME = "actor"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
 CPU_KV_CACHE_BYTES = 256 * 2**20  # CPU engine (tests): the KV cache lives in host memory
+DEFAULT_KV_CACHE_FRACTION = 0.25  # of the emulated card's budget (recorded as kv_cache_memory_bytes)
 _NOT_EXPOSED = "the engine's /metrics could not be read for this batch"
 REFRESH_PATHS = ("adapter", "merged")
 SERVING_DTYPES = ("bfloat16", "float32")
@@ -224,7 +225,7 @@ class VLLMManagedBackend(Backend):
         # the engine runs in a child process; the runner samples NVML memory over the whole process
         # tree (the server included) on this device
         self.device = torch.device("cuda", 0) if self.on_gpu else torch.device("cpu")
-        fraction = float(options.get("kv_cache_fraction_of_budget") or 0.25)
+        fraction = float(options.get("kv_cache_fraction_of_budget") or DEFAULT_KV_CACHE_FRACTION)
         self.kv_cache_bytes = int(study.memory.budget_bytes * fraction) if self.on_gpu else CPU_KV_CACHE_BYTES
         self.teardown_proof: dict[str, Any] | None = None
         self.cache_dir = Path(options.get("cache_dir") or DEFAULT_CACHE_DIR)
@@ -379,8 +380,6 @@ class VLLMManagedBackend(Backend):
         """Merge, write, reload in place, reset the prefix cache; each step timed (seconds)."""
         import shutil
 
-        import torch
-
         timings = {}
         started = time.perf_counter()
         if self.base_projections is None:
@@ -388,9 +387,8 @@ class VLLMManagedBackend(Backend):
                                                             tuple(self.study.actor.lora.target_modules))
             timings["read_base_s"] = time.perf_counter() - started
         step = time.perf_counter()
+        # rounded to the mirror's dtype: bf16, or float32 for a float32 engine (its float32 mirror)
         merged = merge_policy(self.base_projections, policy, device="cuda" if self.on_gpu else "cpu")
-        if self.serving_dtype == "float32":
-            merged = {k: v.to(torch.float32) for k, v in merged.items()}
         identity = merged_identity(self.mirror_digest or policy.base_digest, merged)
         timings["merge_s"] = time.perf_counter() - step
         step = time.perf_counter()

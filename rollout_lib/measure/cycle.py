@@ -30,11 +30,18 @@ from typing import Any
 
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.base import Phase
+from rollout_lib.backends.decode import synchronize
+from rollout_lib.backends.vllm_managed import DEFAULT_KV_CACHE_FRACTION
 from rollout_lib.core import OUTPUTS_DIR
 from rollout_lib.measure.identity import environment_identity
 from rollout_lib.measure.rawfile import RawWriter, seal_file
 from rollout_lib.models.actor import add_lora, load_nf4_base, torch_dtype, use_float32_lm_head
-from rollout_lib.models.policy import policy_versions, read_policy_from_peft
+from rollout_lib.models.policy import (
+    load_policy_into_peft,
+    lora_tensor_names,
+    policy_versions,
+    read_policy_from_peft,
+)
 from rollout_lib.models.synthetic import ensure_snapshot, load_causal_lm
 from rollout_lib.models.training import (
     ActorTrainer,
@@ -57,10 +64,9 @@ class CycleBudgetError(RuntimeError):
 
 
 def _arch_params(arch) -> int:
-    per_layer = (arch.hidden_size * (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim
-                 + arch.num_attention_heads * arch.head_dim * arch.hidden_size + 3 * arch.hidden_size
-                 * arch.intermediate_size)
-    return arch.num_hidden_layers * per_layer + arch.vocab_size * arch.hidden_size
+    """Projection parameters of every layer plus the (tied) embedding."""
+    return arch.num_hidden_layers * sum(o * i for o, i in arch.linear_shapes().values()) \
+        + arch.vocab_size * arch.hidden_size
 
 
 def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]:
@@ -72,7 +78,7 @@ def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]
     cell = Workload(rollout).cell(cell_id)
     actor_params, teacher_params = _arch_params(actor), _arch_params(teacher)
     lora = rollout.actor.lora
-    lora_params = _lora_params(actor, lora)
+    lora_params = sum(math.prod(shape) for shape in lora_tensor_names(actor, lora).values())
     plan = {
         "actor_nf4_weights": actor_params // 2 + actor.vocab_size * actor.hidden_size * 4,  # + float32 head
         "teacher_weights": teacher_params * 2 + teacher.vocab_size * teacher.hidden_size * 4,
@@ -92,18 +98,8 @@ def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]
                                            * (longest + 64) * actor.head_dim * 2)
     if backend == "vllm":
         plan["vllm_weights"] = actor_params * 2
-        plan["vllm_kv_cache"] = int(rollout.memory.budget_bytes * 0.25)
+        plan["vllm_kv_cache"] = int(rollout.memory.budget_bytes * DEFAULT_KV_CACHE_FRACTION)
     return plan
-
-
-def _lora_params(arch, lora) -> int:
-    shapes = arch.linear_shapes()
-    total = 0
-    for target in lora.target_modules:
-        module = next(k for k in shapes if k.endswith(target))
-        out_features, in_features = shapes[module]
-        total += lora.rank * (in_features + out_features)
-    return total * arch.num_hidden_layers
 
 
 def check_budget(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]:
@@ -114,13 +110,6 @@ def check_budget(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int
         raise CycleBudgetError(f"{backend} {cell_id}: the planned process tree holds {total / 2**30:.2f} GiB, over "
                                f"the budget memory.budget_bytes {study.memory.budget_bytes / 2**30:.2f} GiB ({parts})")
     return plan
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _PhaseMemory:
@@ -156,7 +145,6 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
     sleep after each rollout (`/sleep`, its own timed field and the device memory it freed) and wakes it
     before the sync (its own timed field); `small_kv` keeps it awake with a KV cache of
     `memory.vllm_small_kv_fraction_of_budget` of the budget."""
-    import torch
 
     if backend_name not in study.backends:
         raise ValueError(f"backend {backend_name!r} is not in the cycle study; allowed: {', '.join(study.backends)}")
@@ -202,9 +190,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
             options["kv_cache_fraction_of_budget"] = study.memory.vllm_small_kv_fraction_of_budget
         backend = create_backend(backend_name, rollout, **(options | (backend_options or {})))
         cold = {"backend": backend.cold_start().to_json()}
-        torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if torch_device.type == "cuda" and torch_device.index is None:
-            torch_device = torch.device("cuda", torch.cuda.current_device())
+        torch_device = backend.device  # the teacher and the trainer live where the backend serves
         started = time.perf_counter()
         teacher_spec = rollout.teacher
         teacher_snapshot = ensure_snapshot(teacher_spec.architecture.name, teacher_spec.synthetic_seed,
@@ -212,7 +198,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
                                            cache_dir=cache_dir)
         teacher = load_causal_lm(teacher_snapshot.path, torch_dtype(teacher_spec.serving_dtype), torch_device)
         use_float32_lm_head(teacher)
-        _sync(torch_device)
+        synchronize(torch_device)
         cold["teacher"] = Phase.measured(time.perf_counter() - started).to_json()
         started = time.perf_counter()
         actor = _trainer_actor(backend, rollout, torch_device, cache_dir)
@@ -220,9 +206,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         trainer = ActorTrainer(actor, study.optimizer)
         cold["trainer"] = Phase.measured(time.perf_counter() - started).to_json()
         served = backend.sync_policy(start_policy)
-        if backend_name == "vllm":
-            from rollout_lib.models.policy import load_policy_into_peft
-
+        if backend_name == "vllm":  # its trainer is this process's own actor (hf: the backend's, just synced)
             load_policy_into_peft(actor, start_policy)
         writer.append({"record": "cold_start", "phases": cold, "start_policy_identity": start_policy.identity,
                        "served_identity": served, "backend_environment": backend.environment()})
@@ -292,13 +276,20 @@ def _cycle_requests(workload: Workload, cell, index: int, stride: int):
             for r in workload.requests(cell)]
 
 
-def _device_free_bytes(device) -> int | None:
+def _timed_freeing(device, action) -> tuple[float, int | None]:
+    """Seconds of `action()` and the device memory it freed (negative: took), None on a CPU."""
     import torch
 
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return int(torch.cuda.mem_get_info(device)[0])
+    def free() -> int | None:
+        if device.type != "cuda":
+            return None
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.mem_get_info(device)[0])
+
+    before = free()
+    seconds = action()
+    after = free()
+    return seconds, (after - before) if before is not None else None
 
 
 def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, algorithm, scores, device,
@@ -311,12 +302,12 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
     phases, peaks = {}, {}
 
     def begin() -> float:
-        _sync(device)
+        synchronize(device)
         memory.start()
         return time.perf_counter()
 
     def end(name: str, began: float) -> None:
-        _sync(device)
+        synchronize(device)
         phases[name] = Phase.measured(time.perf_counter() - began).to_json()
         peaks[name] = memory.read()
 
@@ -325,10 +316,8 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
     end("rollout", began)
     engine = {}
     if sleep:  # the engine's weights and KV cache leave the GPU while the trainer works
-        free_before = _device_free_bytes(device)
-        engine["sleep_s"] = backend.sleep(study.memory.vllm_sleep_level)
-        free_after = _device_free_bytes(device)
-        engine["freed_bytes"] = (free_after - free_before) if free_before is not None else None
+        engine["sleep_s"], engine["freed_bytes"] = _timed_freeing(
+            device, lambda: backend.sleep(study.memory.vllm_sleep_level))
     rows = [(r.prompt_token_ids, tuple(res.token_ids)) for r, res in zip(requests, batch.results, strict=True)]
     tokens = sum(len(res) for _, res in rows)
     rollout_lp = [torch.tensor(res.logprobs or [], dtype=torch.float32) for res in batch.results]
@@ -358,10 +347,8 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
     end("actor_update", began)
 
     if sleep:
-        free_before = _device_free_bytes(device)
-        engine["wake_s"] = backend.wake_up()
-        free_after = _device_free_bytes(device)
-        engine["wake_reclaimed_bytes"] = (free_before - free_after) if free_before is not None else None
+        engine["wake_s"], freed = _timed_freeing(device, backend.wake_up)
+        engine["wake_reclaimed_bytes"] = -freed if freed is not None else None
     began = begin()
     live = read_policy_from_peft(trainer.actor)
     trained = TrainedPolicy(version=policy.version + 1, base_digest=policy.base_digest, arch=policy.arch,
