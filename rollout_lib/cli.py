@@ -265,7 +265,7 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
 
 
 def cmd_vllm_compare(args: argparse.Namespace) -> int:
-    from rollout_lib.checks.vllm_compare import COMPARISONS, run_comparison
+    from rollout_lib.checks.vllm_compare import chosen_rungs, run_comparison
     from rollout_lib.core import write_json_atomic
     from rollout_lib.study.prereg import load
 
@@ -273,11 +273,10 @@ def cmd_vllm_compare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _refuse_existing(out)
     cells = _cells_arg(study, args.cells)
-    rungs = [r.strip() for r in args.rungs.split(",")] if args.rungs else None
-    for rung in rungs or []:
-        if rung not in COMPARISONS[args.comparison]:
-            raise CommandError(f"rungs: {rung!r} is not a rung of {args.comparison}; allowed: "
-                               f"{', '.join(COMPARISONS[args.comparison])}")
+    try:
+        rungs = chosen_rungs(args.comparison, [r.strip() for r in args.rungs.split(",")] if args.rungs else None)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
     report = run_comparison(study, args.comparison, cells, versions=args.versions, rungs=rungs, device=args.device,
                             backend_options=_backend_options(args.backend_option))
     write_json_atomic(out, report)

@@ -132,17 +132,23 @@ def _rung(study: Preregistration, workload: Workload, name: str, spec: dict[str,
             "backend_environment": environment}
 
 
+def chosen_rungs(comparison: str, rungs: list[str] | None) -> list[str]:
+    """The rungs to run (all of the comparison's by default); an unknown name fails naming the allowed ones."""
+    if comparison not in COMPARISONS:
+        raise ValueError(f"comparison {comparison!r} is not known; allowed: {', '.join(COMPARISONS)}")
+    known = COMPARISONS[comparison]
+    for rung in rungs or []:
+        if rung not in known:
+            raise ValueError(f"rungs: {rung!r} is not a rung of {comparison}; allowed: {', '.join(known)}")
+    return list(rungs or known)
+
+
 def run_comparison(study: Preregistration, comparison: str, cells: list[str], versions: int = 2,
                    rungs: list[str] | None = None, device: str | None = None, cache_dir: str | None = None,
                    backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """One report for `comparison` (ladder | refresh-paths): one row per rung, run in order."""
-    if comparison not in COMPARISONS:
-        raise ValueError(f"comparison {comparison!r} is not known; allowed: {', '.join(COMPARISONS)}")
+    chosen = chosen_rungs(comparison, rungs)
     known = COMPARISONS[comparison]
-    chosen = rungs or list(known)
-    for rung in chosen:
-        if rung not in known:
-            raise ValueError(f"rungs: {rung!r} is not a rung of {comparison}; allowed: {', '.join(known)}")
     workload = Workload(study)
     rows = [_rung(study, workload, rung, known[rung], cells, versions, device, cache_dir, backend_options or {})
             for rung in chosen]
