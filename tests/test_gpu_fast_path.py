@@ -60,8 +60,11 @@ def test_sync_without_recapture_and_deterministic_sampling(study):
     requests = workload.requests(workload.cell("p128-r64-n4-stochastic"))
     again = backend.generate(requests).results
     assert [r.token_ids for r in again] == [r.token_ids for r in first["p128-r64-n4-stochastic"]]
-    singles = [backend.generate([q]).results[0].token_ids for q in requests[:2]]
-    assert singles == [r.token_ids for r in again[:2]]
+    # the noise is a function of each request's seed and step, not of its row: the same batch reversed
+    # (same bucket, same kernels) gives every request the same tokens. A batch of another size runs
+    # other GEMM kernels, so in bf16 it is not bitwise comparable and is not asserted.
+    reversed_ids = [r.token_ids for r in backend.generate(requests[::-1]).results]
+    assert reversed_ids[::-1] == [r.token_ids for r in again]
     for policy in policies[1:]:
         assert backend.sync_policy(policy) == policy.identity
         assert {k: b.graph for k, b in backend.buckets.buckets.items() if k in graphs} == graphs

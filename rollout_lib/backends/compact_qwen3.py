@@ -258,7 +258,9 @@ class CompactQwen3:
         import torch
 
         batch, length, _ = h.shape
-        attn = attn.view(batch, self.heads, length, self.head_dim).transpose(1, 2)
+        # reshape, not view: SDPA's float32 kernels return [B, kv, G*L, D] laid out as [B, G*L, kv, D],
+        # which cannot be viewed as the query heads (a copy, fused by inductor; a view when contiguous)
+        attn = attn.reshape(batch, self.heads, length, self.head_dim).transpose(1, 2)
         h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused)
         gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused).chunk(2, dim=-1)
         return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused)
