@@ -150,6 +150,46 @@ def test_sync_rewrites_the_static_buffers_without_new_buckets(smoke_study, snaps
     backend.teardown()
 
 
+def test_sync_records_its_phases(smoke_study, snapshot_cache):
+    workload = Workload(smoke_study)
+    version = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[0]
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", cache_dir=snapshot_cache)
+    backend.cold_start()
+    backend.sync_policy(version)
+    phases = backend.served_policies[-1]["sync_phases_s"]
+    assert set(phases) == {"actor_stand_in_s", "copy_into_buffers_s", "identity_from_buffers_s",
+                           "identity_gather_s", "identity_wait_s", "identity_hash_s"}
+    assert all(value >= 0 for value in phases.values())
+    assert phases["identity_gather_s"] + phases["identity_hash_s"] <= phases["identity_from_buffers_s"] + 1e-6
+    backend.teardown()
+
+
+@pytest.mark.parametrize("chunk_bytes", [4, 1000, 4 << 20])
+def test_both_fast_identities_equal_the_policy_identity(smoke_study, chunk_bytes):
+    from rollout_lib.models.fast_identity import policy_identity_fast, policy_identity_streamed
+    from rollout_lib.models.policy import policy_identity
+
+    workload = Workload(smoke_study)
+    version = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    # transposed views: non-contiguous inputs, as the blocks of the fused buffers are
+    tensors = {name: t.t().contiguous().t() for name, t in version.tensors.items()}
+    expected = policy_identity(version.base_digest, version.tensors)
+    assert policy_identity_fast(version.base_digest, tensors) == expected
+    too_small = torch.empty(3)
+    timings = {}
+    assert policy_identity_streamed(version.base_digest, tensors, too_small, timings, chunk_bytes) == expected
+    assert set(timings) == {"gather_s", "wait_s", "hash_s"}
+    tensors[sorted(tensors)[-1]][0, 0] += 1.0
+    assert policy_identity_streamed(version.base_digest, tensors, chunk_bytes=chunk_bytes) != expected
+
+
+def test_streamed_identity_refuses_mixed_dtypes():
+    from rollout_lib.models.fast_identity import policy_identity_streamed
+
+    with pytest.raises(ValueError, match="one dtype and one device"):
+        policy_identity_streamed("d", {"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.float64)})
+
+
 def test_unknown_step_compile_is_refused(smoke_study):
     with pytest.raises(ValueError, match="hf_cached: step_compile 'max' is not allowed; allowed: auto, inductor, off"):
         create_backend("hf_cached", smoke_study, device="cpu", step_compile="max")

@@ -202,6 +202,26 @@ class CompactQwen3:
                                  f"{tuple(target.shape)} {target.dtype}")
             target.copy_(tensor, non_blocking=True)
 
+    def lora_views(self) -> dict[str, torch.Tensor]:
+        """The served LoRA tensors as views of the static buffers, canonical names, on the device."""
+        views = {}
+        for layer in range(len(self.layers)):
+            for name in self.targets:
+                a, b = self._blocks(layer, name)
+                base = f"model.layers.{layer}.{MODULE_PATH[name]}"
+                views[f"{base}.lora_A"], views[f"{base}.lora_B"] = a.detach(), b.detach()
+        return views
+
+    def identity_staging(self) -> torch.Tensor:
+        """Host memory the served tensors are read back into for the identity (page-locked on CUDA so
+        the transfer overlaps the hashing), allocated once: a sync allocates nothing."""
+        import torch
+
+        if getattr(self, "_identity_staging", None) is None:
+            numel = sum(t.numel() for t in self.lora_views().values())
+            self._identity_staging = torch.empty(numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        return self._identity_staging
+
     def read_lora(self) -> dict[str, torch.Tensor]:
         """The served LoRA tensors, read back from the static buffers (canonical names, CPU): gathered
         into one buffer on the device and moved in one transfer (not one per tensor: ~400 syncs)."""

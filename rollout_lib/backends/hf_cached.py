@@ -25,7 +25,7 @@ from rollout_lib.backends.base import BatchResult, Phase, RequestResult, registe
 from rollout_lib.backends.decode import generate_kv_cache
 from rollout_lib.backends.hf_common import HFBackendBase
 from rollout_lib.models.actor import add_lora, build_mirror_base, load_nf4_base
-from rollout_lib.models.fast_identity import policy_identity_fast
+from rollout_lib.models.fast_identity import policy_identity_streamed
 from rollout_lib.models.policy import (
     PolicyIdentityMismatch,
     copy_lora_tensors,
@@ -86,6 +86,7 @@ class HFCachedBackend(HFBackendBase):
         load_policy_into_peft(self.actor, policy)
 
     def sync_policy(self, policy) -> str:
+        stand_in = time.perf_counter()
         self.set_actor_policy(policy)
         if self.engine is None:
             live = read_policy_from_peft(self.actor)  # the exact live tensors of the actor
@@ -98,13 +99,17 @@ class HFCachedBackend(HFBackendBase):
         self.engine.load_lora(live_lora_tensors(self.actor), policy.scaling)
         self._synchronize()
         copied = time.perf_counter()
-        identity = policy_identity_fast(policy.base_digest, self.engine.read_lora())
+        identity_timings: dict[str, float] = {}
+        identity = policy_identity_streamed(policy.base_digest, self.engine.lora_views(),
+                                            self.engine.identity_staging(), identity_timings)
         if identity != policy.identity:
             raise PolicyIdentityMismatch(f"hf_cached serves identity {identity}, policy version {policy.version} "
                                          f"is {policy.identity}")
         self.served_identity = identity
         self.served_policies.append({"version": policy.version, "identity": identity, "sync_phases_s": {
-            "copy_into_buffers_s": copied - started, "identity_from_buffers_s": time.perf_counter() - copied}})
+            "actor_stand_in_s": started - stand_in, "copy_into_buffers_s": copied - started,
+            "identity_from_buffers_s": time.perf_counter() - copied,
+            **{f"identity_{key}": value for key, value in identity_timings.items()}}})
         return identity
 
     def generate(self, requests) -> BatchResult:
