@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# A queue of device jobs that outlives the 10-minute command limit: started detached (its own process
+# session) on the warm machine, polled by back-to-back calls (the machine stays warm 30 s after each),
+# so the GPU stays busy between calls and a job longer than one call (conformance: ~9 min) finishes.
+#   start: QUEUE=tools/device/queues/lease.tsv bash tools/device/queue.sh start
+#   poll:  bash tools/device/queue.sh poll
+# Each call waits until the queue ends or ~CALL_S seconds pass, prints each job's state, and packs
+# $OUT/queue.tgz: the job logs and the evidence directories the jobs write (outputs/conformance,
+# outputs/perf, outputs/cycles, outputs/raw, outputs/campaigns). Merge seal manifests as for the
+# campaign (the local SEALS.jsonl must be a prefix of the returned one).
+# Queue file: one job per line, `name<TAB>timeout_s<TAB>command` (run by bash from the work copy;
+# `#` lines are comments). A job that exceeds its timeout is killed and the queue goes on.
+set -u
+CALL_S=${CALL_S:-540}
+WORK=/tmp/rq
+started=$(date +%s)
+export PYTHONPATH=/tmp/site:$WORK/src VLLM_USE_FLASHINFER_SAMPLER=0
+if [ "${1:-poll}" = start ]; then
+  queue=${QUEUE:?QUEUE: a queue file (name, timeout_s, command; tab-separated)}
+  [ -f "$queue" ] || { echo "queue file not found: $queue" >&2; exit 2; }
+  if [ -f "$WORK/state/running" ]; then
+    echo "a queue is already running (pid $(cat "$WORK/state/running")); poll it" >&2; exit 2
+  fi
+  # a second start on the same warm machine keeps the outputs of the first (not yet brought back)
+  [ -d "$WORK/src/outputs" ] && mv "$WORK/src/outputs" "$WORK/outputs.keep"
+  rm -rf "$WORK/src" && mkdir -p "$WORK/state" "$WORK/logs" && cp -r . "$WORK/src"
+  rm -rf "$WORK/src/.stage" "$WORK/src/.git"
+  if [ -d "$WORK/outputs.keep" ]; then
+    cp -rn "$WORK/src/outputs/." "$WORK/outputs.keep/" && rm -rf "$WORK/src/outputs"
+    mv "$WORK/outputs.keep" "$WORK/src/outputs"
+  fi
+  cp "$queue" "$WORK/state/queue.tsv"
+  setsid nohup bash -c '
+    echo $$ > '"$WORK"'/state/running
+    cd '"$WORK"'/src
+    while IFS=$'"'"'\t'"'"' read -r name timeout_s command; do
+      case "$name" in ""|\#*) continue ;; esac
+      echo "$name running $(date +%s)" >> '"$WORK"'/state/jobs
+      timeout --kill-after=20 "$timeout_s" bash -c "$command" > '"$WORK"'/logs/"$name".log 2>&1
+      echo "$name exit $? $(date +%s)" >> '"$WORK"'/state/jobs
+    done < '"$WORK"'/state/queue.tsv
+    rm -f '"$WORK"'/state/running
+  ' > "$WORK/logs/queue.log" 2>&1 < /dev/null &
+  sleep 2
+fi
+[ -d "$WORK/state" ] || { echo "no queue on this machine (a fresh machine: start one)" >&2; exit 2; }
+while [ -f "$WORK/state/running" ] && [ $(( $(date +%s) - started )) -lt "$CALL_S" ]; do
+  sleep 5
+done
+now=$(date +%s)
+echo "queue: $([ -f "$WORK/state/running" ] && echo running || echo finished)"
+awk -v now="$now" '$2 == "running" { start[$1] = $3; order[++n] = $1 }
+  $2 == "exit" { rc[$1] = $3; took[$1] = $4 - start[$1] }
+  END { for (i = 1; i <= n; i++) { j = order[i];
+          if (j in rc) printf "  %-28s exit %s after %d s\n", j, rc[j], took[j];
+          else printf "  %-28s running for %d s\n", j, now - start[j] } }' "$WORK/state/jobs" 2>/dev/null
+cd "$WORK/src"
+dirs=()
+for d in outputs/conformance outputs/perf outputs/cycles outputs/raw outputs/campaigns; do [ -d "$d" ] && dirs+=("$d"); done
+mkdir -p "$OUT"
+tar czf "$OUT/queue.tgz" -C "$WORK" logs state -C "$WORK/src" "${dirs[@]}"
