@@ -47,6 +47,11 @@ def use_before(path):
         module.CompactQwen3 = Engine  # an engine from before the compile option: uncompiled
     import rollout_lib.backends.compact_qwen3 as current
 
+    # today's backend syncs through these; an older engine gets today's (they read only its buffers)
+    for name in ("lora_views", "identity_staging"):
+        if not hasattr(module.CompactQwen3, name):
+            setattr(module.CompactQwen3, name, getattr(current.CompactQwen3, name))
+
     sys.modules["rollout_lib.backends.compact_qwen3"] = module
     return current
 

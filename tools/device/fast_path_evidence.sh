@@ -7,10 +7,10 @@
 #   gpu-tests.log            the GPU-marked fast-path tests
 #   evidence.tgz             outputs/conformance after hf_cached conformance (float32 + bf16) and the
 #                            8-refresh run (merge SEALS.jsonl: the local file must be a prefix)
-# BEFORE names the older compact_qwen3.py (default: the copy of commit b627994 under .stage/before).
+# BEFORE names the older compact_qwen3.py (default: the copy of commit fdebb33 under .stage/before: `git show fdebb33:rollout_lib/backends/compact_qwen3.py`).
 set -u
 export PYTHONPATH=/tmp/site:$PWD
-BEFORE=${BEFORE:-.stage/before/compact_qwen3_b627994.py}
+BEFORE=${BEFORE:-.stage/before/compact_qwen3_fdebb33.py}
 CAMPAIGN=${CAMPAIGN:-h200-v2}
 STEPS=${STEPS:-probe,tests,refresh}   # conformance takes a call of its own: STEPS=conformance
 mkdir -p "$OUT" /tmp/prof
