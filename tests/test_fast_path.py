@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout_lib.backends import counter_noise, create_backend
-from rollout_lib.models.policy import policy_versions
+from rollout_lib.models.policy import PolicyIdentityMismatch, policy_versions
 from rollout_lib.study.workload import Workload
 
 # ------------------------------------------------------------------------------------------
@@ -161,6 +161,29 @@ def test_sync_records_its_phases(smoke_study, snapshot_cache):
                            "identity_gather_s", "identity_wait_s", "identity_hash_s"}
     assert all(value >= 0 for value in phases.values())
     assert phases["identity_gather_s"] + phases["identity_hash_s"] <= phases["identity_from_buffers_s"] + 1e-6
+    backend.teardown()
+
+
+def test_a_preset_actor_skips_the_stand_in_once(smoke_study, snapshot_cache):
+    """The refresh check writes the version into the actor before its timer; the sync then copies the
+    actor's live tensors. The skip is one-shot: after the actor moves on (a trainer step), a sync of
+    the same version writes it again, so what is served is always the version asked for."""
+    from rollout_lib.backends.hf_cached import live_lora_tensors
+
+    workload = Workload(smoke_study)
+    v1, v2 = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", cache_dir=snapshot_cache)
+    backend.cold_start()
+    backend.set_actor_policy(v2)
+    assert backend.sync_policy(v2) == v2.identity
+    with torch.no_grad():
+        next(iter(live_lora_tensors(backend.actor).values())).add_(1.0)  # the actor moves on
+    assert backend.sync_policy(v2) == v2.identity, "a second sync must write the version again"
+    backend.set_actor_policy(v1)
+    with torch.no_grad():
+        next(iter(live_lora_tensors(backend.actor).values())).add_(1.0)  # moved on after the preset
+    with pytest.raises(PolicyIdentityMismatch, match="hf_cached serves identity"):
+        backend.sync_policy(v1)  # the skipped stand-in is covered by the identity check
     backend.teardown()
 
 

@@ -191,26 +191,34 @@ class CompactQwen3:
         """Copy the live LoRA tensors (canonical names, float32, any device) into the static buffers."""
         if float(scaling) != self.scaling:
             raise ValueError(f"LoRA scaling {scaling} != the engine's {self.scaling}")
+        import torch
+
+        views = self.lora_views()
+        targets, sources = [], []
         for key, tensor in tensors.items():
-            path, which = key.rsplit(".", 1)
-            parts = path.split(".")
-            layer, name = int(parts[2]), parts[-1]
-            a, b = self._blocks(layer, name)
-            target = a if which == "lora_A" else b
+            target = views.get(key)
+            if target is None:
+                raise ValueError(f"{key}: not a LoRA tensor of this engine (targets: {', '.join(self.targets)})")
             if tensor.dtype != target.dtype or tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(f"{key}: {tuple(tensor.shape)} {tensor.dtype} does not fit "
                                  f"{tuple(target.shape)} {target.dtype}")
-            target.copy_(tensor, non_blocking=True)
+            targets.append(target)
+            sources.append(tensor)
+        # one multi-tensor copy instead of ~400 separate copy launches from Python
+        torch._foreach_copy_(targets, sources, non_blocking=True)
 
     def lora_views(self) -> dict[str, torch.Tensor]:
-        """The served LoRA tensors as views of the static buffers, canonical names, on the device."""
-        views = {}
-        for layer in range(len(self.layers)):
-            for name in self.targets:
-                a, b = self._blocks(layer, name)
-                base = f"model.layers.{layer}.{MODULE_PATH[name]}"
-                views[f"{base}.lora_A"], views[f"{base}.lora_B"] = a.detach(), b.detach()
-        return views
+        """The served LoRA tensors as views of the static buffers, canonical names, on the device
+        (built once: the buffers are allocated once, so the views stay valid)."""
+        if getattr(self, "_lora_views", None) is None:
+            views = {}
+            for layer in range(len(self.layers)):
+                for name in self.targets:
+                    a, b = self._blocks(layer, name)
+                    base = f"model.layers.{layer}.{MODULE_PATH[name]}"
+                    views[f"{base}.lora_A"], views[f"{base}.lora_B"] = a.detach(), b.detach()
+            self._lora_views = views
+        return self._lora_views
 
     def identity_staging(self) -> torch.Tensor:
         """Host memory the served tensors are read back into for the identity (page-locked on CUDA so

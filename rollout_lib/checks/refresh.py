@@ -73,6 +73,14 @@ def run_refresh(study: Preregistration, backend: Backend, versions: int | None =
         start = time.perf_counter()
         _ = policy.tensors, policy.identity
         materialize_s = time.perf_counter() - start
+        # likewise writing the version into a trainable actor (hf_cached's stand-in for the optimizer
+        # step): outside the timer, recorded apart; the sync then copies the actor's live tensors
+        stand_in_s = None
+        if hasattr(backend, "set_actor_policy"):
+            start = time.perf_counter()
+            backend.set_actor_policy(policy)
+            backend._synchronize()  # the host-to-device copies end inside the stand-in's time
+            stand_in_s = time.perf_counter() - start
         start = time.perf_counter()
         try:
             served = backend.sync_policy(policy)
@@ -85,6 +93,7 @@ def run_refresh(study: Preregistration, backend: Backend, versions: int | None =
                      "served_bf16_identity": getattr(backend, "served_bf16_identity", None),
                      "sync_phases_s": (getattr(backend, "served_policies", None) or [{}])[-1].get("sync_phases_s"),
                      "exact": served == policy.identity, "sync_s": sync_s, "policy_materialize_s": materialize_s,
+                     "actor_stand_in_s": stand_in_s,
                      "memory_after": _memory(backend),
                      "probe_token_ids": list(result.token_ids) if result else None,
                      "probe_logprobs": list(result.logprobs) if result and result.logprobs else None})
