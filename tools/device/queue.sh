@@ -24,7 +24,7 @@ if [ "${1:-poll}" = start ]; then
   # a second start on the same warm machine keeps the outputs of the first (not yet brought back)
   [ -d "$WORK/src/outputs" ] && mv "$WORK/src/outputs" "$WORK/outputs.keep"
   rm -rf "$WORK/src" && mkdir -p "$WORK/state" "$WORK/logs" && cp -r . "$WORK/src"
-  rm -rf "$WORK/src/.stage" "$WORK/src/.git"
+  rm -rf "$WORK/src/.git" "$WORK"/src/.stage/extras "$WORK"/src/.stage/vllm-*  # .stage/before stays (the probe)
   if [ -d "$WORK/outputs.keep" ]; then
     cp -rn "$WORK/src/outputs/." "$WORK/outputs.keep/" && rm -rf "$WORK/src/outputs"
     mv "$WORK/outputs.keep" "$WORK/src/outputs"
