@@ -86,6 +86,12 @@ class HFCachedBackend(HFBackendBase):
         Called before `sync_policy` (the refresh check does, outside its timer), the next sync of the
         same policy skips it, once; the sync's identity check covers the tensors either way."""
         load_policy_into_peft(self.actor, policy)
+        self.actor_holds(policy)
+
+    def actor_holds(self, policy) -> None:
+        """The actor's live tensors are `policy`'s already (written by `set_actor_policy`, or a trainer
+        stepped the actor in place and `policy` was read from it): the next sync of `policy` copies
+        them as they are, once. The sync's identity check still verifies what is served."""
         self.actor_preset_identity = policy.identity
 
     def sync_policy(self, policy) -> str:

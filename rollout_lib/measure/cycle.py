@@ -353,6 +353,8 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
     live = read_policy_from_peft(trainer.actor)
     trained = TrainedPolicy(version=policy.version + 1, base_digest=policy.base_digest, arch=policy.arch,
                             lora=policy.lora, live=live)
+    if hasattr(backend, "actor_holds") and trainer.actor is backend.actor:
+        backend.actor_holds(trained)  # read from the actor just now: no stand-in write back into it
     served = backend.sync_policy(trained)
     end("policy_sync", began)
     complete = time.perf_counter() - cycle_started
