@@ -38,6 +38,12 @@ if [ "${1:-poll}" = start ]; then
       echo "$name running $(date +%s)" >> '"$WORK"'/state/jobs
       timeout --kill-after=20 "$timeout_s" bash -c "$command" > '"$WORK"'/logs/"$name".log 2>&1
       echo "$name exit $? $(date +%s)" >> '"$WORK"'/state/jobs
+      # a job killed by its timeout may leave its engine server behind (it holds GPU memory and a
+      # port): recorded, then removed, so the next job starts on a clean GPU
+      if pgrep -f "vllm.entrypoints" > /dev/null; then
+        echo "$name left a vLLM server running: killed $(date +%s)" >> '"$WORK"'/state/leftovers
+        pkill -9 -f "vllm.entrypoints"; sleep 3
+      fi
     done < '"$WORK"'/state/queue.tsv
     rm -f '"$WORK"'/state/running
   ' > "$WORK/logs/queue.log" 2>&1 < /dev/null &
@@ -58,4 +64,5 @@ cd "$WORK/src"
 dirs=()
 for d in outputs/conformance outputs/perf outputs/cycles outputs/raw outputs/campaigns; do [ -d "$d" ] && dirs+=("$d"); done
 mkdir -p "$OUT"
+[ -f "$WORK/state/leftovers" ] && cat "$WORK/state/leftovers"
 tar czf "$OUT/queue.tgz" -C "$WORK" logs state -C "$WORK/src" "${dirs[@]}"
