@@ -40,9 +40,9 @@ if [ "${1:-poll}" = start ]; then
       echo "$name exit $? $(date +%s)" >> '"$WORK"'/state/jobs
       # a job killed by its timeout may leave its engine server behind (it holds GPU memory and a
       # port): recorded, then removed, so the next job starts on a clean GPU
-      if pgrep -f "vllm.entrypoints" > /dev/null; then
+      if pgrep -f "vllm[.]entrypoints" > /dev/null; then
         echo "$name left a vLLM server running: killed $(date +%s)" >> '"$WORK"'/state/leftovers
-        pkill -9 -f "vllm.entrypoints"; sleep 3
+        pkill -9 -f "vllm[.]entrypoints"; sleep 3
       fi
     done < '"$WORK"'/state/queue.tsv
     rm -f '"$WORK"'/state/running
