@@ -69,3 +69,17 @@ def test_sync_without_recapture_and_deterministic_sampling(study):
         assert backend.sync_policy(policy) == policy.identity
         assert {k: b.graph for k, b in backend.buckets.buckets.items() if k in graphs} == graphs
     backend.teardown()
+
+
+def test_streamed_identity_on_cuda_equals_the_policy_identity(study):
+    from rollout_lib.models.fast_identity import policy_identity_streamed
+
+    workload = Workload(study)
+    version = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, 2)[-1]
+    on_device = {name: t.cuda().t().contiguous().t() for name, t in version.tensors.items()}  # strided views
+    staging = torch.empty(sum(t.numel() for t in on_device.values()), pin_memory=True)
+    for chunk_bytes in (1 << 16, 4 << 20):
+        timings = {}
+        served = policy_identity_streamed(version.base_digest, on_device, staging, timings, chunk_bytes)
+        assert served == version.identity
+        assert set(timings) == {"gather_s", "wait_s", "hash_s"}
