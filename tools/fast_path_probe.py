@@ -126,15 +126,18 @@ def main() -> int:
             env = backend.environment()
             print(variant, "cold start", round(cold.seconds, 2), "capture", env.get("graph_capture_s"), "syncs", syncs,
                   flush=True)
-            report[variant] = {"cold_start_s": cold.seconds, "policy_sync_s": syncs, "environment": env,
+            phases = [p.get("sync_phases_s") for p in (getattr(backend, "served_policies", None) or [])[-3:]]
+            report[variant] = {"cold_start_s": cold.seconds, "policy_sync_s": syncs, "sync_phases_s": phases,
+                               "environment": env,
                                "capture_s_by_bucket": {f"{r}x{n}": b.capture_s
                                                        for (r, n), b in (backend.buckets.buckets.items()
                                                                          if backend.buckets else [])}}
             write(args.out, report)  # each step lands as it comes (a killed probe keeps what it measured)
             report[variant]["cells"] = measure(backend, workload, cells, args.repetitions)
             write(args.out, report)
-            if args.profile:
-                report[variant]["profile"] = profile(backend, workload, cells[0], args.profile, variant)
+            if args.profile:  # the first two cells: 4 rows and 16 rows with the default cells
+                report[variant]["profile"] = {cell: profile(backend, workload, cell, args.profile, variant)
+                                              for cell in cells[:2]}
                 print(variant, "profile", json.dumps(report[variant]["profile"])[:400], flush=True)
             report[variant]["total_s"] = time.perf_counter() - started
             write(args.out, report)
