@@ -15,14 +15,8 @@ CALL_S=${CALL_S:-540}
 started=$(date +%s)
 export PYTHONPATH=/tmp/site
 if [ "${1:-poll}" = start ]; then
-  # a second start on the same warm machine keeps what the first measured (raw files not yet brought
-  # back, and the observed rates the driver calibrates its estimates with): only the code is replaced
-  [ -d /tmp/rr/src/outputs ] && mv /tmp/rr/src/outputs /tmp/rr/outputs.keep
-  rm -rf /tmp/rr/src && mkdir -p /tmp/rr && cp -r . /tmp/rr/src && rm -rf /tmp/rr/src/.stage /tmp/rr/src/.git
-  if [ -d /tmp/rr/outputs.keep ]; then
-    cp -rn /tmp/rr/src/outputs/. /tmp/rr/outputs.keep/ && rm -rf /tmp/rr/src/outputs
-    mv /tmp/rr/outputs.keep /tmp/rr/src/outputs
-  fi
+  source tools/device/work_copy.sh
+  work_copy /tmp/rr  # a second start on the same machine keeps what the first measured
   cd /tmp/rr/src
   python3 -m rollout_lib.cli campaign run --campaign "$CAMPAIGN" --backend "$BACKEND" --gpus "$GPUS" \
     --deadline-s "${DEADLINE_S:?DEADLINE_S: seconds of device time the driver may use}" --detach

@@ -21,14 +21,9 @@ if [ "${1:-poll}" = start ]; then
   if [ -f "$WORK/state/running" ]; then
     echo "a queue is already running (pid $(cat "$WORK/state/running")); poll it" >&2; exit 2
   fi
-  # a second start on the same warm machine keeps the outputs of the first (not yet brought back)
-  [ -d "$WORK/src/outputs" ] && mv "$WORK/src/outputs" "$WORK/outputs.keep"
-  rm -rf "$WORK/src" && mkdir -p "$WORK/state" "$WORK/logs" && cp -r . "$WORK/src"
-  rm -rf "$WORK/src/.git" "$WORK"/src/.stage/extras "$WORK"/src/.stage/vllm-*  # .stage/before stays (the probe)
-  if [ -d "$WORK/outputs.keep" ]; then
-    cp -rn "$WORK/src/outputs/." "$WORK/outputs.keep/" && rm -rf "$WORK/src/outputs"
-    mv "$WORK/outputs.keep" "$WORK/src/outputs"
-  fi
+  source tools/device/work_copy.sh
+  work_copy "$WORK"  # a second start on the same machine keeps the outputs of the first
+  mkdir -p "$WORK/state" "$WORK/logs"
   cp "$queue" "$WORK/state/queue.tsv"
   setsid nohup bash -c '
     echo $$ > '"$WORK"'/state/running
