@@ -51,6 +51,7 @@ def use_before(path):
     for name in ("lora_views", "identity_staging"):
         if not hasattr(module.CompactQwen3, name):
             setattr(module.CompactQwen3, name, getattr(current.CompactQwen3, name))
+            setattr(module.CompactQwen3, f"_{name}", None)  # their cache, set in today's __init__
 
     sys.modules["rollout_lib.backends.compact_qwen3"] = module
     return current

@@ -125,6 +125,8 @@ class CompactQwen3:
         self.vocab = config.vocab_size
         self.rank = lora_rank
         self.targets = tuple(lora_targets)
+        self._lora_views: dict[str, torch.Tensor] | None = None  # built on first use (lora_views)
+        self._identity_staging: torch.Tensor | None = None
         self.scaling = float(scaling)
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
@@ -210,7 +212,7 @@ class CompactQwen3:
     def lora_views(self) -> dict[str, torch.Tensor]:
         """The served LoRA tensors as views of the static buffers, canonical names, on the device
         (built once: the buffers are allocated once, so the views stay valid)."""
-        if getattr(self, "_lora_views", None) is None:
+        if self._lora_views is None:
             views = {}
             for layer in range(len(self.layers)):
                 for name in self.targets:
@@ -225,7 +227,7 @@ class CompactQwen3:
         the transfer overlaps the hashing), allocated once: a sync allocates nothing."""
         import torch
 
-        if getattr(self, "_identity_staging", None) is None:
+        if self._identity_staging is None:
             numel = sum(t.numel() for t in self.lora_views().values())
             self._identity_staging = torch.empty(numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
         return self._identity_staging
@@ -235,18 +237,12 @@ class CompactQwen3:
         into one buffer on the device and moved in one transfer (not one per tensor: ~400 syncs)."""
         import torch
 
-        names, blocks = [], []
-        for layer in range(len(self.layers)):
-            for name in self.targets:
-                a, b = self._blocks(layer, name)
-                base = f"model.layers.{layer}.{MODULE_PATH[name]}"
-                names += [f"{base}.lora_A", f"{base}.lora_B"]
-                blocks += [a.detach(), b.detach()]
-        flat = torch.cat([t.reshape(-1) for t in blocks]).to("cpu")
+        views = self.lora_views()
+        flat = torch.cat([t.reshape(-1) for t in views.values()]).to("cpu")
         out, offset = {}, 0
-        for key, block in zip(names, blocks, strict=True):
-            out[key] = flat[offset:offset + block.numel()].view(block.shape)
-            offset += block.numel()
+        for key, view in views.items():
+            out[key] = flat[offset:offset + view.numel()].view(view.shape)
+            offset += view.numel()
         return out
 
     # -- the forward pieces ----------------------------------------------------------------------

@@ -54,6 +54,7 @@ class HFCachedBackend(HFBackendBase):
                              f"allowed: {', '.join(STEP_COMPILE)}")
         self.engine = None
         self.buckets = None
+        self.actor_preset_identity: str | None = None  # see actor_holds
         self.served_policies: list[dict] = []  # graphs path: each sync's copy and identity seconds
 
     def _start(self) -> None:
@@ -96,7 +97,7 @@ class HFCachedBackend(HFBackendBase):
 
     def sync_policy(self, policy) -> str:
         stand_in = time.perf_counter()
-        preset, self.actor_preset_identity = getattr(self, "actor_preset_identity", None), None
+        preset, self.actor_preset_identity = self.actor_preset_identity, None
         if preset != policy.identity:  # one-shot: a later sync writes its policy again
             load_policy_into_peft(self.actor, policy)
         if self.engine is None:
