@@ -256,10 +256,8 @@ class CompactQwen3:
 
     def _before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
                           q_norm: torch.Tensor, k_norm: torch.Tensor, weight: torch.Tensor,
-                          lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, cache_k: torch.Tensor,
-                          cache_v: torch.Tensor, write: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """h [B, T, hidden] -> q [B, kv_heads, groups * T, D] (grouped query rows); this chunk's k, v
-        [B, kv_heads, T, D] are written into `cache_k`, `cache_v` at columns `write` [T].
+                          lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, fused: bool = False):
+        """h [B, T, hidden] -> q [B, kv_heads, groups * T, D] (grouped query rows), k, v [B, kv_heads, T, D].
         `fused`: traced by inductor (LoRA products as reductions, see _fused_linear)."""
         batch, length, _ = h.shape
         qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused)
@@ -275,11 +273,7 @@ class CompactQwen3:
         # query rows (head h = kv head h // groups, as transformers' repeat_kv), so the cache is read
         # once and never expanded, and SDPA can take its fused kernel with the additive mask
         groups = self.heads // self.kv_heads
-        # in the compiled step inductor writes k and v in place from the kernel that computes them (no
-        # index_copy launches; checked on CPU: no copy of the cache, also for the bucket's column views)
-        cache_k.index_copy_(2, write, k)
-        cache_v.index_copy_(2, write, v)
-        return q.reshape(batch, self.kv_heads, groups * length, self.head_dim)
+        return q.reshape(batch, self.kv_heads, groups * length, self.head_dim), k, v
 
     def _after_attention(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor,
                          o: tuple, gate_up: tuple, down: tuple, fused: bool = False) -> torch.Tensor:
@@ -313,8 +307,12 @@ class CompactQwen3:
         mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
         scale = 1.0 / math.sqrt(self.head_dim)
         for index, layer in enumerate(self.layers):
-            q = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
-                       cache.k[index], cache.v[index], write, fused=compiled)
+            q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
+                             fused=compiled)
+            # the cache write stays outside inductor: inside, it fused into the LoRA reduction kernel and
+            # made it 10x slower (40 vs 4 us per layer at 16 rows; lease 4's probe, docs/perf-notes.md)
+            cache.k[index].index_copy_(2, write, k)
+            cache.v[index].index_copy_(2, write, v)
             attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
                                                                     attn_mask=mask, scale=scale)
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),
