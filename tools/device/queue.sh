@@ -9,7 +9,8 @@
 # outputs/perf, outputs/cycles, outputs/raw, outputs/campaigns). Merge seal manifests as for the
 # campaign (the local SEALS.jsonl must be a prefix of the returned one).
 # Queue file: one job per line, `name<TAB>timeout_s<TAB>command` (run by bash from the work copy;
-# `#` lines are comments). A job that exceeds its timeout is killed and the queue goes on.
+# `#` lines are comments). A job that exceeds its timeout is killed and the queue goes on. Jobs see
+# QUEUE_ENDS_AT (epoch seconds, LEASE_S after the start) to fit a deadline to the lease.
 set -u
 CALL_S=${CALL_S:-540}
 WORK=/tmp/rq
@@ -25,6 +26,11 @@ if [ "${1:-poll}" = start ]; then
   work_copy "$WORK"  # a second start on the same machine keeps the outputs of the first
   mkdir -p "$WORK/state" "$WORK/logs"
   cp "$queue" "$WORK/state/queue.tsv"
+  # when the lease's last poll must have packed everything: a job bounds its own deadline with
+  # $(( QUEUE_ENDS_AT - $(date +%s) )) (LEASE_S: seconds from this start; default for a start ~1 min
+  # into a 30-minute lease, leaving the last poll ~2 minutes)
+  export QUEUE_ENDS_AT=$(( started + ${LEASE_S:-1560} ))
+  echo "$QUEUE_ENDS_AT" > "$WORK/state/ends_at"
   setsid nohup bash -c '
     echo $$ > '"$WORK"'/state/running
     cd '"$WORK"'/src
