@@ -97,6 +97,44 @@ def test_request_response_mapping_and_refresh(smoke_study, vllm_fake):
     assert proof["port_closed"] and proof["leftover_pids"] == []
 
 
+def test_metrics_scrape_runs_after_the_timed_batch_not_inside_it(smoke_study, vllm_fake):
+    """The engine-side phases come from a /metrics scrape; it must not sit inside the batch's timed
+    call (the runner times the whole generate()), and a batch nobody asked about costs no scrape."""
+    import time
+
+    work = Workload(smoke_study)
+    policies = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)
+    vllm_fake.cold_start()
+    vllm_fake.sync_policy(policies[0])
+    requests = work.requests(work.cell("p16-r8-n2-stochastic"))
+    scrapes = []
+    counters = {"count": 0.0}
+
+    def fake_scrape():  # a slow scrape whose decode counter has moved by this batch's requests
+        time.sleep(0.3)
+        scrapes.append(time.perf_counter())
+        return {"vllm:request_decode_time_seconds_count": counters["count"],
+                "vllm:request_decode_time_seconds_sum": 0.01 * counters["count"]}
+
+    vllm_fake._scrape = fake_scrape
+    counters["count"] += len(requests)
+    _ = vllm_fake.generate(requests).phases  # warmup, phases read: the next batch starts from that scrape
+    scrapes.clear()
+    counters["count"] += len(requests)
+    began = time.perf_counter()
+    batch = vllm_fake.generate(requests)
+    returned = time.perf_counter()
+    assert scrapes == [] and returned - began < 0.3  # nothing scraped inside the timed call
+    assert batch.phases["decode_s"].status == "measured" and abs(batch.phases["decode_s"].seconds - 0.01) < 1e-9
+    assert len(scrapes) == 1 and scrapes[0] > returned
+    assert batch.phases["metrics_scrape_s"].seconds >= 0.3 and batch.phases["ttft_s"].status == "measured"
+    unread = vllm_fake.generate(requests)  # nobody reads its phases before the engine moves on
+    vllm_fake.sync_policy(policies[1])
+    assert len(scrapes) == 1  # dropped, not scraped inside the sync
+    assert unread.phases["decode_s"].status == "not_measured" and "not read" in unread.phases["decode_s"].reason
+    assert unread.phases["ttft_s"].status == "measured"  # the client's own measurement stays
+
+
 def test_server_death_mid_cell_is_recorded_and_the_next_cell_gets_a_fresh_server(smoke_study, tmp_path):
     marker = tmp_path / "died-once"
     cmd = [sys.executable, FAKE, "--port", "{port}", "--die-after", "6", "--die-once-file", str(marker)]
