@@ -253,13 +253,23 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _refuse_existing(out)
     cells = _cells_arg(study, args.cells)
-    report = run_diagnostic(study, cells, args.repetitions)
+    try:
+        intervals = tuple(int(n) for n in args.stream_intervals.split(",") if n.strip())
+    except ValueError as exc:
+        raise CommandError(f"stream-intervals: {args.stream_intervals!r} is not a list of integers >= 1, "
+                           "e.g. 1,8") from exc
+    if 1 not in intervals or min(intervals) < 1:
+        raise CommandError(f"stream-intervals: {args.stream_intervals!r}: integers >= 1, including 1 "
+                           "(the preregistered setting)")
+    report = run_diagnostic(study, cells, args.repetitions, stream_intervals=intervals)
     write_json_atomic(out, report)
     for row in report["rows"]:
         print(f"{row['cell_id']}: managed {row['managed_tokens_per_s']:.1f} tok/s, in-process with adapter "
               f"{row['inprocess_adapter_tokens_per_s']:.1f}, without {row['inprocess_no_adapter_tokens_per_s']:.1f} "
               f"(managed/in-process {row['managed_over_inprocess_adapter']:.3f}, "
-              f"LoRA tax {100 * row['lora_tax_fraction']:.1f}%)")
+              f"LoRA tax {100 * row['lora_tax_fraction']:.1f}%)"
+              + "".join(f"; managed with stream interval {n}: {rate:.1f} tok/s"
+                        for n, rate in row["managed_tokens_per_s_by_stream_interval"].items() if n != "1"))
     print(f"wrote {out}")
     return 0
 
@@ -540,6 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "adapter) on the same requests; writes the JSON --out")
     _common(p)
     p.add_argument("--cells", required=True, help="comma-separated cell ids")
+    p.add_argument("--stream-intervals", default="1", metavar="N,M",
+                   help="the managed backend once per value of its stream_interval option (default 1, the "
+                        "preregistered one event per token; e.g. 1,8)")
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
     p.set_defaults(func=cmd_vllm_diagnostic)

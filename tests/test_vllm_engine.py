@@ -66,6 +66,29 @@ def test_real_engine_serves_seeded_token_id_requests(smoke_study, engine):
     engine.sync_policy(policies[0])
 
 
+def test_stream_interval_serves_the_same_tokens_and_logprobs(smoke_study, engine, tmp_path):
+    """`--stream-interval 4`: several tokens (and their log-probabilities) per streamed event; the client
+    must assemble exactly what one event per token gives, and TTFT stays measured."""
+    work = Workload(smoke_study)
+    policy = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[0]
+    requests = work.requests(work.cell("p16-r24-n2-stochastic"))
+    engine.sync_policy(policy)
+    per_token = engine.generate(requests)
+    chunked = create_backend("vllm", smoke_study, server_python=ENGINE, cache_dir=str(tmp_path), start_timeout_s=600,
+                             stream_interval=4)
+    try:
+        chunked.cold_start()
+        assert "--stream-interval" in chunked.server.command(chunked.server.port)
+        assert chunked.environment()["stream_interval"] == 4
+        chunked.sync_policy(policy)
+        batch = chunked.generate(requests)
+    finally:
+        chunked.teardown()
+    assert [r.token_ids for r in batch.results] == [r.token_ids for r in per_token.results]
+    assert [r.logprobs for r in batch.results] == [r.logprobs for r in per_token.results]
+    assert all(len(r.token_ids) == 24 for r in batch.results) and batch.phases["ttft_s"].status == "measured"
+
+
 def test_real_engine_greedy_agrees_with_the_nf4_oracle_teacher_forced(smoke_study, engine, snapshot_cache):
     """Decision 8, teacher-forced: the NF4 actor's argmax on vLLM's greedy sequences."""
     work = Workload(smoke_study)

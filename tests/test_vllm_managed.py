@@ -233,3 +233,9 @@ def test_refresh_sync_time_excludes_synthesizing_the_policy(smoke_study, monkeyp
     report = run_refresh(smoke_study, FakeBackend(smoke_study), versions=3)
     for row in report["rows"]:
         assert row["policy_materialize_s"] >= 0.05 > row["sync_s"], row
+
+
+@pytest.mark.parametrize("value", [0, -2, "8", 2.5, True])
+def test_a_bad_stream_interval_is_refused(smoke_study, value):
+    with pytest.raises(ValueError, match=r"vllm: stream_interval .* is not allowed; allowed: an integer >= 1"):
+        create_backend("vllm", smoke_study, stream_interval=value)

@@ -217,13 +217,14 @@ class VLLMManagedBackend(Backend):
     server_command (list with `{port}`, for tests), model_dir (skip building the mirror),
     start_timeout_s, request_timeout_s, kv_cache_fraction_of_budget, cache_dir, extra_server_args,
     refresh (adapter | merged), dtype (bfloat16 | float32), sleep_mode (bool: `--enable-sleep-mode`, for the
-    RL cycle's engine sleep between rollouts; CUDA only)."""
+    RL cycle's engine sleep between rollouts; CUDA only), stream_interval (int >= 1: the server streams
+    every N tokens, `--stream-interval`, the first at once; 1 = one event per token, as preregistered)."""
 
     name = "vllm"
     description = "managed vLLM OpenAI server on 127.0.0.1, CUDA graphs, runtime LoRA refresh"
     allowed_options = ("server_python", "server_command", "model_dir", "start_timeout_s", "request_timeout_s",
                        "kv_cache_fraction_of_budget", "cache_dir", "extra_server_args", "device", "log_dir",
-                       "refresh", "dtype", "sleep_mode")
+                       "refresh", "dtype", "sleep_mode", "stream_interval")
 
     def __init__(self, study, **options: Any):
         unknown = sorted(set(options) - set(self.allowed_options))
@@ -248,6 +249,12 @@ class VLLMManagedBackend(Backend):
         self.mirror_digest: str | None = None
         self.on_gpu = _cuda_available()
         self.sleep_mode = bool(options.get("sleep_mode"))
+        interval = options.get("stream_interval")
+        interval = 1 if interval is None else interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"vllm: stream_interval {interval!r} is not allowed; allowed: an integer >= 1 "
+                             "(1 = one streamed event per token, as preregistered)")
+        self.stream_interval = interval
         if self.sleep_mode and not self.on_gpu:
             raise ValueError("vllm: sleep_mode needs a CUDA device (vLLM's sleep mode is CUDA-only); "
                              "on a CPU it is not_applicable")
@@ -300,10 +307,11 @@ class VLLMManagedBackend(Backend):
         max_rank = next(r for r in LORA_RANKS if r >= lora.rank)
         lora_args = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(max_rank)]
         sleep_args = ["--enable-sleep-mode"] if self.sleep_mode else []
+        stream_args = ["--stream-interval", str(self.stream_interval)] if self.stream_interval > 1 else []
         args = [self.server_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--served-model-name", SERVED_BASE_NAME, "--host", "127.0.0.1", "--dtype", self.serving_dtype,
                 "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-                *(lora_args if self.refresh == "adapter" else []), *sleep_args, "--seed", "0",
+                *(lora_args if self.refresh == "adapter" else []), *sleep_args, *stream_args, "--seed", "0",
                 "--generation-config", "vllm", *self.options.get("extra_server_args", [])]
         if not self.on_gpu:  # vLLM's CPU backend also checks this fraction of host memory at start-up
             args += ["--gpu-memory-utilization", "0.1"]
@@ -566,7 +574,7 @@ class VLLMManagedBackend(Backend):
                 "kv_cache_memory_bytes": self.kv_cache_bytes, "mirror_payload_digest": self.mirror_digest,
                 "cuda_graphs": "on (no --enforce-eager)" if self.on_gpu else "not_applicable (CPU engine)",
                 "server_python": self.server_python, "refresh": self.refresh, "dtype": self.serving_dtype,
-                "sleep_mode": self.sleep_mode,
+                "sleep_mode": self.sleep_mode, "stream_interval": self.stream_interval,
                 "lora_refresh": ("runtime load_lora_adapter (peft files)" if self.refresh == "adapter" else
                                  "merged W + s*B@A reloaded in place (collective_rpc reload_weights), "
                                  "prefix cache reset"),

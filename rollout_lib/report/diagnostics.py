@@ -43,7 +43,10 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
                  "in-process + adapter tok/s": _num(r["inprocess_adapter_tokens_per_s"], 1),
                  "in-process, no adapter tok/s": _num(r["inprocess_no_adapter_tokens_per_s"], 1),
                  "managed / in-process": _num(r["managed_over_inprocess_adapter"], 3),
-                 "LoRA tax": f"{100 * r['lora_tax_fraction']:.1f}%"} for r in report["rows"]]
+                 "LoRA tax": f"{100 * r['lora_tax_fraction']:.1f}%"}
+                | {f"managed, stream interval {n} tok/s": _num(rate, 1)  # older files have no such column
+                   for n, rate in r.get("managed_tokens_per_s_by_stream_interval", {}).items() if n != "1"}
+                for r in report["rows"]]
     else:
         rows = []
         for rung in report["rungs"]:
