@@ -150,6 +150,44 @@ def test_sync_rewrites_the_static_buffers_without_new_buckets(smoke_study, snaps
     backend.teardown()
 
 
+def test_grouped_lora_copy_writes_every_tensor_exactly(smoke_study, snapshot_cache):
+    """The sync copies one group per (projection, A|B) across all layers (stacked buffers); every served
+    tensor must equal its source bit for bit, the block-diagonal zeros must stay zero, a partial set goes
+    tensor by tensor, and the dense re-read the identity hashes equals the buffers."""
+    import torch
+
+    workload = Workload(smoke_study)
+    version = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", cache_dir=snapshot_cache)
+    backend.cold_start()
+    engine = backend.engine
+    groups = engine.lora_groups()
+    assert len(groups) == 2 * len(smoke_study.actor.lora.target_modules)
+    assert sorted(n for _, names in groups for n in names) == sorted(engine.lora_views())
+    for _, names in groups:
+        assert len(names) == len(engine.layers)
+    stack_a, _ = engine._lora_stacks["qkv"]
+    assert engine.layers[1].proj["qkv"].lora_a.data_ptr() == stack_a[1].data_ptr()  # a slice, not a copy
+    engine.load_lora(version.tensors, version.scaling)
+    views = engine.lora_views()
+    for name, tensor in version.tensors.items():
+        assert torch.equal(views[name], tensor), name
+    for stack_a, stack_b in engine._lora_stacks.values():  # outside the served blocks: exact zeros
+        for stack in (stack_a, stack_b):
+            rest = stack.clone()
+            for view, _ in groups:
+                if view.data_ptr() >= stack.data_ptr() and view.data_ptr() < stack.data_ptr() + stack.nbytes:
+                    rest.as_strided(view.size(), view.stride(), view.storage_offset()).zero_()
+            assert torch.count_nonzero(rest) == 0
+    served = engine.served_lora()
+    assert list(served) == list(views)
+    assert all(torch.equal(served[n], views[n]) and served[n].is_contiguous() for n in views)
+    one = next(iter(version.tensors))
+    engine.load_lora({one: torch.full_like(version.tensors[one], 0.5)}, version.scaling)  # a partial set
+    assert torch.all(engine.lora_views()[one] == 0.5)
+    backend.teardown()
+
+
 def test_sync_records_its_phases(smoke_study, snapshot_cache):
     workload = Workload(smoke_study)
     version = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[0]

@@ -52,6 +52,8 @@ def use_before(path):
         if not hasattr(module.CompactQwen3, name):
             setattr(module.CompactQwen3, name, getattr(current.CompactQwen3, name))
             setattr(module.CompactQwen3, f"_{name}", None)  # their cache, set in today's __init__
+    if not hasattr(module.CompactQwen3, "served_lora"):  # an engine from before the stacked buffers:
+        module.CompactQwen3.served_lora = module.CompactQwen3.lora_views  # its identity read its views
 
     sys.modules["rollout_lib.backends.compact_qwen3"] = module
     return current

@@ -127,6 +127,9 @@ class CompactQwen3:
         self.targets = tuple(lora_targets)
         self._lora_views: dict[str, torch.Tensor] | None = None  # built on first use (lora_views)
         self._identity_staging: torch.Tensor | None = None
+        self._lora_stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # see _stack_lora_buffers
+        self._lora_groups: list[tuple[torch.Tensor, list[str]]] | None = None
+        self._served: tuple[list[torch.Tensor], dict[str, torch.Tensor]] | None = None  # see served_lora
         self.scaling = float(scaling)
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
@@ -137,6 +140,7 @@ class CompactQwen3:
             head = model.get_output_embeddings().weight.detach()
             self.lm_head = head if head.dtype == torch.float32 else head.to(torch.float32)
             self.layers = [self._layer(block) for block in model.model.layers]
+            self._stack_lora_buffers()
         # `compile_step`: the per-layer pieces of the decode step and its sampler go through inductor
         # before capture, which fuses the elementwise chains (norms, rotary, LoRA casts and adds, the
         # noise hash) into a few kernels. They are compiled once per piece, not per layer (the layer's
@@ -178,6 +182,42 @@ class CompactQwen3:
         return layer
 
     # -- policy: exact live tensors into static buffers -----------------------------------------
+    def _stack_lora_buffers(self) -> None:
+        """Every layer's A (and B) buffer of one fused projection becomes a slice of one [layers, ...]
+        tensor, so one projection's A (or B) of all layers is a single strided view: a sync copies one
+        group per (projection, A|B), 14 copies for Qwen3's 7 targets instead of 392 (the qkv and
+        gate_up B blocks are column slices of block-diagonal buffers, which keep a multi-tensor copy
+        off its fused route). Each layer's buffers keep their shapes and strides."""
+        import torch
+
+        for fused in FUSED:
+            linears = [layer.proj[fused] for layer in self.layers]
+            if not linears or linears[0].lora_a is None:
+                continue
+            stack_a = torch.stack([linear.lora_a for linear in linears])
+            stack_b = torch.stack([linear.lora_b for linear in linears])
+            for index, linear in enumerate(linears):
+                linear.lora_a, linear.lora_b = stack_a[index], stack_b[index]
+            self._lora_stacks[fused] = (stack_a, stack_b)
+
+    def lora_groups(self) -> list[tuple[torch.Tensor, list[str]]]:
+        """(strided view [layers, ...] of the stacked buffers, the canonical name of each layer's
+        tensor in it), one entry per targeted projection and A|B."""
+        if self._lora_groups is None:
+            groups, r = [], self.rank
+            for fused, (stack_a, stack_b) in self._lora_stacks.items():
+                linear = self.layers[0].proj[fused]
+                for index, name in enumerate(linear.parts):
+                    if name not in self.targets:
+                        continue
+                    start, rows = sum(linear.part_out[:index]), linear.part_out[index]
+                    names = [f"model.layers.{layer}.{MODULE_PATH[name]}" for layer in range(len(self.layers))]
+                    groups.append((stack_a[:, index * r:(index + 1) * r], [f"{n}.lora_A" for n in names]))
+                    groups.append((stack_b[:, start:start + rows, index * r:(index + 1) * r],
+                                   [f"{n}.lora_B" for n in names]))
+            self._lora_groups = groups
+        return self._lora_groups
+
     def _blocks(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the A and B blocks of projection `name` in layer `layer` (inside the fused buffers)."""
         fused = next(f for f, parts in FUSED.items() if name in parts)
@@ -206,8 +246,15 @@ class CompactQwen3:
                                  f"{tuple(target.shape)} {target.dtype}")
             targets.append(target)
             sources.append(tensor)
-        # one multi-tensor copy instead of ~400 separate copy launches from Python
-        torch._foreach_copy_(targets, sources, non_blocking=True)
+        # a whole group (one projection's A or B in every layer) in one stack and one strided copy
+        done = set()
+        for view, names in self.lora_groups():
+            if all(name in tensors for name in names):
+                view.copy_(torch.stack([tensors[name] for name in names]), non_blocking=True)
+                done.update(names)
+        rest = [i for i, key in enumerate(tensors) if key not in done]  # a partial set: tensor by tensor
+        if rest:
+            torch._foreach_copy_([targets[i] for i in rest], [sources[i] for i in rest], non_blocking=True)
 
     def lora_views(self) -> dict[str, torch.Tensor]:
         """The served LoRA tensors as views of the static buffers, canonical names, on the device
@@ -221,6 +268,23 @@ class CompactQwen3:
                     views[f"{base}.lora_A"], views[f"{base}.lora_B"] = a.detach(), b.detach()
             self._lora_views = views
         return self._lora_views
+
+    def served_lora(self) -> dict[str, torch.Tensor]:
+        """The served LoRA tensors re-read from the static buffers into one dense device copy (one copy
+        per group, into memory allocated once), as dense views with canonical names in `lora_views`
+        order: what a sync hashes for the identity (the gather then needs no copy per strided block)."""
+        import torch
+
+        groups = self.lora_groups()
+        if self._served is None:
+            dense = [torch.empty(view.shape, dtype=view.dtype, device=view.device) for view, _ in groups]
+            by_name = {name: block[layer] for block, (_, names) in zip(dense, groups, strict=True)
+                       for layer, name in enumerate(names)}
+            self._served = dense, {name: by_name[name] for name in self.lora_views()}
+        dense, views = self._served
+        for block, (view, _) in zip(dense, groups, strict=True):
+            block.copy_(view)
+        return views
 
     def identity_staging(self) -> torch.Tensor:
         """Host memory the served tensors are read back into for the identity (page-locked on CUDA so
@@ -237,7 +301,7 @@ class CompactQwen3:
         into one buffer on the device and moved in one transfer (not one per tensor: ~400 syncs)."""
         import torch
 
-        views = self.lora_views()
+        views = self.served_lora()
         flat = torch.cat([t.reshape(-1) for t in views.values()]).to("cpu")
         out, offset = {}, 0
         for key, view in views.items():

@@ -84,7 +84,7 @@ class HFCachedBackend(HFBackendBase):
         # a sync's one-time costs are paid now, not by the first policy version (lease 4: 91 ms against
         # 44-52 ms for the others): page-locked staging, the copy's and the gather's first allocations
         self.engine.load_lora(live_lora_tensors(self.actor), lora.alpha / lora.rank)
-        policy_identity_streamed("cold-start warmup", self.engine.lora_views(), self.engine.identity_staging())
+        policy_identity_streamed("cold-start warmup", self.engine.served_lora(), self.engine.identity_staging())
         self._synchronize()
 
     def set_actor_policy(self, policy) -> None:
@@ -117,7 +117,7 @@ class HFCachedBackend(HFBackendBase):
         self._synchronize()
         copied = time.perf_counter()
         identity_timings: dict[str, float] = {}
-        identity = policy_identity_streamed(policy.base_digest, self.engine.lora_views(),
+        identity = policy_identity_streamed(policy.base_digest, self.engine.served_lora(),
                                             self.engine.identity_staging(), identity_timings)
         if identity != policy.identity:
             raise PolicyIdentityMismatch(f"hf_cached serves identity {identity}, policy version {policy.version} "
