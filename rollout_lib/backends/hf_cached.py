@@ -20,6 +20,7 @@ decode are measured with device synchronization at the boundaries.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rollout_lib.backends.base import BatchResult, Phase, RequestResult, register_backend
 from rollout_lib.backends.decode import generate_kv_cache
@@ -55,6 +56,7 @@ class HFCachedBackend(HFBackendBase):
         self.engine = None
         self.buckets = None
         self.actor_preset_identity: str | None = None  # see actor_holds
+        self.actor_lora_layers: list | None = None  # the actor's LoRA modules (graphs path), see _start
         self.served_policies: list[dict] = []  # graphs path: each sync's copy and identity seconds
 
     def _start(self) -> None:
@@ -83,7 +85,8 @@ class HFCachedBackend(HFBackendBase):
                 self.buckets.get(work.logical_prompts * n, length)
         # a sync's one-time costs are paid now, not by the first policy version (lease 4: 91 ms against
         # 44-52 ms for the others): page-locked staging, the copy's and the gather's first allocations
-        self.engine.load_lora(live_lora_tensors(self.actor), lora.alpha / lora.rank)
+        self.actor_lora_layers = lora_layers(self.actor)  # walked once: a sync reads their weights
+        self.engine.load_lora(live_lora_tensors(self.actor, layers=self.actor_lora_layers), lora.alpha / lora.rank)
         policy_identity_streamed("cold-start warmup", self.engine.served_lora(), self.engine.identity_staging())
         self._synchronize()
 
@@ -113,7 +116,7 @@ class HFCachedBackend(HFBackendBase):
             return self.served_identity
         # device to device into the static buffers the graphs read: no recapture
         started = time.perf_counter()
-        self.engine.load_lora(live_lora_tensors(self.actor), policy.scaling)
+        self.engine.load_lora(live_lora_tensors(self.actor, layers=self.actor_lora_layers), policy.scaling)
         self._synchronize()
         copied = time.perf_counter()
         identity_timings: dict[str, float] = {}
@@ -177,14 +180,20 @@ class HFCachedBackend(HFBackendBase):
                       "sampler": "counter-based noise (seed, step, vocab index), exponential race"}
 
 
-def live_lora_tensors(peft_model, adapter: str = "default") -> dict:
-    """Canonical name -> the live LoRA weight tensors of a peft model, where they are (no copy)."""
+def lora_layers(peft_model) -> list[tuple[str, Any]]:
+    """(canonical module path, peft LoraLayer) for every LoRA-wrapped module, in module order."""
     from peft.tuners.lora import LoraLayer
 
+    return [(name.split("base_model.model.", 1)[-1], module) for name, module in peft_model.named_modules()
+            if isinstance(module, LoraLayer)]
+
+
+def live_lora_tensors(peft_model, adapter: str = "default", layers: list[tuple[str, Any]] | None = None) -> dict:
+    """Canonical name -> the live LoRA weight tensors of a peft model, where they are (no copy).
+    `layers`: `lora_layers(peft_model)` kept from an earlier call (walking ~2,500 modules costs a few ms
+    per sync; the weights are read from the modules each time, so a replaced parameter is still seen)."""
     out = {}
-    for name, module in peft_model.named_modules():
-        if isinstance(module, LoraLayer):
-            path = name.split("base_model.model.", 1)[-1]
-            out[f"{path}.lora_A"] = module.lora_A[adapter].weight.detach()
-            out[f"{path}.lora_B"] = module.lora_B[adapter].weight.detach()
+    for path, module in layers if layers is not None else lora_layers(peft_model):
+        out[f"{path}.lora_A"] = module.lora_A[adapter].weight.detach()
+        out[f"{path}.lora_B"] = module.lora_B[adapter].weight.detach()
     return out
