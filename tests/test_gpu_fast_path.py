@@ -22,6 +22,24 @@ def test_noise_bits_equal_on_cpu_and_cuda():
     assert torch.equal(cpu, gpu)
 
 
+def test_bf16_operand_head_is_the_float32_head_in_another_order():
+    """The LM head on bf16 operands with float32 accumulation and output (cuBLAS `out_dtype`) against
+    the float32 GEMM of the same, exactly upcast values: both as close to the float64 sum, same argmax."""
+    from rollout_lib.backends.compact_qwen3 import HEAD_BF16_OPERANDS, _head_mode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(151936, 1024, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    hidden = torch.randn(16, 1024, device="cuda", generator=gen).to(torch.bfloat16)
+    assert _head_mode(weight, torch.bfloat16, weight.device) == HEAD_BF16_OPERANDS
+    fast = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    float32 = torch.nn.functional.linear(hidden.float(), weight.float())
+    exact = torch.nn.functional.linear(hidden.double(), weight.double())
+    fast_error = (fast.double() - exact).abs().max().item()
+    float32_error = (float32.double() - exact).abs().max().item()
+    assert fast.dtype == torch.float32 and fast_error <= 4 * float32_error + 1e-6, (fast_error, float32_error)
+    assert torch.equal(fast.argmax(-1), float32.argmax(-1))
+
+
 @pytest.fixture(scope="module")
 def study():
     from rollout_lib.study.prereg import load

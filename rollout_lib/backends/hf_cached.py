@@ -174,6 +174,7 @@ class HFCachedBackend(HFBackendBase):
                                                          "lora as fused float32 low-rank terms",
                       "cuda_graphs": self.buckets.use_graphs if self.buckets else None,
                       "step_compile": "inductor" if self.engine.compiled else "off",
+                      "lm_head": self.engine.head_mode,
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,
                       "static_cache_bytes": self.buckets.cache_bytes if self.buckets else None,
