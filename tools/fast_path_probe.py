@@ -54,6 +54,8 @@ def use_before(path):
             setattr(module.CompactQwen3, f"_{name}", None)  # their cache, set in today's __init__
     if not hasattr(module.CompactQwen3, "served_lora"):  # an engine from before the stacked buffers:
         module.CompactQwen3.served_lora = module.CompactQwen3.lora_views  # its identity read its views
+    if not hasattr(module.CompactQwen3, "head_mode"):  # from before the bf16-operand head
+        module.CompactQwen3.head_mode = current.HEAD_FLOAT32
 
     sys.modules["rollout_lib.backends.compact_qwen3"] = module
     return current
