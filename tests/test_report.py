@@ -85,6 +85,17 @@ def test_verdict_comes_first_with_gates_selection_and_coverage(smoke_html, smoke
     assert len(verdict.find_all("tr")) >= cells  # the cells-by-backend matrix
 
 
+def test_a_gate_of_checks_shows_its_checks_not_a_missing_number():
+    from rollout_lib.report.verdict import _number
+
+    refresh = {"comparison": ">=", "observed_min": None, "observed_max": None, "unit": "count",
+               "per_backend_passed": {"hf_cached": True, "vllm": False}}
+    assert _number(refresh) == "checks hf_cached: passed; vllm: failed"
+    assert _number(refresh | {"per_backend_passed": {}}) == "no observation yet"
+    speedup = {"comparison": ">=", "observed_min": 0.8057, "observed_max": 1.3, "unit": "ratio", "threshold": 1.2}
+    assert _number(speedup) == "min 0.81x (gate >= 1.2x)"
+
+
 def test_the_report_references_no_external_url(smoke_html):
     from rollout_lib.report.summary import external_references
 

@@ -21,6 +21,9 @@ SELECTION_LABELS = {"local": "Local backend", "direct_gkd": "Direct GKD", "pg_k1
 def _number(gate: dict[str, Any]) -> str:
     """The deciding number: the conservative end of the observed range, with its unit."""
     value = gate["observed_min"] if gate["comparison"] == ">=" else gate["observed_max"]
+    if value is None and gate.get("per_backend_passed"):  # a gate of checks (refresh), not of a number
+        return "checks " + "; ".join(f"{backend}: {'passed' if ok else 'failed'}"
+                                     for backend, ok in gate["per_backend_passed"].items())
     if value is None:
         return "no observation yet"
     if gate["unit"] == "bytes":
