@@ -225,16 +225,18 @@ def test_a_preset_actor_skips_the_stand_in_once(smoke_study, snapshot_cache):
     backend.teardown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: vLLM's served_bf16_identity
 @pytest.mark.parametrize("chunk_bytes", [4, 1000, 4 << 20])
-def test_the_streamed_identity_equals_the_policy_identity(smoke_study, chunk_bytes):
+def test_the_streamed_identity_equals_the_policy_identity(smoke_study, chunk_bytes, dtype):
     from rollout_lib.models.fast_identity import policy_identity_streamed
     from rollout_lib.models.policy import policy_identity
 
     workload = Workload(smoke_study)
     version = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    cast = {name: t.to(getattr(torch, dtype)) for name, t in version.tensors.items()}
     # transposed views: non-contiguous inputs, as the blocks of the fused buffers are
-    tensors = {name: t.t().contiguous().t() for name, t in version.tensors.items()}
-    expected = policy_identity(version.base_digest, version.tensors)
+    tensors = {name: t.t().contiguous().t() for name, t in cast.items()}
+    expected = policy_identity(version.base_digest, cast)
     too_small = torch.empty(3)
     timings = {}
     assert policy_identity_streamed(version.base_digest, tensors, too_small, timings, chunk_bytes) == expected

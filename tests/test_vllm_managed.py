@@ -92,6 +92,12 @@ def test_request_response_mapping_and_refresh(smoke_study, vllm_fake):
     second = vllm_fake.sync_policy(policies[1])
     assert second == policies[1].identity and vllm_fake.lora_name.endswith(policies[1].identity[:16])
     assert vllm_fake.environment()["served_bf16_identity"] not in (None, second)
+    import torch
+
+    from rollout_lib.models.policy import policy_identity
+
+    assert vllm_fake.environment()["served_bf16_identity"] == policy_identity(  # the frozen definition
+        policies[1].base_digest, {k: v.to(torch.bfloat16) for k, v in policies[1].tensors.items()})
     vllm_fake.teardown()
     proof = vllm_fake.teardown_report()
     assert proof["port_closed"] and proof["leftover_pids"] == []

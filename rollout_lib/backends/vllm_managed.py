@@ -49,8 +49,9 @@ from typing import Any
 
 from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult, ServerDied, register_backend
 from rollout_lib.backends.server import ManagedServer, ServerStartError
+from rollout_lib.models.fast_identity import policy_identity_streamed
 from rollout_lib.models.merged import merge_policy, merged_identity, read_projection_weights, write_merged
-from rollout_lib.models.policy import PolicyVersion, policy_identity, write_peft_adapter
+from rollout_lib.models.policy import PolicyVersion, write_peft_adapter
 from rollout_lib.models.synthetic import DEFAULT_CACHE_DIR, ensure_snapshot
 
 SERVED_BASE_NAME = "actor"
@@ -407,7 +408,8 @@ class VLLMManagedBackend(Backend):
         self.lora_name, self.policy = name, policy
         # what the engine holds: the rounding of the exact tensors to the model dtype (lora_dtype =
         # model dtype): bf16 as preregistered; a float32 engine holds them exactly
-        self.served_bf16_identity = policy_identity(
+        # (the streamed identity: the same bytes and framing, one gather instead of a copy per tensor)
+        self.served_bf16_identity = policy_identity_streamed(
             policy.base_digest, {k: v.to(torch.bfloat16) for k, v in policy.tensors.items()}) \
             if self.serving_dtype == "bfloat16" else None
         self.served_identity = identity
