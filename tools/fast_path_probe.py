@@ -6,7 +6,8 @@ the graph path (and optionally the eager path) on a few cells, float32 greedy eq
 
 Variants: `off` / `inductor` are the graph path with the step uncompiled / compiled by inductor
 before capture; `eager` the transformers + peft loop; `before` the graph path with an older copy
-of compact_qwen3.py (`--before FILE`), for before/after in one process.
+of compact_qwen3.py (`--before FILE`), for before/after in one process; a `+f32head` suffix forces
+the float32 GEMM head (to separate the bf16-operand head from the other changes).
 """
 
 from __future__ import annotations
@@ -115,10 +116,20 @@ def main() -> int:
     cells = args.cells.split(",")
     report = {"cells": cells}
     for variant in args.variants.split(","):
-        options = ({"decode": "eager"} if variant == "eager" else
-                   {"decode": "graphs", "step_compile": "auto" if variant == "before" else variant})
+        # `X+f32head`: variant X with the float32 GEMM head forced (isolates the bf16-operand head)
+        base_variant, _, suffix = variant.partition("+")
+        options = ({"decode": "eager"} if base_variant == "eager" else
+                   {"decode": "graphs", "step_compile": "auto" if base_variant == "before" else base_variant})
         options |= {"device": args.device} if args.device else {}
-        current = use_before(args.before) if variant == "before" else None
+        if suffix and (suffix != "f32head" or base_variant not in ("off", "inductor")):
+            raise SystemExit(f"variant {variant!r}: allowed suffix: +f32head, on off or inductor")
+        patched = None
+        if suffix == "f32head":
+            import rollout_lib.backends.compact_qwen3 as engine_module
+
+            patched = (engine_module, engine_module._head_mode)
+            engine_module._head_mode = lambda *_: engine_module.HEAD_FLOAT32
+        current = use_before(args.before) if base_variant == "before" else None
         try:
             backend = create_backend("hf_cached", study, **options)
             started = time.perf_counter()
@@ -148,6 +159,8 @@ def main() -> int:
             write(args.out, report)
             backend.teardown()
         finally:
+            if patched is not None:
+                patched[0]._head_mode = patched[1]
             if current is not None:
                 sys.modules["rollout_lib.backends.compact_qwen3"] = current
     return 0

@@ -15,7 +15,7 @@ CAMPAIGN=${CAMPAIGN:-h200-v2}
 STEPS=${STEPS:-probe,tests,refresh}   # conformance takes a call of its own: STEPS=conformance
 mkdir -p "$OUT" /tmp/prof
 if [[ $STEPS == *probe* ]]; then
-  timeout 300 python3 tools/fast_path_probe.py --variants before,inductor --before "$BEFORE" \
+  timeout "${PROBE_TIMEOUT_S:-300}" python3 tools/fast_path_probe.py --variants "${VARIANTS:-before,inductor}" --before "$BEFORE" \
     --cells p128-r64-n1-greedy,p128-r64-n4-stochastic,p512-r256-n4-greedy --repetitions 3 \
     --profile /tmp/prof --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1
   for trace in /tmp/prof/*.json; do
