@@ -89,3 +89,23 @@ def test_check_fails_when_the_aggregate_was_edited(campaign):
 def test_the_committed_calculator_matches_the_preregistration(prereg_study, smoke_study):
     assert sha256_file(REPO / prereg_study.calculator.path) == prereg_study.calculator.sha256
     assert smoke_study.calculator.sha256 == prereg_study.calculator.sha256
+
+
+def test_evidence_named_for_a_campaign_belongs_to_that_campaign_only():
+    from pathlib import Path
+
+    from rollout_lib.evidence.publish import evidence_campaign
+
+    campaigns = ["h200", "h200-v1", "h200-v2", "smoke"]
+    assert evidence_campaign(Path("conformance-h200-v1.json"), campaigns) == "h200-v1"
+    assert evidence_campaign(Path("refresh-h200-v2-hf_cached-20261201T054100Z.json"), campaigns) == "h200-v2"
+    assert evidence_campaign(Path("refresh-h200-hf_cached.json"), campaigns) == "h200"
+    assert evidence_campaign(Path("refresh-hf_cached-20261201T070341Z.json"), campaigns) is None  # shared
+    assert evidence_campaign(Path("conformance-h200-v10.json"), ["h200-v1", "smoke"]) is None  # not h200-v1
+
+
+@pytest.mark.parametrize("name", ["h200-v1", "h200-v2"])
+def test_the_committed_campaigns_re_derive(prereg_study, name):
+    """The committed evidence stays valid: each committed aggregate re-derives byte for byte from the
+    committed raw and evidence files (a later campaign's evidence must not change an earlier one)."""
+    check(prereg_study, name, REPO / "outputs")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,13 @@ def read_sealed_raw(folder: Path) -> tuple[list[tuple[Path, list[dict[str, Any]]
     return out, problems
 
 
+def evidence_campaign(path: Path, campaigns: list[str]) -> str | None:
+    """The campaign an evidence file's name gives it to (`<kind>-<campaign>[-...].json`, one of
+    `campaigns`; the longest if several match), or None: shared by every campaign of the output dir."""
+    named = [c for c in campaigns if re.search(rf"(^|-){re.escape(c)}(-|$)", path.stem)]
+    return max(named, key=len) if named else None
+
+
 def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> dict[str, Any]:
     files, problems = read_sealed_raw(output_dir / "raw" / campaign)
     states = {path: state for path, _, _, state, _ in files}
@@ -175,9 +183,13 @@ def collect_inputs(study: Preregistration, campaign: str, output_dir: Path) -> d
     evidence_states, evidence_digests, evidence_problems = (
         _verify_sealed(evidence_dir, evidence_paths, "evidence file") if evidence_dir.exists() else ({}, {}, []))
     problems += evidence_problems
+    # every file's seal is checked; a file whose name gives it to another campaign is not this one's
+    raw_root = output_dir / "raw"
+    known = {p.name for p in raw_root.iterdir() if p.is_dir()} if raw_root.is_dir() else set()
+    campaigns = sorted(known | {campaign})
     evidence = []
     for path in evidence_paths:
-        if path not in evidence_states:
+        if path not in evidence_states or evidence_campaign(path, campaigns) not in (None, campaign):
             continue
         try:
             report = json.loads(path.read_text())
