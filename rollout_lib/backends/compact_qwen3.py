@@ -261,7 +261,6 @@ class CompactQwen3:
         import torch
 
         views = self.lora_views()
-        targets, sources = [], []
         for key, tensor in tensors.items():
             target = views.get(key)
             if target is None:
@@ -269,17 +268,15 @@ class CompactQwen3:
             if tensor.dtype != target.dtype or tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(f"{key}: {tuple(tensor.shape)} {tensor.dtype} does not fit "
                                  f"{tuple(target.shape)} {target.dtype}")
-            targets.append(target)
-            sources.append(tensor)
         # a whole group (one projection's A or B in every layer) in one stack and one strided copy
         done = set()
         for view, names in self.lora_groups():
             if all(name in tensors for name in names):
                 view.copy_(torch.stack([tensors[name] for name in names]), non_blocking=True)
                 done.update(names)
-        rest = [i for i, key in enumerate(tensors) if key not in done]  # a partial set: tensor by tensor
+        rest = [key for key in tensors if key not in done]  # a partial set: tensor by tensor
         if rest:
-            torch._foreach_copy_([targets[i] for i in rest], [sources[i] for i in rest], non_blocking=True)
+            torch._foreach_copy_([views[k] for k in rest], [tensors[k] for k in rest], non_blocking=True)
 
     def lora_views(self) -> dict[str, torch.Tensor]:
         """The served LoRA tensors as views of the static buffers, canonical names, on the device
