@@ -89,10 +89,14 @@ def clock(monkeypatch):
 # Scheduler
 # ------------------------------------------------------------------------------------------
 
+# the runner's admission rule without its safety factor and margin: the plan's arithmetic in whole seconds
+EXACT_ADMISSION = {"safety": 1.0, "margin_s": 0.0}
+
+
 def test_scheduler_longest_first_least_loaded_and_deadline():
     costs = [CellCost("a", 10, 4), CellCost("b", 5, 4), CellCost("c", 30, 4), CellCost("d", 1, 4),
              CellCost("huge", 100, 4)]
-    result = plan(costs, gpus=2, budget_s=200, cold_start_s=10, warmups=1)
+    result = plan(costs, gpus=2, budget_s=200, cold_start_s=10, warmups=1, **EXACT_ADMISSION)
     by_gpu = {a.gpu: a for a in result.assignments}
     # huge (400 s) can never finish in a 200 s lease, and not even its warmup + one measured
     # repetition (2 x 100 s) fits the 190 s left after the cold start: not started at all
@@ -107,13 +111,39 @@ def test_scheduler_longest_first_least_loaded_and_deadline():
 
 
 def test_scheduler_gives_a_lease_sized_cell_partial_repetitions():
-    result = plan([CellCost("big", 60, 4)], gpus=1, budget_s=200, cold_start_s=10, warmups=1)
+    result = plan([CellCost("big", 60, 4)], gpus=1, budget_s=200, cold_start_s=10, warmups=1,
+                  **EXACT_ADMISSION)
     (assignment,) = result.assignments
     assert assignment.cells == ["big"] and assignment.partial == {"big": 2}  # warmup + 2 x 60 s in 190 s
     result = plan([CellCost("fits", 40, 4), CellCost("next", 30, 4)], gpus=1, budget_s=200, cold_start_s=10,
-                  warmups=1)
+                  warmups=1, **EXACT_ADMISSION)
     assert result.assignments[0].cells == ["fits"] and result.unscheduled == ["next"]  # no half-started cell
     assert calibration_ratio([(2.0, 1.0), (3.0, 1.0), (10.0, 1.0)]) == 3.0 and calibration_ratio([]) == 1.0
+
+
+def test_scheduler_plans_only_what_the_runner_admits():
+    """Lease 5: a 472 s/rep cell with 1,113 s to the deadline was planned "warmup + 1 measured rep fits"
+    (2 x 472 + 40 <= 1,113) but the runner's rule (x 1.15 + 20 s) skipped it and the GPU idled. The plan
+    now uses that rule: such a cell is not planned, a shorter cell fills the lease instead."""
+    from rollout_lib.measure import runner
+    result = plan([CellCost("p512-r512-n4-stochastic", 472.0, 4), CellCost("p128-r512-n4-stochastic", 300.0, 3)],
+                  gpus=1, budget_s=1113, cold_start_s=40, warmups=1)
+    (assignment,) = result.assignments
+    assert "p512-r512-n4-stochastic" in result.unscheduled
+    assert assignment.cells == ["p128-r512-n4-stochastic"] and assignment.partial == {}  # warmup + 2 left
+    # every planned unit passes the runner's own check at the time the plan says it starts
+    clock = 40.0
+    for cell_id in assignment.cells:
+        cost = result.costs[cell_id]
+        reps = 1 + assignment.partial.get(cell_id, cost.repetitions_left - 1)
+        assert clock + 2 * cost.repetition_s * runner.DEADLINE_SAFETY + runner.DEADLINE_MARGIN_S <= 1113
+        last_start = clock + (reps - 1) * cost.repetition_s
+        assert last_start + cost.repetition_s * runner.DEADLINE_SAFETY + runner.DEADLINE_MARGIN_S <= 1113
+        clock += reps * cost.repetition_s
+    # and with a few seconds more the 472 s/rep cell gets its warmup + one measured repetition
+    result = plan([CellCost("p512-r512-n4-stochastic", 472.0, 4)], gpus=1, budget_s=1170, cold_start_s=40,
+                  warmups=1)
+    assert result.assignments[0].partial == {"p512-r512-n4-stochastic": 1}
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,6 +14,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+# The runner's admission rule (measure/runner.py, frozen with the oracle): a repetition starts only when
+# `now + estimate x SAFETY + MARGIN` is before the deadline, and a cell only when its warmups + one
+# measured repetition fit that way. The plan applies the same rule, so a unit it schedules is one the
+# worker will run (lease 5: a plan without it gave a 472 s/rep cell "1 measured rep fits" in a 1,113 s
+# budget, the worker skipped it and the GPU idled for the rest of the lease).
+from rollout_lib.measure.runner import DEADLINE_MARGIN_S, DEADLINE_SAFETY
+
 # Seconds per repetition on one H200, before calibration from raw files (2026-11-29/30 runs):
 # hf_reference greedy ~0.1 s per full-recompute step (launch bound, growing with the prefix),
 # seeded stochastic ~0.06 s per token, one request at a time; hf_cached eager ~0.07 s per batched
@@ -77,24 +84,42 @@ def calibration_ratio(observed: list[tuple[float, float]]) -> float:
     return statistics.median(ratios) if ratios else 1.0
 
 
-def plan(costs: list[CellCost], *, gpus: int, budget_s: float, cold_start_s: float, warmups: int) -> Plan:
+def repetitions_admitted(room_s: float, repetition_s: float, warmups: int, *,
+                         safety: float = DEADLINE_SAFETY, margin_s: float = DEADLINE_MARGIN_S) -> int:
+    """How many repetitions (warmups first) the runner would run of a cell started with `room_s` seconds
+    to the deadline, each taking `repetition_s`: 0 when it would not start the cell at all."""
+    if repetition_s <= 0:
+        return 0 if room_s < margin_s else 10**9
+    if (warmups + 1) * repetition_s * safety + margin_s > room_s:
+        return 0
+    # repetition j starts at j x repetition_s and is admitted while it ends (with the margin) in time
+    return math.floor((room_s - margin_s - repetition_s * safety) / repetition_s) + 1
+
+
+def plan(costs: list[CellCost], *, gpus: int, budget_s: float, cold_start_s: float, warmups: int,
+         safety: float = DEADLINE_SAFETY, margin_s: float = DEADLINE_MARGIN_S) -> Plan:
     """Longest-first onto the least-loaded GPU. A cell that fits a lease is a unit: it is started only
-    where it can finish before the deadline (else a shorter one fills the gap). A cell longer than a
-    whole lease can never finish in one: it gets the repetitions that fit (its warmups + at least one
-    measured), and the next lease continues it."""
+    where the runner's admission rule lets it finish before the deadline (else a shorter one fills the
+    gap). A cell longer than a whole lease can never finish in one: it gets the repetitions the runner
+    will admit (its warmups + at least one measured), and the next lease continues it."""
     if gpus < 1:
         raise ValueError(f"gpus: {gpus} is not allowed; at least 1")
     assignments = [Assignment(gpu=i, planned_s=cold_start_s) for i in range(gpus)]
     unscheduled = []
+
+    def admitted(room_s: float, cost: CellCost) -> int:
+        return repetitions_admitted(room_s, cost.repetition_s, warmups, safety=safety, margin_s=margin_s)
+
     for cost in sorted(costs, key=lambda c: (-c.total_s, c.cell_id)):
         target = min(assignments, key=lambda a: (a.planned_s, a.gpu))
         room = budget_s - target.planned_s
-        if cost.total_s <= room:
+        fitting_total = admitted(room, cost)
+        if fitting_total >= cost.repetitions_left:
             target.cells.append(cost.cell_id)
             target.planned_s += cost.total_s
             continue
-        longer_than_a_lease = cost.total_s > budget_s - cold_start_s
-        fitting = math.floor(room / cost.repetition_s) - warmups if cost.repetition_s > 0 else 0
+        longer_than_a_lease = admitted(budget_s - cold_start_s, cost) < cost.repetitions_left
+        fitting = fitting_total - warmups
         if longer_than_a_lease and fitting >= 1:
             target.cells.append(cost.cell_id)
             target.partial[cost.cell_id] = fitting
