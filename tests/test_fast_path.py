@@ -276,3 +276,45 @@ def test_inductor_step_gives_the_uncompiled_tokens(smoke_study, snapshot_cache):
         for a, b in zip(results["off"][cell], results["inductor"][cell], strict=True):
             assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------
+# The float32 LM head's operands
+# ------------------------------------------------------------------------------------------
+
+
+def test_head_operands_take_the_tied_bf16_embedding_for_the_mirrors_float32_head():
+    """The mirror's head is a float32 copy of the tied bf16 embedding (`use_float32_lm_head`). Where the
+    bf16 GEMM with float32 output runs, its operands are that embedding itself: no copy; lease 5 found
+    the engine had kept the float32 GEMM because it tested the head's dtype instead of its values."""
+    from rollout_lib.backends.compact_qwen3 import HEAD_BF16_OPERANDS, HEAD_FLOAT32, head_operands
+
+    gen = torch.Generator().manual_seed(3)
+    embed = torch.randn(40000, 16, generator=gen).to(torch.bfloat16)
+    head = embed.to(torch.float32)
+    mode, operands = head_operands(head, embed, torch.bfloat16, True)
+    assert mode == HEAD_BF16_OPERANDS and operands.data_ptr() == embed.data_ptr()
+    # untied but exactly bf16-valued: one bf16 copy with the same values
+    other = torch.randn(40000, 16, generator=gen).to(torch.bfloat16).to(torch.float32)
+    mode, operands = head_operands(other, embed, torch.bfloat16, True)
+    assert mode == HEAD_BF16_OPERANDS and operands.dtype == torch.bfloat16
+    assert torch.equal(operands.to(torch.float32), other)
+    # one value off the bf16 grid (past the first comparison chunk): the float32 GEMM stays
+    off_grid = head.clone()
+    off_grid[39999, 7] += 2.0 ** -20
+    mode, operands = head_operands(off_grid, embed, torch.bfloat16, True)
+    assert mode == HEAD_FLOAT32 and operands is off_grid
+    # no bf16 GEMM with float32 output (a CPU), or float32 compute: the float32 GEMM
+    assert head_operands(head, embed, torch.bfloat16, False)[0] == HEAD_FLOAT32
+    mode, operands = head_operands(head, head, torch.float32, True)
+    assert mode == HEAD_FLOAT32 and operands.dtype == torch.float32
+
+
+def test_cpu_engine_keeps_the_float32_head(outputs):
+    """On a CPU (no bf16 GEMM with float32 output) the compact engine computes the head as a float32
+    GEMM, in both compute dtypes, and says so in its environment."""
+    from rollout_lib.backends.compact_qwen3 import HEAD_FLOAT32, _cuda_bf16_gemm_with_float32_output
+
+    assert not _cuda_bf16_gemm_with_float32_output(torch.device("cpu"))
+    for dtype in ("float32", "bfloat16"):
+        assert outputs[(dtype, "graphs")]["environment"]["lm_head"] == HEAD_FLOAT32

@@ -25,12 +25,19 @@ def test_noise_bits_equal_on_cpu_and_cuda():
 def test_bf16_operand_head_is_the_float32_head_in_another_order():
     """The LM head on bf16 operands with float32 accumulation and output (cuBLAS `out_dtype`) against
     the float32 GEMM of the same, exactly upcast values: both as close to the float64 sum, same argmax."""
-    from rollout_lib.backends.compact_qwen3 import HEAD_BF16_OPERANDS, _head_mode
+    from rollout_lib.backends.compact_qwen3 import (
+        HEAD_BF16_OPERANDS,
+        _cuda_bf16_gemm_with_float32_output,
+        head_operands,
+    )
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(151936, 1024, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     hidden = torch.randn(16, 1024, device="cuda", generator=gen).to(torch.bfloat16)
-    assert _head_mode(weight, torch.bfloat16, weight.device) == HEAD_BF16_OPERANDS
+    assert _cuda_bf16_gemm_with_float32_output(weight.device)
+    # as the mirror holds it: a float32 copy of the tied bf16 embedding -> the embedding is the operand
+    mode, operands = head_operands(weight.float(), weight, torch.bfloat16, True)
+    assert mode == HEAD_BF16_OPERANDS and operands.data_ptr() == weight.data_ptr()
     fast = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     float32 = torch.nn.functional.linear(hidden.float(), weight.float())
     exact = torch.nn.functional.linear(hidden.double(), weight.double())
@@ -72,7 +79,13 @@ def test_graphs_equal_eager_greedy_in_float32(study):
 
 
 def test_sync_without_recapture_and_deterministic_sampling(study):
+    from rollout_lib.backends.compact_qwen3 import HEAD_BF16_OPERANDS
+
     backend, policies, first = _run(study, "graphs", "bfloat16", ["p128-r64-n4-stochastic"], versions=3)
+    # the measured engine takes the bf16-operand head (lease 5: it silently kept the float32 GEMM, because
+    # the mirror's head is a float32 copy), over the embedding itself (no second copy of the weights)
+    assert backend.environment()["lm_head"] == HEAD_BF16_OPERANDS
+    assert backend.engine.lm_head.data_ptr() == backend.engine.embed.data_ptr()
     graphs = {key: bucket.graph for key, bucket in backend.buckets.buckets.items()}
     workload = Workload(study)
     requests = workload.requests(workload.cell("p128-r64-n4-stochastic"))

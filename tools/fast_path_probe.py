@@ -127,8 +127,8 @@ def main() -> int:
         if suffix == "f32head":
             import rollout_lib.backends.compact_qwen3 as engine_module
 
-            patched = (engine_module, engine_module._head_mode)
-            engine_module._head_mode = lambda *_: engine_module.HEAD_FLOAT32
+            patched = (engine_module, engine_module._cuda_bf16_gemm_with_float32_output)
+            engine_module._cuda_bf16_gemm_with_float32_output = lambda *_: False
         current = use_before(args.before) if base_variant == "before" else None
         try:
             backend = create_backend("hf_cached", study, **options)
@@ -160,7 +160,7 @@ def main() -> int:
             backend.teardown()
         finally:
             if patched is not None:
-                patched[0]._head_mode = patched[1]
+                patched[0]._cuda_bf16_gemm_with_float32_output = patched[1]
             if current is not None:
                 sys.modules["rollout_lib.backends.compact_qwen3"] = current
     return 0

@@ -15,7 +15,7 @@ What it holds, and why it stays exact:
   A policy sync copies the exact tensors into these static buffers (no recapture), and the served
   identity is re-derived by reading the per-module blocks back;
 - the LM head in float32 (the preregistered `lm_head_compute_dtype`): on CUDA in bf16 compute, a bf16
-  GEMM with float32 accumulation and output (exact products of bf16 operands; see `_head_mode`).
+  GEMM with float32 accumulation and output (exact products of bf16 operands; see `head_operands`).
 
 Rows are left-padded; every row advances one cache column per step, so the write position is one
 scalar for the batch; a row's rotary position and its attention mask come from its own padding,
@@ -92,18 +92,51 @@ HEAD_BF16_OPERANDS = "float32 products and sums of bf16 operands (cuBLAS bf16 GE
 HEAD_FLOAT32 = "float32 GEMM over a float32 copy of the weights"
 
 
-def _head_mode(head: torch.Tensor, compute_dtype: torch.dtype, device: torch.device) -> str:
-    """How the float32 LM head is computed: on bf16 operands where that is exact and supported."""
+def _cuda_bf16_gemm_with_float32_output(device: torch.device) -> bool:
+    """Whether `torch.mm(bf16, bf16, out_dtype=torch.float32)` runs here (torch >= 2.8 on CUDA)."""
     import torch
 
-    if not (head.dtype == compute_dtype == torch.bfloat16 and device.type == "cuda"):
-        return HEAD_FLOAT32
-    try:  # torch >= 2.8 on CUDA; anything else keeps the float32 GEMM
+    if device.type != "cuda":
+        return False
+    try:
         probe = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
         out = torch.mm(probe, probe.t(), out_dtype=torch.float32)
     except (TypeError, RuntimeError):
-        return HEAD_FLOAT32
-    return HEAD_BF16_OPERANDS if out.dtype == torch.float32 else HEAD_FLOAT32
+        return False
+    return out.dtype == torch.float32
+
+
+def _exact_in_bf16(values: torch.Tensor, bf16: torch.Tensor, chunk_rows: int = 16384) -> bool:
+    """Whether `bf16`, upcast, equals the float32 `values` bit for bit (compared in row chunks: no
+    full-size float32 temporary)."""
+    import torch
+
+    if values.shape != bf16.shape:
+        return False
+    return all(torch.equal(bf16[i:i + chunk_rows].to(torch.float32), values[i:i + chunk_rows])
+               for i in range(0, values.shape[0], chunk_rows))
+
+
+def head_operands(head: torch.Tensor, embed: torch.Tensor | None, compute_dtype: torch.dtype,
+                  bf16_gemm_float32_out: bool) -> tuple[str, torch.Tensor]:
+    """(mode, weights) of the float32 LM head. In bf16 compute, where cuBLAS can sum bf16 products into
+    float32 (`bf16_gemm_float32_out`), a head whose float32 values are exactly bf16 values is computed on
+    those bf16 operands: every product is exact in float32, so it is the float32 GEMM in another order.
+    The mirror's head is a float32 copy of the tied bf16 embedding (`use_float32_lm_head`), so the
+    embedding itself serves as the operands (no copy); an untied exactly-bf16 head gets one bf16 copy;
+    anything else (float32 compute, a CPU, a head with float32-only values) keeps the float32 GEMM."""
+    import torch
+
+    if compute_dtype == torch.bfloat16 and bf16_gemm_float32_out:
+        if head.dtype == torch.bfloat16:
+            return HEAD_BF16_OPERANDS, head
+        if head.dtype == torch.float32:
+            if embed is not None and embed.dtype == torch.bfloat16 and _exact_in_bf16(head, embed):
+                return HEAD_BF16_OPERANDS, embed
+            rounded = head.to(torch.bfloat16)
+            if _exact_in_bf16(head, rounded):
+                return HEAD_BF16_OPERANDS, rounded
+    return HEAD_FLOAT32, head if head.dtype == torch.float32 else head.to(torch.float32)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,8 +195,10 @@ class CompactQwen3:
             # accumulation and output (`out_dtype`) is the same float32 sum in another order, on tensor
             # cores and reading half the bytes of a float32 copy (the float32 SIMT GEMM took 214-378 us
             # per step at 4-16 rows on the H200, lease 4). Otherwise (float32 compute, a CPU): float32 GEMM.
-            self.head_mode = _head_mode(head, self.dtype, self.device)
-            self.lm_head = head if self.head_mode == HEAD_BF16_OPERANDS else head.to(torch.float32)
+            # (lease 5: the mirror's head is a float32 copy, so a test of the head's own dtype never
+            # chose the bf16 operands; the exact-values test below does)
+            self.head_mode, self.lm_head = head_operands(head, self.embed, self.dtype,
+                                                         _cuda_bf16_gemm_with_float32_output(self.device))
             self.layers = [self._layer(block) for block in model.model.layers]
             self._stack_lora_buffers()
         # `compile_step`: the per-layer pieces of the decode step and its sampler go through inductor
