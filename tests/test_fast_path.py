@@ -318,3 +318,60 @@ def test_cpu_engine_keeps_the_float32_head(outputs):
     assert not _cuda_bf16_gemm_with_float32_output(torch.device("cpu"))
     for dtype in ("float32", "bfloat16"):
         assert outputs[(dtype, "graphs")]["environment"]["lm_head"] == HEAD_FLOAT32
+
+
+# ------------------------------------------------------------------------------------------
+# How the step is compiled: per row count or dynamic; the cache write inside or outside
+# ------------------------------------------------------------------------------------------
+
+
+def _compiled_entries(function) -> int:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(function.__code__))
+
+
+@pytest.mark.parametrize(("shapes", "write"), [("per_rows", "outside"), ("dynamic", "outside"),
+                                               ("per_rows", "inside")])
+def test_compiled_step_variants_give_the_uncompiled_tokens(smoke_study, snapshot_cache, monkeypatch, shapes, write):
+    """Every way of compiling the step is the same float32 math: the tokens of the uncompiled step.
+    "per_rows" compiles once per row count (4 and 8 rows here), "dynamic" once for both; "inside"
+    writes the k/v cache from the compiled piece."""
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "STEP_SHAPES", shapes)
+    monkeypatch.setattr(compact_qwen3, "CACHE_WRITE", write)
+    workload = Workload(smoke_study)
+    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    cells = ["p16-r8-n1-greedy", "p16-r8-n2-stochastic"]  # 4 rows, then 8 rows
+    results = {}
+    for mode in ("off", "inductor"):
+        # compiled entries are shared by every engine of a process whose calls pass their guards (a
+        # dynamic-shape call passes a per-row entry's guard): start from none, as a measuring process does
+        torch._dynamo.reset()
+        backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile=mode,
+                                 cache_dir=snapshot_cache)
+        backend.cold_start()
+        backend.sync_policy(policy)
+        before = _compiled_entries(compact_qwen3.CompactQwen3._before_attention)
+        results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in cells}
+        if mode == "inductor":
+            env = backend.environment()
+            assert (env["step_shapes"], env["cache_write"]) == (shapes, write)
+            compilations = _compiled_entries(compact_qwen3.CompactQwen3._before_attention) - before
+            assert compilations == (2 if shapes == "per_rows" else 1), compilations
+        backend.teardown()
+    for cell in cells:
+        for a, b in zip(results["off"][cell], results["inductor"][cell], strict=True):
+            assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def test_unknown_compile_variant_is_refused(smoke_study, snapshot_cache, monkeypatch):
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "STEP_SHAPES", "per_bucket")
+    backend = create_backend("hf_cached", smoke_study, device="cpu", step_compile="inductor", cache_dir=snapshot_cache)
+    with pytest.raises(ValueError, match=r"STEP_SHAPES 'per_bucket' \(allowed: per_rows, dynamic\)"):
+        backend.cold_start()
+    backend.teardown()

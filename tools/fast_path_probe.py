@@ -6,8 +6,11 @@ the graph path (and optionally the eager path) on a few cells, float32 greedy eq
 
 Variants: `off` / `inductor` are the graph path with the step uncompiled / compiled by inductor
 before capture; `eager` the transformers + peft loop; `before` the graph path with an older copy
-of compact_qwen3.py (`--before FILE`), for before/after in one process; a `+f32head` suffix forces
-the float32 GEMM head (to separate the bf16-operand head from the other changes).
+of compact_qwen3.py (`--before FILE`), for before/after in one process. Suffixes on `off` / `inductor`
+change one thing each, to read the changes apart: `+f32head` forces the float32 GEMM head, `+dynamic`
+one dynamic-shape compilation for every row count (STEP_SHAPES), `+kvinside` the k/v cache write inside
+the compiled piece (CACHE_WRITE); e.g. `inductor+dynamic+f32head`. Every variant starts from an empty
+dynamo cache (compiled entries are shared across engines whose calls pass their guards).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from rollout_lib.backends import create_backend
 from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.prereg import load
 from rollout_lib.study.workload import Workload
+
+# suffix -> (attribute of rollout_lib.backends.compact_qwen3, value while the variant runs)
+SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False),
+            "dynamic": ("STEP_SHAPES", "dynamic"),
+            "kvinside": ("CACHE_WRITE", "inside")}
 
 
 def use_before(path):
@@ -116,19 +124,26 @@ def main() -> int:
     cells = args.cells.split(",")
     report = {"cells": cells}
     for variant in args.variants.split(","):
-        # `X+f32head`: variant X with the float32 GEMM head forced (isolates the bf16-operand head)
-        base_variant, _, suffix = variant.partition("+")
+        # `X+suffix+...`: variant X with one engine setting changed per suffix (module attributes of
+        # compact_qwen3 read when the engine is built, restored after the variant)
+        base_variant, *suffixes = variant.split("+")
         options = ({"decode": "eager"} if base_variant == "eager" else
                    {"decode": "graphs", "step_compile": "auto" if base_variant == "before" else base_variant})
         options |= {"device": args.device} if args.device else {}
-        if suffix and (suffix != "f32head" or base_variant not in ("off", "inductor")):
-            raise SystemExit(f"variant {variant!r}: allowed suffix: +f32head, on off or inductor")
-        patched = None
-        if suffix == "f32head":
-            import rollout_lib.backends.compact_qwen3 as engine_module
+        unknown = [x for x in suffixes if x not in SUFFIXES]
+        if unknown or (suffixes and base_variant not in ("off", "inductor")):
+            raise SystemExit(f"variant {variant!r}: allowed suffixes: {', '.join('+' + x for x in SUFFIXES)}, "
+                             "on off or inductor")
+        import torch
 
-            patched = (engine_module, engine_module._cuda_bf16_gemm_with_float32_output)
-            engine_module._cuda_bf16_gemm_with_float32_output = lambda *_: False
+        import rollout_lib.backends.compact_qwen3 as engine_module
+
+        torch._dynamo.reset()
+        patched = {}
+        for suffix in suffixes:
+            name, value = SUFFIXES[suffix]
+            patched[name] = getattr(engine_module, name)
+            setattr(engine_module, name, value)
         current = use_before(args.before) if base_variant == "before" else None
         try:
             backend = create_backend("hf_cached", study, **options)
@@ -159,8 +174,8 @@ def main() -> int:
             write(args.out, report)
             backend.teardown()
         finally:
-            if patched is not None:
-                patched[0]._cuda_bf16_gemm_with_float32_output = patched[1]
+            for name, value in patched.items():
+                setattr(engine_module, name, value)
             if current is not None:
                 sys.modules["rollout_lib.backends.compact_qwen3"] = current
     return 0

@@ -88,6 +88,23 @@ class Layer:
         return linear.weight, linear.lora_a, linear.lora_b
 
 
+# How the decode step's pieces are compiled (read when an engine is built; tools/fast_path_probe.py
+# patches them to measure the alternatives side by side in one process):
+# - STEP_SHAPES "per_rows": one compilation per row count (1, 4, 16), so inductor picks each kernel's
+#   launch configuration (XBLOCK, warps: from size hints and a benchmark at the first launch) for the
+#   shape it runs; "dynamic": one compilation for every row count, configured from the first one
+#   compiled (4 rows). Lease 4 and lease 5 measured the same source 0.8 ms/step apart at 16 rows: one
+#   fused reduction ran 40 us in one lease and ~4 us in the other (docs/perf-notes.md).
+# - CACHE_WRITE "outside": k/v written into the cache by index_copy_ launches between the pieces;
+#   "inside": written by the compiled piece that computes them (-56 launches per step).
+STEP_SHAPES = "per_rows"
+CACHE_WRITE = "outside"
+STEP_SHAPES_ALLOWED = ("per_rows", "dynamic")
+CACHE_WRITE_ALLOWED = ("outside", "inside")
+# recompilations allowed per compiled function: the row counts of one engine, times the engines a
+# process builds (tests, the probe's variants); past dynamo's default (8) it would run them eagerly
+RECOMPILE_LIMIT = 64
+
 HEAD_BF16_OPERANDS = "float32 products and sums of bf16 operands (cuBLAS bf16 GEMM, out_dtype float32)"
 HEAD_FLOAT32 = "float32 GEMM over a float32 copy of the weights"
 
@@ -207,6 +224,16 @@ class CompactQwen3:
         # tensors are arguments) and with dynamic shapes (one compilation serves every bucket): a
         # whole-model compilation of the 28 unrolled layers took longer than 6 minutes on the H200.
         self.compiled = bool(compile_step)
+        if STEP_SHAPES not in STEP_SHAPES_ALLOWED or CACHE_WRITE not in CACHE_WRITE_ALLOWED:
+            raise ValueError(f"STEP_SHAPES {STEP_SHAPES!r} (allowed: {', '.join(STEP_SHAPES_ALLOWED)}), "
+                             f"CACHE_WRITE {CACHE_WRITE!r} (allowed: {', '.join(CACHE_WRITE_ALLOWED)})")
+        self.step_shapes, self.cache_write = STEP_SHAPES, CACHE_WRITE
+        if self.compiled:
+            dynamo = torch._dynamo.config
+            name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
+        # dynamic shapes (the cache length varies by bucket); "per_rows" marks the row dimension of every
+        # per-row input static at each call (`mark_rows`), so a new row count is a new compilation
         compile = functools.partial(torch.compile, dynamic=True, fullgraph=True)
         if self.compiled:  # only rows and lengths vary: the weights' shapes are constants of the kernels
             for layer in self.layers:
@@ -216,6 +243,17 @@ class CompactQwen3:
         self.before_attention = compile(self._before_attention) if self.compiled else None
         self.after_attention = compile(self._after_attention) if self.compiled else None
         self.sample = compile(counter_noise.sample) if self.compiled else counter_noise.sample
+
+    def mark_rows(self, *tensors: torch.Tensor | None) -> None:
+        """Before a compiled piece is called with these per-row tensors (dimension 0 = rows): with
+        STEP_SHAPES "per_rows", the row count becomes a constant of that compilation (dynamo guards on
+        it and compiles again for another row count); the other dimensions stay dynamic."""
+        import torch
+
+        if self.compiled and self.step_shapes == "per_rows":
+            for tensor in tensors:
+                if tensor is not None and tensor.dim() > 0:
+                    torch._dynamo.mark_static(tensor, 0)
 
     def _layer(self, block: Any) -> Layer:
         import torch
@@ -377,9 +415,13 @@ class CompactQwen3:
 
     def _before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
                           q_norm: torch.Tensor, k_norm: torch.Tensor, weight: torch.Tensor,
-                          lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, fused: bool = False):
+                          lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, fused: bool = False,
+                          cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None,
+                          write: torch.Tensor | None = None):
         """h [B, T, hidden] -> q [B, kv_heads, groups * T, D] (grouped query rows), k, v [B, kv_heads, T, D].
-        `fused`: traced by inductor (LoRA products as reductions, see _fused_linear)."""
+        `fused`: traced by inductor (LoRA products as reductions, see _fused_linear). With `cache_k`,
+        `cache_v`, `write`: k and v are written into the caches at columns `write` here (inside the
+        compiled piece: inductor stores them from the kernel that computes them) and returned as None."""
         batch, length, _ = h.shape
         qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -394,7 +436,12 @@ class CompactQwen3:
         # query rows (head h = kv head h // groups, as transformers' repeat_kv), so the cache is read
         # once and never expanded, and SDPA can take its fused kernel with the additive mask
         groups = self.heads // self.kv_heads
-        return q.reshape(batch, self.kv_heads, groups * length, self.head_dim), k, v
+        q = q.reshape(batch, self.kv_heads, groups * length, self.head_dim)
+        if cache_k is not None:
+            cache_k.index_copy_(2, write, k)
+            cache_v.index_copy_(2, write, v)
+            return q, None, None
+        return q, k, v
 
     def _after_attention(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor,
                          o: tuple, gate_up: tuple, down: tuple, fused: bool = False) -> torch.Tensor:
@@ -427,15 +474,22 @@ class CompactQwen3:
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
         scale = 1.0 / math.sqrt(self.head_dim)
+        inside = compiled and self.cache_write == "inside"
         for index, layer in enumerate(self.layers):
-            q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
-                             fused=compiled)
-            # the cache write stays outside inductor: inside, it fused into the LoRA reduction kernel and
-            # made it 10x slower (40 vs 4 us per layer at 16 rows; lease 4's probe, docs/perf-notes.md)
-            cache.k[index].index_copy_(2, write, k)
-            cache.v[index].index_copy_(2, write, v)
+            if compiled:
+                self.mark_rows(h, cos, sin, *((cache.k[index], cache.v[index]) if inside else ()))
+            if inside:
+                q, _, _ = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
+                                 fused=compiled, cache_k=cache.k[index], cache_v=cache.v[index], write=write)
+            else:  # (lease 4: inside, one fused reduction ran 10x slower at 16 rows; see CACHE_WRITE)
+                q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
+                                 fused=compiled)
+                cache.k[index].index_copy_(2, write, k)
+                cache.v[index].index_copy_(2, write, v)
             attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
                                                                     attn_mask=mask, scale=scale)
+            if compiled:
+                self.mark_rows(h, attn)
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),
                       fused=compiled)
         h = _rms(h[:, -keep:, :], self.final_norm, self.eps)
@@ -514,6 +568,7 @@ def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor,
     positions = (write - pad)[:, None]
     logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :],
                             compiled=engine.compiled)
+    engine.mark_rows(logits, seeds, inv_temperature, greedy)
     return engine.sample(logits, seeds, step, inv_temperature, greedy)
 
 
