@@ -8,9 +8,10 @@ Variants: `off` / `inductor` are the graph path with the step uncompiled / compi
 before capture; `eager` the transformers + peft loop; `before` the graph path with an older copy
 of compact_qwen3.py (`--before FILE`), for before/after in one process. Suffixes on `off` / `inductor`
 change one thing each, to read the changes apart: `+f32head` forces the float32 GEMM head, `+dynamic`
-one dynamic-shape compilation for every row count (STEP_SHAPES), `+kvinside` the k/v cache write inside
-the compiled piece (CACHE_WRITE); e.g. `inductor+dynamic+f32head`. Every variant starts from an empty
-dynamo cache (compiled entries are shared across engines whose calls pass their guards).
+one dynamic-shape compilation for every row count (STEP_SHAPES), `+kvinside` / `+kvoutside` the k/v
+cache write inside / outside the compiled piece (CACHE_WRITE); e.g. `inductor+dynamic+f32head+kvoutside`.
+Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
+calls pass their guards).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from rollout_lib.study.workload import Workload
 # suffix -> (attribute of rollout_lib.backends.compact_qwen3, value while the variant runs)
 SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False),
             "dynamic": ("STEP_SHAPES", "dynamic"),
-            "kvinside": ("CACHE_WRITE", "inside")}
+            "kvinside": ("CACHE_WRITE", "inside"),
+            "kvoutside": ("CACHE_WRITE", "outside")}
 
 
 def use_before(path):

@@ -95,10 +95,12 @@ class Layer:
 #   shape it runs; "dynamic": one compilation for every row count, configured from the first one
 #   compiled (4 rows). Lease 4 and lease 5 measured the same source 0.8 ms/step apart at 16 rows: one
 #   fused reduction ran 40 us in one lease and ~4 us in the other (docs/perf-notes.md).
-# - CACHE_WRITE "outside": k/v written into the cache by index_copy_ launches between the pieces;
-#   "inside": written by the compiled piece that computes them (-56 launches per step).
+# - CACHE_WRITE "inside": k/v written into the cache by the compiled piece that computes them (-56
+#   launches per step; lease 5: 0.16-0.26 ms/step faster than "outside" at 4 and 16 rows, where lease 4's
+#   dynamic-shape compilation had made one fused kernel 10x slower at 16 rows); "outside": written by
+#   index_copy_ launches between the pieces.
 STEP_SHAPES = "per_rows"
-CACHE_WRITE = "outside"
+CACHE_WRITE = "inside"
 STEP_SHAPES_ALLOWED = ("per_rows", "dynamic")
 CACHE_WRITE_ALLOWED = ("outside", "inside")
 # recompilations allowed per compiled function: the row counts of one engine, times the engines a
@@ -481,7 +483,7 @@ class CompactQwen3:
             if inside:
                 q, _, _ = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
                                  fused=compiled, cache_k=cache.k[index], cache_v=cache.v[index], write=write)
-            else:  # (lease 4: inside, one fused reduction ran 10x slower at 16 rows; see CACHE_WRITE)
+            else:  # uncompiled, or CACHE_WRITE "outside"
                 q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
                                  fused=compiled)
                 cache.k[index].index_copy_(2, write, k)
