@@ -1,0 +1,91 @@
+"""The device queue files (tools/device/queues/*.tsv) are checked on CPU before a lease spends GPU
+minutes on them: each line is `name<TAB>timeout_s<TAB>command`, names are unique, every
+`rollout_lib.cli` command parses with the real CLI (cells known to the preregistered workload), the
+probe's variants are ones it accepts, and named test files exist."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from rollout_lib.cli import build_parser
+from rollout_lib.core import REPO_ROOT
+from rollout_lib.study.prereg import load
+from rollout_lib.study.workload import Workload
+
+QUEUES = sorted((REPO_ROOT / "tools" / "device" / "queues").glob("*.tsv"))
+
+
+def _jobs(path: Path) -> list[tuple[str, int, str]]:
+    jobs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = line.split("\t")
+        assert len(fields) == 3, f"{path.name}:{number}: {len(fields)} tab-separated fields, want 3"
+        name, timeout_s, command = fields
+        assert re.fullmatch(r"[A-Za-z0-9_.+-]+", name), f"{path.name}:{number}: job name {name!r}"
+        assert timeout_s.isdigit() and 0 < int(timeout_s) <= 3600, f"{path.name}:{number}: timeout {timeout_s!r}"
+        jobs.append((name, int(timeout_s), command))
+    return jobs
+
+
+def _shell_words(command: str) -> list[str]:
+    """The command's words with shell arithmetic and command substitutions replaced by a plain value
+    and redirections dropped (what argparse would see)."""
+    command = re.sub(r"\$\(\(.*?\)\)", "600", command)
+    command = re.sub(r"\$\([^()]*\)", "20261201T000000Z", command)
+    words = shlex.split(command)
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+            continue
+        if word in (">", "2>", ">>"):
+            skip = True
+            continue
+        if word.startswith(("2>&1", ">")):
+            continue
+        out.append(word)
+    return out
+
+
+@pytest.mark.parametrize("path", QUEUES, ids=[p.name for p in QUEUES])
+def test_queue_file_is_runnable(path):
+    from tools import fast_path_probe
+
+    jobs = _jobs(path)
+    assert jobs, f"{path.name}: no jobs"
+    names = [name for name, _, _ in jobs]
+    assert len(set(names)) == len(names), f"{path.name}: duplicate job names"
+    known_cells = set(Workload(load(REPO_ROOT / "params" / "rollout-runtime-v2.yaml")).cell_ids())
+    parser = build_parser()
+    for name, _, command in jobs:
+        words = _shell_words(command)
+        env = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if re.fullmatch(r"[A-Z_]+=.*", w)}
+        words = [w for w in words if not re.fullmatch(r"[A-Z_]+=.*", w)]
+        if words[:3] == ["python3", "-m", "rollout_lib.cli"]:
+            args = parser.parse_args(words[3:])  # SystemExit (a failed test) on an unknown option
+            for attribute in ("cells", "cell"):
+                value = getattr(args, attribute, None)
+                if value:
+                    unknown = set(str(value).split(",")) - known_cells
+                    assert not unknown, f"{path.name}/{name}: unknown cells {sorted(unknown)}"
+        elif words[:4] == ["python3", "-m", "pytest", "-q"]:
+            for word in words:
+                if word.startswith("tests/") or word.startswith("--ignore=tests/"):
+                    target = word.split("=", 1)[-1]
+                    assert (REPO_ROOT / target).exists(), f"{path.name}/{name}: {target} does not exist"
+        elif words[:2] == ["bash", "tools/device/fast_path_evidence.sh"]:
+            for variant in env.get("VARIANTS", "before,inductor").split(","):
+                base, *suffixes = variant.split("+")
+                assert base in ("before", "off", "inductor", "eager"), f"{path.name}/{name}: variant {variant}"
+                assert all(s in fast_path_probe.SUFFIXES for s in suffixes), f"{path.name}/{name}: {variant}"
+                assert not suffixes or base in ("off", "inductor"), f"{path.name}/{name}: {variant}"
+                if base == "before":
+                    assert "BEFORE" in env, f"{path.name}/{name}: `before` needs BEFORE=<file>"
+        else:
+            pytest.fail(f"{path.name}/{name}: a command this test cannot check: {command[:80]}")
