@@ -68,6 +68,8 @@ def cmd_models(args: argparse.Namespace) -> int:
             raise CommandError(f"snapshot: {args.snapshot!r} is not a directory")
         print(payload_digest(args.snapshot))
         return 0
+    if args.models_command == "verify":
+        return _verify_local_snapshot(args)
     params_path = args.params or (prereg_mod.SMOKE_PROFILE if args.arch == "tiny" else prereg_mod.DEFAULT_PREREG)
     study = prereg_mod.load(params_path)
     model_spec = study.model_for_arch(args.arch, args.role)
@@ -87,6 +89,37 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     result = calibrate_logit_scale(study, args.arch, device=args.device, target_nats=args.target_nats, role=args.role)
     print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def _verify_local_snapshot(args: argparse.Namespace) -> int:
+    """A downloaded snapshot against a study's actor or teacher architecture (and a digest, if given)."""
+    from dataclasses import asdict
+
+    from rollout_lib.models.local_snapshot import (
+        SnapshotError,
+        check_prompt_ids,
+        parse_snapshot_source,
+        verify_snapshot,
+    )
+    from rollout_lib.models.synthetic import payload_digest
+    from rollout_lib.study import prereg as prereg_mod
+    from rollout_lib.study.workload import Workload
+
+    study = prereg_mod.load(args.params)
+    model = study.actor if args.role == "actor" else study.teacher
+    if not Path(args.snapshot).is_dir():
+        raise CommandError(f"snapshot: {args.snapshot!r} is not a directory")
+    digest = args.digest or payload_digest(args.snapshot)
+    spec = parse_snapshot_source({"source": "snapshot", "path": str(Path(args.snapshot).resolve()),
+                                  "payload_digest": digest}, args.role)
+    try:
+        snapshot = verify_snapshot(spec, model.architecture, key_path=args.role)
+        largest = check_prompt_ids(Workload(study), snapshot)
+    except SnapshotError as err:
+        raise CommandError(str(err)) from err
+    print(json.dumps(asdict(snapshot) | {"largest_prompt_id": largest, "study": str(args.params),
+                                         "digest_given": args.digest is not None}, indent=2, sort_keys=True))
     return 0
 
 
@@ -447,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", nargs="?", default=DEFAULT_PARAMS)
     p.set_defaults(func=cmd_prereg)
 
-    models = sub.add_parser("models", help="synthetic snapshots: build, digest, calibrate the logit scale")
+    models = sub.add_parser("models", help="snapshots: build (synthetic), digest, verify (local), calibrate")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     build = msub.add_parser("build", help="write a synthetic HF snapshot to --out and print its payload digest")
     build.add_argument("--arch", required=True, choices=("qwen3-0.6b", "qwen3-1.7b", "tiny"))
@@ -461,6 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     digest = msub.add_parser("digest",
                              help="payload digest of any snapshot directory (synthetic or hub); writes nothing")
     digest.add_argument("snapshot")
+    verify = msub.add_parser("verify", help="check a local (e.g. downloaded) snapshot against a study's actor or "
+                                            "teacher: config.json fields, tokenizer, prompt ids, and --digest if given")
+    verify.add_argument("snapshot")
+    verify.add_argument("--params", default=DEFAULT_PARAMS)
+    verify.add_argument("--role", choices=("actor", "teacher"), default="actor")
+    verify.add_argument("--digest", default=None, help="the payload digest to expect (default: computed, printed)")
     calibrate = msub.add_parser("calibrate", help="measure entropy on the workload and pick the logit scale "
                                                   "(prints JSON; writes snapshots under .cache/)")
     calibrate.add_argument("--arch", required=True, choices=("qwen3-0.6b", "qwen3-1.7b", "tiny"))
@@ -468,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--role", choices=("actor", "teacher"), default=None)
     calibrate.add_argument("--device", default="cpu")
     calibrate.add_argument("--target-nats", type=float, default=None)
-    for p in (build, digest, calibrate):
+    for p in (build, digest, verify, calibrate):
         p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("measure", help="measure one backend through notebooks/measure.ipynb; raw JSONL under "
