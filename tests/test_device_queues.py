@@ -89,3 +89,12 @@ def test_queue_file_is_runnable(path):
                     assert "BEFORE" in env, f"{path.name}/{name}: `before` needs BEFORE=<file>"
         else:
             pytest.fail(f"{path.name}/{name}: a command this test cannot check: {command[:80]}")
+
+
+@pytest.mark.parametrize("script", sorted((REPO_ROOT / "tools" / "device").glob("*.sh")), ids=lambda p: p.name)
+def test_device_scripts_parse(script):
+    """A syntax error in a device script would cost a machine start to find: `bash -n` finds it here."""
+    import subprocess
+
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
