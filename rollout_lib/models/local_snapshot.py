@@ -3,8 +3,8 @@
 A team with the real Qwen3-0.6B / Qwen3-1.7B on disk names the directory and pins its payload
 digest; nothing is downloaded. Before anything is measured this module verifies, and refuses with a
 message naming the field:
-- the study block: `path`, `payload_digest`, optional `revision`; `synthetic_seed`, `logit_scale` and
-  `logit_calibration` belong to synthetic weights and are refused here;
+- the study block (`study/model_source.py`): `path`, `payload_digest`, optional `revision`; `synthetic_seed`,
+  `logit_scale` and `logit_calibration` belong to synthetic weights and are refused;
 - the directory: `config.json`, one or more `*.safetensors` shards and a tokenizer (`tokenizer.json`);
 - the payload digest (the same SHA-256 over tensors in canonical order as for synthetic snapshots,
   `synthetic.payload_digest`): a mismatch names both digests;
@@ -20,16 +20,17 @@ so `source: snapshot` is accepted there only after the oracle's 24 cells are in.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from rollout_lib.study.prereg import SHA256_PATTERN, ArchitectureSpec
-from rollout_lib.study.strict import StrictLoadError, from_mapping
+from rollout_lib.study.model_source import SnapshotSource, parse_snapshot_source
+from rollout_lib.study.prereg import ArchitectureSpec
 from rollout_lib.study.workload import Workload
 
-SYNTHETIC_ONLY_KEYS = ("synthetic_seed", "logit_scale", "logit_calibration")
+__all__ = ["LocalSnapshot", "SnapshotDigestMismatch", "SnapshotError", "SnapshotSource", "check_prompt_ids",
+           "parse_snapshot_source", "verify_snapshot"]
+
 # study field -> config.json key (transformers 5 may nest rope_theta under rope_parameters)
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta", "rms_norm_eps",
@@ -45,16 +46,6 @@ class SnapshotDigestMismatch(SnapshotError):
 
 
 @dataclass(frozen=True)
-class SnapshotSource:
-    """The `source: snapshot` fields of an actor or teacher block."""
-
-    source: Literal["snapshot"]
-    path: str
-    payload_digest: str
-    revision: str | None = None
-
-
-@dataclass(frozen=True)
 class LocalSnapshot:
     """A verified snapshot: where it is, what it is, what its tokenizer holds."""
 
@@ -64,25 +55,6 @@ class LocalSnapshot:
     config_vocab_size: int
     tokenizer_vocab_size: int
     model_type: str
-
-
-def parse_snapshot_source(block: dict[str, Any], key_path: str) -> SnapshotSource:
-    """The snapshot fields of a model block (`key_path`: e.g. `actor`); the synthetic-only keys are
-    refused by name, any other unknown key by the strict loader."""
-    if not isinstance(block, dict):
-        raise StrictLoadError(key_path, f"expected a mapping, got {type(block).__name__}")
-    for key in SYNTHETIC_ONLY_KEYS:
-        if key in block:
-            raise StrictLoadError(f"{key_path}.{key}", "not allowed with source: snapshot (the weights are the "
-                                  "snapshot's own; only synthetic weights take a seed and a logit scale)")
-    fields = {k: block[k] for k in ("source", "path", "payload_digest", "revision") if k in block}
-    spec = from_mapping(SnapshotSource, fields, key_path)
-    if not re.fullmatch(SHA256_PATTERN, spec.payload_digest):
-        raise StrictLoadError(f"{key_path}.payload_digest", f"{spec.payload_digest!r}: expected 64 lowercase hex "
-                              "digits (`rollout models digest DIR` prints it)")
-    if not spec.path.strip():
-        raise StrictLoadError(f"{key_path}.path", "empty: the snapshot's local directory")
-    return spec
 
 
 def resolve_path(spec: SnapshotSource, study_path: str | Path | None) -> Path:
