@@ -163,3 +163,24 @@ def test_models_verify_cli(local_copy, capsys):
     # the preregistered actor is Qwen3-0.6B-shaped: the tiny snapshot is refused field by field
     assert main(["models", "verify", str(path)]) == 2
     assert "hidden_size: study 1024, snapshot 64" in capsys.readouterr().err
+
+
+def test_resolve_model_snapshot_serves_both_sources(smoke_study, snapshot_cache, local_copy):
+    """One entry for every path that needs a model's directory (vLLM's mirror, the cycle's actor and
+    teacher; the HF backends once the oracle's freeze ends): synthetic -> the built, verified cache;
+    snapshot -> the named directory, verified."""
+    import types
+
+    from rollout_lib.models.local_snapshot import resolve_model_snapshot
+
+    info, path = local_copy
+    synthetic = resolve_model_snapshot(smoke_study.actor, cache_dir=snapshot_cache)
+    assert synthetic.payload_digest == info.payload_digest and synthetic.path == info.path
+    as_snapshot = types.SimpleNamespace(source="snapshot", path="my-models/tiny-actor", role="actor",
+                                        payload_digest=info.payload_digest, revision="r1",
+                                        architecture=smoke_study.actor.architecture)
+    local = resolve_model_snapshot(as_snapshot, study_path=path.parent.parent / "study.yaml")
+    assert local.path == str(path) and local.payload_digest == info.payload_digest and local.revision == "r1"
+    with pytest.raises(SnapshotDigestMismatch):
+        resolve_model_snapshot(types.SimpleNamespace(**(vars(as_snapshot) | {"payload_digest": "0" * 64})),
+                               study_path=path.parent.parent / "study.yaml")

@@ -50,9 +50,10 @@ from typing import Any
 from rollout_lib.backends.base import Backend, BatchResult, Phase, RequestResult, ServerDied, register_backend
 from rollout_lib.backends.server import ManagedServer, ServerStartError
 from rollout_lib.models.fast_identity import policy_identity_streamed
+from rollout_lib.models.local_snapshot import resolve_model_snapshot
 from rollout_lib.models.merged import merge_policy, merged_identity, read_projection_weights, write_merged
 from rollout_lib.models.policy import PolicyVersion, write_peft_adapter
-from rollout_lib.models.synthetic import DEFAULT_CACHE_DIR, ensure_snapshot
+from rollout_lib.models.synthetic import DEFAULT_CACHE_DIR
 
 SERVED_BASE_NAME = "actor"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values
@@ -277,8 +278,7 @@ class VLLMManagedBackend(Backend):
         from rollout_lib.models.actor import write_mirror_snapshot
 
         actor = self.study.actor
-        snapshot = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale,
-                                   expected_digest=actor.payload_digest, cache_dir=self.cache_dir)
+        snapshot = resolve_model_snapshot(actor, cache_dir=self.cache_dir, study_path=self.study.source_path)
         quant = actor.quantization
         # a float32 engine serves the float32 dequantization (the precision ladder's rung c)
         suffix = "-f32" if self.serving_dtype == "float32" else ""

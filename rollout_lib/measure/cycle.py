@@ -36,13 +36,14 @@ from rollout_lib.core import OUTPUTS_DIR
 from rollout_lib.measure.identity import environment_identity
 from rollout_lib.measure.rawfile import RawWriter, seal_file
 from rollout_lib.models.actor import add_lora, load_nf4_base, torch_dtype, use_float32_lm_head
+from rollout_lib.models.local_snapshot import resolve_model_snapshot
 from rollout_lib.models.policy import (
     load_policy_into_peft,
     lora_tensor_names,
     policy_versions,
     read_policy_from_peft,
 )
-from rollout_lib.models.synthetic import ensure_snapshot, load_causal_lm
+from rollout_lib.models.synthetic import load_causal_lm
 from rollout_lib.models.training import (
     ActorTrainer,
     TrainedPolicy,
@@ -193,9 +194,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         torch_device = backend.device  # the teacher and the trainer live where the backend serves
         started = time.perf_counter()
         teacher_spec = rollout.teacher
-        teacher_snapshot = ensure_snapshot(teacher_spec.architecture.name, teacher_spec.synthetic_seed,
-                                           teacher_spec.logit_scale, expected_digest=teacher_spec.payload_digest,
-                                           cache_dir=cache_dir)
+        teacher_snapshot = resolve_model_snapshot(teacher_spec, cache_dir=cache_dir, study_path=rollout.source_path)
         teacher = load_causal_lm(teacher_snapshot.path, torch_dtype(teacher_spec.serving_dtype), torch_device)
         use_float32_lm_head(teacher)
         synchronize(torch_device)
@@ -263,8 +262,7 @@ def _trainer_actor(backend, rollout, device, cache_dir):
     if backend.name == "hf_reference":
         return backend.model
     actor = rollout.actor
-    snapshot = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale,
-                               expected_digest=actor.payload_digest, cache_dir=cache_dir)
+    snapshot = resolve_model_snapshot(actor, cache_dir=cache_dir, study_path=rollout.source_path)
     return add_lora(load_nf4_base(snapshot.path, actor.quantization, torch_dtype(actor.quantization.compute_dtype),
                                   str(device)), actor.lora)
 

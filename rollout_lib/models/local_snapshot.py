@@ -152,3 +152,19 @@ def check_prompt_ids(workload: Workload, snapshot: LocalSnapshot) -> int:
                                 f"vocabulary (0..{snapshot.config_vocab_size - 1})")
         largest = max(largest, *ids)
     return largest
+
+
+def resolve_model_snapshot(spec: Any, *, cache_dir: str | Path | None = None,
+                           study_path: str | Path | None = None):
+    """The snapshot directory of a study's actor or teacher, verified: a synthetic model is built once
+    into the cache and checked against its pinned digest (`synthetic.ensure_snapshot`); a `source:
+    snapshot` model is the named directory, checked by `verify_snapshot`. Returns an object with
+    `.path` and `.payload_digest` either way."""
+    from rollout_lib.models.synthetic import ensure_snapshot
+
+    if getattr(spec, "source", "synthetic") == "snapshot":
+        source = SnapshotSource(source="snapshot", path=spec.path, payload_digest=spec.payload_digest,
+                                revision=getattr(spec, "revision", None))
+        return verify_snapshot(source, spec.architecture, study_path=study_path, key_path=spec.role)
+    return ensure_snapshot(spec.architecture.name, spec.synthetic_seed, spec.logit_scale,
+                           expected_digest=spec.payload_digest, cache_dir=cache_dir)
