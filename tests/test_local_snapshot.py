@@ -184,3 +184,16 @@ def test_resolve_model_snapshot_serves_both_sources(smoke_study, snapshot_cache,
     with pytest.raises(SnapshotDigestMismatch):
         resolve_model_snapshot(types.SimpleNamespace(**(vars(as_snapshot) | {"payload_digest": "0" * 64})),
                                study_path=path.parent.parent / "study.yaml")
+
+
+def test_the_reports_setup_table_names_either_source(smoke_study):
+    import types
+
+    from rollout_lib.report.summary import model_source_text
+
+    actor = smoke_study.actor
+    assert model_source_text(actor) == (f"tiny synthetic seed {actor.synthetic_seed}, logit scale {actor.logit_scale}, "
+                                        f"digest {actor.payload_digest[:16]}…")
+    local = types.SimpleNamespace(source="snapshot", path="models/qwen3-0.6b", revision="c1899de",
+                                  payload_digest="ab" * 32, architecture=actor.architecture)
+    assert model_source_text(local) == "tiny local snapshot models/qwen3-0.6b, revision c1899de, digest abababababababab…"

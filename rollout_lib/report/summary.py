@@ -57,15 +57,25 @@ def _fmt_status(phase: dict[str, Any]) -> str:
     return phase.get("status", "not_measured")
 
 
+def model_source_text(spec: Any) -> str:
+    """Where a model's weights come from: a synthetic seed and logit scale, or a local snapshot (its
+    path and revision label), with the pinned payload digest."""
+    if getattr(spec, "source", "synthetic") == "snapshot":
+        revision = f", revision {spec.revision}" if getattr(spec, "revision", None) else ""
+        return (f"{spec.architecture.name} local snapshot {spec.path}{revision}, digest "
+                f"{spec.payload_digest[:16]}…")
+    return (f"{spec.architecture.name} synthetic seed {spec.synthetic_seed}, logit scale {spec.logit_scale}, "
+            f"digest {spec.payload_digest[:16]}…")
+
+
 def setup_table(study: Preregistration, aggregate: dict[str, Any], inputs: dict[str, Any]):
     import pandas as pd
 
     rows = [("study", f"{study.study_id} ({study.status_label})"),
             ("preregistration", f"{Path(study.source_path).name} sha256 {study.sha256}"),
             ("calculator", f"{study.calculator.path} sha256 {aggregate['calculator_sha256']}"),
-            ("actor", f"{study.actor.architecture.name} synthetic seed {study.actor.synthetic_seed}, logit scale "
-                      f"{study.actor.logit_scale}, digest {study.actor.payload_digest[:16]}…, NF4 + LoRA r"
-                      f"{study.actor.lora.rank}"),
+            ("actor", f"{model_source_text(study.actor)}, NF4 + LoRA r{study.actor.lora.rank}"),
+            ("teacher", model_source_text(study.teacher)),
             ("memory budget", f"{study.memory.budget_bytes / GIB:.1f} GiB emulated; gate < "
                               f"{study.memory.gate_peak_total_bytes / GIB:.1f} GiB peak total (NVML, process tree)"),
             ("protocol", f"{study.protocol.warmup_repetitions} warmup + {study.protocol.measured_repetitions} "
