@@ -196,4 +196,5 @@ def test_the_reports_setup_table_names_either_source(smoke_study):
                                         f"digest {actor.payload_digest[:16]}…")
     local = types.SimpleNamespace(source="snapshot", path="models/qwen3-0.6b", revision="c1899de",
                                   payload_digest="ab" * 32, architecture=actor.architecture)
-    assert model_source_text(local) == "tiny local snapshot models/qwen3-0.6b, revision c1899de, digest abababababababab…"
+    assert model_source_text(local) == ("tiny local snapshot models/qwen3-0.6b, revision c1899de, "
+                                        "digest abababababababab…")

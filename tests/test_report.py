@@ -67,6 +67,16 @@ def test_report_says_not_preregistered_and_lists_integrity(smoke_html, smoke_stu
     assert throughput is not None
 
 
+def test_the_frozen_setup_names_the_models_sources_and_each_raw_files_environment(smoke_html, smoke_study):
+    from rollout_lib.report.summary import model_source_text
+
+    soup, _ = smoke_html
+    setup = next(t for t in soup.find_all("table") if "memory budget" in t.get_text())
+    text = setup.get_text(" ")
+    assert model_source_text(smoke_study.actor) in text and model_source_text(smoke_study.teacher) in text
+    assert smoke_study.sha256 in text and "run hf_cached/ci" in text and "torch memory fraction" in text
+
+
 def test_verdict_comes_first_with_gates_selection_and_coverage(smoke_html, smoke_study):
     soup, _ = smoke_html
     headings = [h.get_text(" ").strip().rstrip("¶").strip() for h in soup.find_all(["h1", "h2"])]

@@ -204,6 +204,10 @@ def summary_notebook() -> nbformat.NotebookNode:
         new_code_cell(SUMMARY_PARAMETERS, metadata={"tags": ["parameters", "remove-cell"]}),
         code(SUMMARY_LOAD),
         code("display(HTML(verdict.verdict_html(aggregate, study)))"),
+        new_markdown_cell("## Frozen setup\n\nWhat every number below is bound to: the preregistration and the "
+                          "calculator (SHA-256), the models and their source, the memory budget, the protocol, and "
+                          "per raw file the GPU, driver, packages and source commit."),
+        code("display(report.styled(report.setup_table(study, aggregate, inputs)))"),
         new_markdown_cell("## Throughput per cell\n\nTokens/s = actual generated tokens / median wall time of "
                           "the measured repetitions (colour on a log scale)."),
         code(FIGURE.format(call="figures.throughput_heatmap(aggregate, study)",
