@@ -11,9 +11,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollout_lib.study.prereg import SHA256_PATTERN
 from rollout_lib.study.strict import StrictLoadError, from_mapping
 
+# the payload-digest pattern; prereg.py (frozen while h200-v2 runs) has its own copy until the loader
+# takes this block and imports it from here (this module must not import prereg: the loader imports it)
+SHA256_PATTERN = r"[0-9a-f]{64}"
 SYNTHETIC_ONLY_KEYS = ("synthetic_seed", "logit_scale", "logit_calibration")
 
 
