@@ -222,9 +222,10 @@ class CompactQwen3:
             self._stack_lora_buffers()
         # `compile_step`: the per-layer pieces of the decode step and its sampler go through inductor
         # before capture, which fuses the elementwise chains (norms, rotary, LoRA casts and adds, the
-        # noise hash) into a few kernels. They are compiled once per piece, not per layer (the layer's
-        # tensors are arguments) and with dynamic shapes (one compilation serves every bucket): a
-        # whole-model compilation of the 28 unrolled layers took longer than 6 minutes on the H200.
+        # noise hash) into a few kernels. They are compiled per piece, not per layer (the layer's
+        # tensors are arguments), dynamic in the cache length (one compilation serves every bucket of a
+        # row count; per row count with STEP_SHAPES "per_rows"): a whole-model compilation of the 28
+        # unrolled layers took longer than 6 minutes on the H200.
         self.compiled = bool(compile_step)
         if STEP_SHAPES not in STEP_SHAPES_ALLOWED or CACHE_WRITE not in CACHE_WRITE_ALLOWED:
             raise ValueError(f"STEP_SHAPES {STEP_SHAPES!r} (allowed: {', '.join(STEP_SHAPES_ALLOWED)}), "
