@@ -99,10 +99,10 @@ def _verify_local_snapshot(args: argparse.Namespace) -> int:
     from rollout_lib.models.local_snapshot import (
         SnapshotError,
         check_prompt_ids,
+        inspect_snapshot,
         parse_snapshot_source,
         verify_snapshot,
     )
-    from rollout_lib.models.synthetic import payload_digest
     from rollout_lib.study import prereg as prereg_mod
     from rollout_lib.study.workload import Workload
 
@@ -110,11 +110,14 @@ def _verify_local_snapshot(args: argparse.Namespace) -> int:
     model = study.actor if args.role == "actor" else study.teacher
     if not Path(args.snapshot).is_dir():
         raise CommandError(f"snapshot: {args.snapshot!r} is not a directory")
-    digest = args.digest or payload_digest(args.snapshot)
-    spec = parse_snapshot_source({"source": "snapshot", "path": str(Path(args.snapshot).resolve()),
-                                  "payload_digest": digest}, args.role)
+    path = Path(args.snapshot).resolve()
     try:
-        snapshot = verify_snapshot(spec, model.architecture, key_path=args.role)
+        if args.digest is None:  # the digest is computed once and printed, to pin in the study
+            snapshot = inspect_snapshot(path, model.architecture, key_path=args.role)
+        else:
+            spec = parse_snapshot_source({"source": "snapshot", "path": str(path), "payload_digest": args.digest},
+                                         args.role)
+            snapshot = verify_snapshot(spec, model.architecture, key_path=args.role)
         largest = check_prompt_ids(Workload(study), snapshot)
     except SnapshotError as err:
         raise CommandError(str(err)) from err

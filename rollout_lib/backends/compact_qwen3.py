@@ -479,14 +479,13 @@ class CompactQwen3:
         scale = 1.0 / math.sqrt(self.head_dim)
         inside = compiled and self.cache_write == "inside"
         for index, layer in enumerate(self.layers):
+            # CACHE_WRITE "inside": the compiled piece writes k/v; otherwise index_copy_ between the pieces
+            write_inside = {"cache_k": cache.k[index], "cache_v": cache.v[index], "write": write} if inside else {}
             if compiled:
-                self.mark_rows(h, cos, sin, *((cache.k[index], cache.v[index]) if inside else ()))
-            if inside:
-                q, _, _ = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
-                                 fused=compiled, cache_k=cache.k[index], cache_v=cache.v[index], write=write)
-            else:  # uncompiled, or CACHE_WRITE "outside"
-                q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
-                                 fused=compiled)
+                self.mark_rows(h, cos, sin, write_inside.get("cache_k"), write_inside.get("cache_v"))
+            q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
+                             fused=compiled, **write_inside)
+            if not inside:
                 cache.k[index].index_copy_(2, write, k)
                 cache.v[index].index_copy_(2, write, v)
             attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,8 +89,8 @@ def repetitions_admitted(room_s: float, repetition_s: float, warmups: int, *,
                          safety: float = DEADLINE_SAFETY, margin_s: float = DEADLINE_MARGIN_S) -> int:
     """How many repetitions (warmups first) the runner would run of a cell started with `room_s` seconds
     to the deadline, each taking `repetition_s`: 0 when it would not start the cell at all."""
-    if repetition_s <= 0:
-        return 0 if room_s < margin_s else 10**9
+    if repetition_s <= 0:  # no estimate of cost: as many as asked, if the margin itself fits
+        return 0 if room_s < margin_s else sys.maxsize
     if (warmups + 1) * repetition_s * safety + margin_s > room_s:
         return 0
     # repetition j starts at j x repetition_s and is admitted while it ends (with the margin) in time

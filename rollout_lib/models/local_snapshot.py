@@ -29,7 +29,7 @@ from rollout_lib.study.prereg import ArchitectureSpec
 from rollout_lib.study.workload import Workload
 
 __all__ = ["LocalSnapshot", "SnapshotDigestMismatch", "SnapshotError", "SnapshotSource", "check_prompt_ids",
-           "parse_snapshot_source", "verify_snapshot"]
+           "inspect_snapshot", "parse_snapshot_source", "verify_snapshot"]
 
 # study field -> config.json key (transformers 5 may nest rope_theta under rope_parameters)
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -109,12 +109,12 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
 
 
-def verify_snapshot(spec: SnapshotSource, arch: ArchitectureSpec, *, study_path: str | Path | None = None,
-                    key_path: str = "actor") -> LocalSnapshot:
-    """Check a local snapshot against the study before anything is measured (see the module docstring)."""
+def inspect_snapshot(path: Path, arch: ArchitectureSpec, *, key_path: str = "actor",
+                     revision: str | None = None) -> LocalSnapshot:
+    """A local snapshot checked against the study's architecture, with its payload digest computed
+    (not compared: `verify_snapshot` compares it with the pinned one)."""
     from rollout_lib.models.synthetic import payload_digest
 
-    path = resolve_path(spec, study_path)
     if not path.is_dir():
         raise SnapshotError(f"{key_path}.path: {path} is not a directory")
     config_file = path / "config.json"
@@ -128,14 +128,21 @@ def verify_snapshot(spec: SnapshotSource, arch: ArchitectureSpec, *, study_path:
     if problems:
         raise SnapshotError(f"{key_path}.architecture: the snapshot's config.json disagrees with the study: "
                             + "; ".join(problems))
-    digest = payload_digest(path)
-    if digest != spec.payload_digest:
-        raise SnapshotDigestMismatch(f"{key_path}.payload_digest: the snapshot at {path} has payload digest "
-                                     f"{digest}, the study pins {spec.payload_digest}; refusing to measure")
     tokenizer = load_tokenizer(path)
-    return LocalSnapshot(path=str(path), payload_digest=digest, revision=spec.revision,
+    return LocalSnapshot(path=str(path), payload_digest=payload_digest(path), revision=revision,
                          config_vocab_size=int(config["vocab_size"]), tokenizer_vocab_size=len(tokenizer),
                          model_type=config["model_type"])
+
+
+def verify_snapshot(spec: SnapshotSource, arch: ArchitectureSpec, *, study_path: str | Path | None = None,
+                    key_path: str = "actor") -> LocalSnapshot:
+    """Check a local snapshot against the study before anything is measured (see the module docstring)."""
+    snapshot = inspect_snapshot(resolve_path(spec, study_path), arch, key_path=key_path, revision=spec.revision)
+    if snapshot.payload_digest != spec.payload_digest:
+        raise SnapshotDigestMismatch(f"{key_path}.payload_digest: the snapshot at {snapshot.path} has payload "
+                                     f"digest {snapshot.payload_digest}, the study pins {spec.payload_digest}; "
+                                     "refusing to measure")
+    return snapshot
 
 
 def check_prompt_ids(workload: Workload, snapshot: LocalSnapshot) -> int:
