@@ -1,7 +1,7 @@
 """The device queue files (tools/device/queues/*.tsv) are checked on CPU before a lease spends GPU
 minutes on them: each line is `name<TAB>timeout_s<TAB>command`, names are unique, every
-`rollout_lib.cli` command parses with the real CLI (cells known to the preregistered workload), the
-probe's variants are ones it accepts, and named test files exist."""
+`rollout_lib.cli` (and tools/side_by_side.py) command parses with the real parser (cells known to the
+preregistered workload), the probe's variants are ones it accepts, and named test files exist."""
 
 from __future__ import annotations
 
@@ -74,6 +74,12 @@ def test_queue_file_is_runnable(path):
                 if value:
                     unknown = set(str(value).split(",")) - known_cells
                     assert not unknown, f"{path.name}/{name}: unknown cells {sorted(unknown)}"
+        elif words[:2] == ["python3", "tools/side_by_side.py"]:
+            from tools import side_by_side
+
+            args = side_by_side.build_parser().parse_args(words[2:])
+            unknown = set(args.cells.split(",")) - known_cells
+            assert not unknown, f"{path.name}/{name}: unknown cells {sorted(unknown)}"
         elif words[:4] == ["python3", "-m", "pytest", "-q"]:
             for word in words:
                 if word.startswith("tests/") or word.startswith("--ignore=tests/"):

@@ -331,16 +331,19 @@ def _compiled_entries(function) -> int:
     return len(_debug_get_cache_entry_list(function.__code__))
 
 
-@pytest.mark.parametrize(("shapes", "write"), [("per_rows", "outside"), ("dynamic", "outside"),
-                                               ("per_rows", "inside")])
-def test_compiled_step_variants_give_the_uncompiled_tokens(smoke_study, snapshot_cache, monkeypatch, shapes, write):
+@pytest.mark.parametrize(("shapes", "write", "options"),
+                         [("per_rows", "outside", {}), ("dynamic", "outside", {}),
+                          ("dynamic", "inside", {"coordinate_descent_tuning": True})])
+def test_compiled_step_variants_give_the_uncompiled_tokens(smoke_study, snapshot_cache, monkeypatch, shapes, write,
+                                                           options):
     """Every way of compiling the step is the same float32 math: the tokens of the uncompiled step.
     "per_rows" compiles once per row count (4 and 8 rows here), "dynamic" once for both; "inside"
-    writes the k/v cache from the compiled piece."""
+    writes the k/v cache from the compiled piece; inductor options reach the compilation's record."""
     from rollout_lib.backends import compact_qwen3
 
     monkeypatch.setattr(compact_qwen3, "STEP_SHAPES", shapes)
     monkeypatch.setattr(compact_qwen3, "CACHE_WRITE", write)
+    monkeypatch.setattr(compact_qwen3, "INDUCTOR_OPTIONS", options)
     workload = Workload(smoke_study)
     policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
     cells = ["p16-r8-n1-greedy", "p16-r8-n2-stochastic"]  # 4 rows, then 8 rows
@@ -357,7 +360,7 @@ def test_compiled_step_variants_give_the_uncompiled_tokens(smoke_study, snapshot
         results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in cells}
         if mode == "inductor":
             env = backend.environment()
-            assert (env["step_shapes"], env["cache_write"]) == (shapes, write)
+            assert (env["step_shapes"], env["cache_write"], env["inductor_options"]) == (shapes, write, options)
             compilations = _compiled_entries(compact_qwen3.CompactQwen3._before_attention) - before
             assert compilations == (2 if shapes == "per_rows" else 1), compilations
         backend.teardown()

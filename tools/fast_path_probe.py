@@ -7,9 +7,10 @@ the graph path (and optionally the eager path) on a few cells, float32 greedy eq
 Variants: `off` / `inductor` are the graph path with the step uncompiled / compiled by inductor
 before capture; `eager` the transformers + peft loop; `before` the graph path with an older copy
 of compact_qwen3.py (`--before FILE`), for before/after in one process. Suffixes on `off` / `inductor`
-change one thing each, to read the changes apart: `+f32head` forces the float32 GEMM head, `+dynamic`
-one dynamic-shape compilation for every row count (STEP_SHAPES), `+kvinside` / `+kvoutside` the k/v
-cache write inside / outside the compiled piece (CACHE_WRITE); e.g. `inductor+dynamic+f32head+kvoutside`.
+change one thing each, to read the changes apart: `+f32head` forces the float32 GEMM head, `+dynamic` /
+`+perrows` one compilation for every row count / one per row count (STEP_SHAPES), `+kvinside` /
+`+kvoutside` the k/v cache write inside / outside the compiled piece (CACHE_WRITE), `+cdt` inductor's
+coordinate-descent tuning of launch configurations (INDUCTOR_OPTIONS); e.g. `inductor+perrows+cdt`.
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards).
 """
@@ -33,6 +34,8 @@ from rollout_lib.study.workload import Workload
 # suffix -> (attribute of rollout_lib.backends.compact_qwen3, value while the variant runs)
 SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False),
             "dynamic": ("STEP_SHAPES", "dynamic"),
+            "perrows": ("STEP_SHAPES", "per_rows"),
+            "cdt": ("INDUCTOR_OPTIONS", {"coordinate_descent_tuning": True}),
             "kvinside": ("CACHE_WRITE", "inside"),
             "kvoutside": ("CACHE_WRITE", "outside")}
 

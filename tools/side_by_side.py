@@ -45,7 +45,7 @@ def measure(backend, workload, cells, repetitions, policy):
     return {"cold_start_s": cold.seconds, "cells": rows, "environment": environment}
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", default="params/rollout-runtime-v2.yaml")
     parser.add_argument("--cells", default=ISSUE_CELLS)
@@ -53,7 +53,11 @@ def main() -> int:
     parser.add_argument("--backend-option", action="append", default=[], metavar="BACKEND:KEY=VALUE",
                         help="e.g. vllm:server_python=/path/python (JSON values allowed)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     study = load(args.params)
     workload = Workload(study)
     policy = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, 1)[-1]

@@ -90,17 +90,21 @@ class Layer:
 
 # How the decode step's pieces are compiled (read when an engine is built; tools/fast_path_probe.py
 # patches them to measure the alternatives side by side in one process):
-# - STEP_SHAPES "per_rows": one compilation per row count (1, 4, 16), so inductor picks each kernel's
-#   launch configuration (XBLOCK, warps: from size hints and a benchmark at the first launch) for the
-#   shape it runs; "dynamic": one compilation for every row count, configured from the first one
-#   compiled (4 rows). Lease 4 and lease 5 measured the same source 0.8 ms/step apart at 16 rows: one
-#   fused reduction ran 40 us in one lease and ~4 us in the other (docs/perf-notes.md).
+# - STEP_SHAPES "dynamic": one compilation for every row count (lengths and rows dynamic); "per_rows":
+#   one compilation per row count (1, 4, 16), each configured by inductor for its own shape. Measured
+#   side by side in lease 6 (outputs/perf/fast-path-issue12-final/): per_rows is 0.5 ms/step *slower*
+#   at 16 rows (its two fused LoRA reductions took 401 + 474 us per step there, against 299 + 159 us
+#   compiled once with dynamic rows) and equal at 4 rows; lease 5's guess that it would be faster was
+#   wrong (docs/perf-notes.md).
 # - CACHE_WRITE "inside": k/v written into the cache by the compiled piece that computes them (-56
-#   launches per step; lease 5: 0.16-0.26 ms/step faster than "outside" at 4 and 16 rows, where lease 4's
-#   dynamic-shape compilation had made one fused kernel 10x slower at 16 rows); "outside": written by
-#   index_copy_ launches between the pieces.
-STEP_SHAPES = "per_rows"
+#   launches per step; lease 6: -0.16 to -0.20 ms/step at 16 rows, +0.07 at 4 rows; lease 5: 0.16-0.26
+#   faster at both); "outside": written by index_copy_ launches between the pieces.
+# - INDUCTOR_OPTIONS: inductor settings for these compilations (torch.compile's `options`), empty by
+#   default; the probe's `+cdt` turns on coordinate-descent tuning of each kernel's launch configuration
+#   at its own shape (a longer cold start), to test whether the LoRA reductions' configuration is the gap.
+STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
+INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
 STEP_SHAPES_ALLOWED = ("per_rows", "dynamic")
 CACHE_WRITE_ALLOWED = ("outside", "inside")
 # recompilations allowed per compiled function: the row counts of one engine, times the engines a
@@ -237,7 +241,9 @@ class CompactQwen3:
             setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
         # dynamic shapes (the cache length varies by bucket); "per_rows" marks the row dimension of every
         # per-row input static at each call (`mark_rows`), so a new row count is a new compilation
-        compile = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+        self.inductor_options = dict(INDUCTOR_OPTIONS)
+        compile = functools.partial(torch.compile, dynamic=True, fullgraph=True,
+                                    options=self.inductor_options or None)
         if self.compiled:  # only rows and lengths vary: the weights' shapes are constants of the kernels
             for layer in self.layers:
                 for tensor in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,

@@ -176,6 +176,8 @@ class HFCachedBackend(HFBackendBase):
                       "step_compile": "inductor" if self.engine.compiled else "off",
                       "step_shapes": self.engine.step_shapes if self.engine.compiled else "not_applicable",
                       "cache_write": self.engine.cache_write if self.engine.compiled else "outside",
+                      "inductor_options": dict(self.engine.inductor_options) if self.engine.compiled
+                      else "not_applicable",
                       "lm_head": self.engine.head_mode,
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,
