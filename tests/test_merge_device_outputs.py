@@ -37,15 +37,16 @@ def test_new_grown_unchanged_and_behind_files_merge(tmp_path, checkout):
         "outputs/raw/c/later.jsonl": b"a\nb\n",  # an older copy: the checkout holds more
         "outputs/raw/c/new.jsonl": b"header\n",
         "outputs/raw/c/new.jsonl.lock": b"pid",
-        "logs/job.log": b"ran\n", "state/jobs": b"job exit 0\n", "state/queue.tsv": b"job\t1\ttrue\n"})
+        "logs/job.log": b"ran\n", "state/jobs": b"job exit 0\n", "state/queue.tsv": b"job\t1\ttrue\n",
+        "state/host.json": b'{"cpu_model": "x"}\n'})
     plan = merge_device_outputs.merge(archive, checkout, logs_to=checkout / "outputs" / "perf" / "q")
     assert plan.new == ["outputs/raw/c/new.jsonl"] and plan.grown == ["outputs/raw/c/SEALS.jsonl"]
     assert plan.behind == ["outputs/raw/c/later.jsonl"] and plan.same == ["outputs/raw/c/old.jsonl"]
     assert (checkout / "outputs/raw/c/SEALS.jsonl").read_bytes().count(b"seal") == 2
     assert (checkout / "outputs/raw/c/later.jsonl").read_bytes() == b"a\nb\nc\n"
     assert not (checkout / "outputs/raw/c/new.jsonl.lock").exists()
-    assert sorted(p.name for p in (checkout / "outputs" / "perf" / "q").iterdir()) == ["job.log", "jobs.txt",
-                                                                                       "queue.tsv"]
+    assert sorted(p.name for p in (checkout / "outputs" / "perf" / "q").iterdir()) == [
+        "host.json", "job.log", "jobs.txt", "queue.tsv"]
 
 
 def test_a_conflict_writes_nothing(tmp_path, checkout, capsys):

@@ -11,8 +11,8 @@ Every file under the archive's `outputs/` is compared with the checkout's:
 - the returned bytes a prefix of the checkout's (an older archive, merged after a later one): left alone;
 - anything else: a conflict. Nothing at all is written when there is a conflict (the checked-in bytes
   are evidence: a rerun never overwrites an earlier run), and the exit status is 1.
-Lock files are skipped. With `--logs-to DIR`, the queue's job logs and job list (`logs/`, `state/jobs`,
-`state/queue.tsv`) are copied there too.
+Lock files are skipped. With `--logs-to DIR`, the queue's job logs, job list and host facts (`logs/`,
+`state/jobs`, `state/queue.tsv`, `state/host.json`) are copied there too.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def merge(archive_path: Path, repo: Path = REPO, logs_to: Path | None = None, dr
             logs_to.mkdir(parents=True, exist_ok=True)
             for log in sorted((root / "logs").glob("*")) if (root / "logs").is_dir() else []:
                 shutil.copyfile(log, logs_to / log.name)
-            for name, as_name in (("jobs", "jobs.txt"), ("queue.tsv", "queue.tsv")):
+            for name, as_name in (("jobs", "jobs.txt"), ("queue.tsv", "queue.tsv"), ("host.json", "host.json")):
                 if (root / "state" / name).is_file():
                     shutil.copyfile(root / "state" / name, logs_to / as_name)
         return plan

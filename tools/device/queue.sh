@@ -34,6 +34,8 @@ if [ "${1:-poll}" = start ]; then
   setsid nohup bash -c '
     echo $$ > '"$WORK"'/state/running
     cd '"$WORK"'/src
+    # the host beside the logs (CPU model, launch cost): the eager paths are host-bound
+    timeout 120 python3 tools/device/host_facts.py > '"$WORK"'/state/host.json 2> '"$WORK"'/logs/host_facts.log
     while IFS=$'"'"'\t'"'"' read -r name timeout_s command; do
       case "$name" in ""|\#*) continue ;; esac
       echo "$name running $(date +%s)" >> '"$WORK"'/state/jobs
