@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,17 +201,19 @@ def test_the_reports_setup_table_names_either_source(smoke_study):
                                         "digest abababababababab…")
 
 
-def test_the_pending_loader_integration_still_applies():
-    """docs/pending/issue-16-integration.patch waits for the oracle's freeze to end; it must keep
-    applying to main, or the work it holds is lost a second time (refresh it when this fails)."""
+PENDING = sorted((Path(__file__).resolve().parent.parent / "docs" / "pending").glob("*.patch"))
+
+
+@pytest.mark.parametrize("patch", PENDING, ids=[p.name for p in PENDING])
+def test_the_pending_patches_still_apply(patch):
+    """docs/pending/*.patch wait for the oracle's freeze to end (the issue-16 loader integration, the
+    host CPU in the environment identity); each must keep applying to main, or the work it holds is
+    lost a second time (refresh it when this fails)."""
     import subprocess
 
     from .conftest import REPO
 
-    patch = REPO / "docs" / "pending" / "issue-16-integration.patch"
-    if not patch.exists():
-        pytest.skip("no pending patch (applied)")
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
     result = subprocess.run(["git", "apply", "--check", str(patch)], cwd=REPO, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, f"{patch.name}: {result.stderr}"
