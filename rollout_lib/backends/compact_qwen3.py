@@ -56,7 +56,10 @@ class FusedLinear:
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
                   scaling: float, lora_as_reductions: bool = False) -> torch.Tensor:
-    """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft does).
+    """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft's plain
+    `lora.Linear` does over the bf16 mirror: the eager path). The NF4 oracle's `lora.Linear4bit` rounds
+    the low-rank term to bf16 first and adds in bf16 (two roundings): a bf16-only difference that the
+    float32 exactness checks cannot see and the bf16 teacher-forced check measures.
 
     `lora_as_reductions` (only under inductor): the two low-rank products written as broadcast
     multiply-and-sum, which inductor turns into reduction kernels fused with their neighbours (the
