@@ -239,6 +239,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         samples_per_prompt=args.samples_per_prompt, policy_version=args.policy_version,
         partitions_response_tokens=tuple(args.partitions_response_tokens) if args.partitions_response_tokens else None)
     digests = {"actor": study.actor.payload_digest}
+    if args.candidate_option and (args.candidate != "hf_cached" or args.oracle_self_check):
+        raise CommandError("--candidate-option: only with --candidate hf_cached (not with vllm or "
+                           "--oracle-self-check)")
     if args.oracle_self_check:
         report = oracle_self_consistency(study, settings, device=args.device)
         sha = write_evidence(out, report, study=study, model_digests=digests)
@@ -247,7 +250,12 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.candidate == "vllm":
         report = vllm_conformance(study, settings, create_backend("vllm", study), device=args.device)
     else:
-        report = run_conformance(study, settings, device=args.device)
+        options = _backend_options(args.candidate_option)
+        try:  # an unknown option or value is named by the backend before anything runs
+            create_backend("hf_cached", study, device=args.device, **options)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+        report = run_conformance(study, settings, device=args.device, candidate_options=options)
     sha = write_evidence(out, report, study=study, model_digests=digests)
     v = report["verdict"]
     print(f"conformance {'PASSED' if v['passed'] else 'FAILED'}: {v['checks']}", file=sys.stderr)
@@ -558,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf_cached (two-part local conformance) or vllm (engine vs the NF4 oracle)")
     p.add_argument("--oracle-self-check", action="store_true",
                    help="only the diagnostic: the oracle's generation log-probs vs its own teacher-forced scoring")
+    p.add_argument("--candidate-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="an hf_cached backend option for a diagnostic run (e.g. lora_add=bf16_like_nf4_oracle): "
+                        "the report's kind is then local_conformance_diagnostic, which no gate reads")
     p.set_defaults(func=cmd_conformance)
 
     p = sub.add_parser("refresh", help="eight policy refreshes through one backend + teardown proof; writes --out")

@@ -522,3 +522,13 @@ def test_publish_refuses_nothing_on_untouched_evidence(ctx):
     check(ctx.study, "pub", ctx.out)
     with pytest.raises(RawSealed):
         RawWriter(ctx.raw()).open({"record": "header"})
+
+
+def test_conformance_candidate_options_are_refused_by_name(tmp_path):
+    out = cli("conformance", "--params", str(SMOKE), "--out", str(tmp_path / "c.json"), "--device", "cpu",
+              "--candidate-option", "lora_add=bf16")
+    refused_one_line(out, 2, "lora_add 'bf16' is not allowed", "float32_once", "bf16_like_nf4_oracle")
+    out = cli("conformance", "--params", str(SMOKE), "--out", str(tmp_path / "c.json"), "--candidate", "vllm",
+              "--candidate-option", "lora_add=bf16_like_nf4_oracle")
+    refused_one_line(out, 2, "--candidate-option: only with --candidate hf_cached")
+    assert not (tmp_path / "c.json").exists()

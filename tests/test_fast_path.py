@@ -378,3 +378,56 @@ def test_unknown_compile_variant_is_refused(smoke_study, snapshot_cache, monkeyp
     with pytest.raises(ValueError, match=r"STEP_SHAPES 'per_bucket' \(allowed: per_rows, dynamic\)"):
         backend.cold_start()
     backend.teardown()
+
+
+# ------------------------------------------------------------------------------------------
+# How the low-rank term is added (a conformance diagnostic)
+# ------------------------------------------------------------------------------------------
+
+
+def test_lora_add_modes_round_as_their_names_say():
+    """float32_once: add in float32, round once (peft's lora.Linear over the bf16 mirror);
+    bf16_like_nf4_oracle: round the term to bf16, add in bf16 (peft's Linear4bit, the oracle).
+    Different in bf16, one and the same in float32."""
+    from rollout_lib.backends.compact_qwen3 import _fused_linear
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 64, generator=generator)
+    weight = torch.randn(256, 64, generator=generator) / 8
+    lora_a = torch.randn(8, 64, generator=generator) / 8
+    lora_b = torch.randn(256, 8, generator=generator) / 8
+    low = (x @ lora_a.T) @ lora_b.T * 2.0
+    xb, wb = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    base = torch.nn.functional.linear(xb, wb)
+    low_b = (xb.float() @ lora_a.T) @ lora_b.T * 2.0
+    once = _fused_linear(xb, wb, lora_a, lora_b, 2.0)
+    like_oracle = _fused_linear(xb, wb, lora_a, lora_b, 2.0, lora_add="bf16_like_nf4_oracle")
+    assert torch.equal(once, (base.float() + low_b).to(torch.bfloat16))
+    assert torch.equal(like_oracle, base + low_b.to(torch.bfloat16))
+    assert (once != like_oracle).any(), "the two roundings should differ somewhere in 1,024 bf16 values"
+    f32 = [_fused_linear(x, weight, lora_a, lora_b, 2.0, lora_add=mode) for mode in ("float32_once",
+                                                                                    "bf16_like_nf4_oracle")]
+    assert torch.equal(f32[0], f32[1]) and torch.allclose(f32[0], x @ weight.T + low, atol=1e-5)
+
+
+def test_lora_add_is_checked_and_graphs_only(smoke_study, snapshot_cache):
+    with pytest.raises(ValueError, match=r"lora_add 'bf16' is not allowed; allowed: float32_once, "
+                                         r"bf16_like_nf4_oracle"):
+        create_backend("hf_cached", smoke_study, device="cpu", lora_add="bf16", cache_dir=snapshot_cache)
+    with pytest.raises(ValueError, match="lora_add applies to decode graphs only"):
+        create_backend("hf_cached", smoke_study, device="cpu", decode="eager", lora_add="bf16_like_nf4_oracle",
+                       cache_dir=snapshot_cache)
+
+
+def test_a_conformance_run_with_candidate_options_is_a_diagnostic(smoke_study, snapshot_cache):
+    """The gate judges hf_cached as it is measured: a run with other options has its own kind."""
+    from rollout_lib.checks.conformance import ConformanceSettings, run_conformance
+
+    settings = ConformanceSettings(prompt_tokens=(16,), response_tokens=(8,), partitions_response_tokens=())
+    report = run_conformance(smoke_study, settings, device="cpu", cache_dir=snapshot_cache, show_progress=False,
+                             candidate_options={"lora_add": "bf16_like_nf4_oracle"})
+    assert report["kind"] == "local_conformance_diagnostic"
+    assert report["candidate_options"] == {"lora_add": "bf16_like_nf4_oracle"}
+    for dtype in ("float32", smoke_study.actor.quantization.compute_dtype):
+        assert report[dtype]["environment"]["hf_cached"]["lora_add"] == "bf16_like_nf4_oracle"
+    assert report["verdict"]["checks"]["a_float32_greedy_exact"]  # in float32 the modes are one

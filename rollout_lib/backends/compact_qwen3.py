@@ -54,12 +54,17 @@ class FusedLinear:
     lora_parts: tuple[str, ...] = ()
 
 
+LORA_ADD_ALLOWED = ("float32_once", "bf16_like_nf4_oracle")
+
+
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
-                  scaling: float, lora_as_reductions: bool = False) -> torch.Tensor:
+                  scaling: float, lora_as_reductions: bool = False, lora_add: str = "float32_once") -> torch.Tensor:
     """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft's plain
     `lora.Linear` does over the bf16 mirror: the eager path). The NF4 oracle's `lora.Linear4bit` rounds
     the low-rank term to bf16 first and adds in bf16 (two roundings): a bf16-only difference that the
-    float32 exactness checks cannot see and the bf16 teacher-forced check measures.
+    float32 exactness checks cannot see and the bf16 teacher-forced check measures. `lora_add`
+    "bf16_like_nf4_oracle" rounds as the oracle does (a conformance diagnostic; in float32 both are one
+    and the same).
 
     `lora_as_reductions` (only under inductor): the two low-rank products written as broadcast
     multiply-and-sum, which inductor turns into reduction kernels fused with their neighbours (the
@@ -75,6 +80,8 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
         low = (xa[..., None, :] * lora_b).sum(-1)
     else:
         low = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), lora_a), lora_b)
+    if lora_add == "bf16_like_nf4_oracle":
+        return base + (low * scaling).to(base.dtype)
     return (base.float() + low * scaling).to(base.dtype)
 
 
@@ -186,11 +193,14 @@ class CompactQwen3:
     """Built from a peft-wrapped mirror (`actor.add_lora(build_mirror_base(...))`)."""
 
     def __init__(self, peft_mirror: Any, lora_rank: int, lora_targets: tuple[str, ...], scaling: float,
-                 compile_step: bool = False):
+                 compile_step: bool = False, lora_add: str = "float32_once"):
         import functools
 
         import torch
 
+        if lora_add not in LORA_ADD_ALLOWED:
+            raise ValueError(f"lora_add {lora_add!r} is not allowed; allowed: {', '.join(LORA_ADD_ALLOWED)}")
+        self.lora_add = lora_add
         model = peft_mirror.get_base_model() if hasattr(peft_mirror, "get_base_model") else peft_mirror
         config = model.config
         self.device = next(model.parameters()).device
@@ -435,7 +445,8 @@ class CompactQwen3:
         `cache_v`, `write`: k and v are written into the caches at columns `write` here (inside the
         compiled piece: inductor stores them from the kernel that computes them) and returned as None."""
         batch, length, _ = h.shape
-        qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused)
+        qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused,
+                            self.lora_add)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = _rms(q.view(batch, length, self.heads, self.head_dim), q_norm, self.eps).transpose(1, 2)
@@ -465,9 +476,10 @@ class CompactQwen3:
         # reshape, not view: SDPA's float32 kernels return [B, kv, G*L, D] laid out as [B, G*L, kv, D],
         # which cannot be viewed as the query heads (a copy, fused by inductor; a view when contiguous)
         attn = attn.reshape(batch, self.heads, length, self.head_dim).transpose(1, 2)
-        h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused)
-        gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused).chunk(2, dim=-1)
-        return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused)
+        add = self.lora_add
+        h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add)
+        gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused, add).chunk(2, dim=-1)
+        return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
                 mask: torch.Tensor, keep: int = 1, compiled: bool = False) -> torch.Tensor:

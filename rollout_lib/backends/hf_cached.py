@@ -42,7 +42,7 @@ STEP_COMPILE = ("auto", "inductor", "off")  # auto: inductor on CUDA, off on a C
 class HFCachedBackend(HFBackendBase):
     name = "hf_cached"
     description = "batched KV-cache decoding on the BF16 mirror of the NF4 actor, exact live LoRA synced per version"
-    allowed_options = (*HFBackendBase.allowed_options, "decode", "step_compile")
+    allowed_options = (*HFBackendBase.allowed_options, "decode", "step_compile", "lora_add")
 
     def __init__(self, study, **options):
         super().__init__(study, **options)
@@ -53,6 +53,16 @@ class HFCachedBackend(HFBackendBase):
         if self.step_compile not in STEP_COMPILE:
             raise ValueError(f"hf_cached: step_compile {self.step_compile!r} is not allowed; "
                              f"allowed: {', '.join(STEP_COMPILE)}")
+        from rollout_lib.backends.compact_qwen3 import LORA_ADD_ALLOWED
+
+        # how the graphs path adds the low-rank term (a conformance diagnostic; see _fused_linear)
+        self.lora_add = options.get("lora_add") or "float32_once"
+        if self.lora_add not in LORA_ADD_ALLOWED:
+            raise ValueError(f"hf_cached: lora_add {self.lora_add!r} is not allowed; "
+                             f"allowed: {', '.join(LORA_ADD_ALLOWED)}")
+        if self.decode == "eager" and self.lora_add != "float32_once":
+            raise ValueError("hf_cached: lora_add applies to decode graphs only (the eager path is peft's "
+                             "lora.Linear, which adds in float32 and rounds once)")
         self.engine = None
         self.buckets = None
         self.actor_preset_identity: str | None = None  # see actor_holds
@@ -74,7 +84,7 @@ class HFCachedBackend(HFBackendBase):
 
         compile_step = self.step_compile == "inductor" or (self.step_compile == "auto" and self.device.type == "cuda")
         self.engine = CompactQwen3(mirror, lora.rank, tuple(lora.target_modules), lora.alpha / lora.rank,
-                                   compile_step=compile_step)
+                                   compile_step=compile_step, lora_add=self.lora_add)
         del mirror  # the engine keeps what it reads (fused copies, norms, embedding, float32 head)
         work = self.study.workload
         lengths = [bucket_length(p, r) for p in work.prompt_tokens for r in work.response_tokens]
@@ -179,6 +189,7 @@ class HFCachedBackend(HFBackendBase):
                       "inductor_options": dict(self.engine.inductor_options) if self.engine.compiled
                       else "not_applicable",
                       "lm_head": self.engine.head_mode,
+                      "lora_add": self.engine.lora_add,
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,
                       "static_cache_bytes": self.buckets.cache_bytes if self.buckets else None,

@@ -122,7 +122,13 @@ def _partition_checks(backend: Backend, workload: Workload, cells: list[Cell], b
 
 
 def run_conformance(study: Preregistration, settings: ConformanceSettings, device: str | None = None,
-                    cache_dir: str | None = None, show_progress: bool = True) -> dict[str, Any]:
+                    cache_dir: str | None = None, show_progress: bool = True,
+                    candidate_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """hf_cached against the NF4 oracle, two-part (DESIGN.md decision 8), in float32 then the measured
+    dtype. `candidate_options`: hf_cached backend options for a diagnostic (e.g. `lora_add`); the report
+    is then of kind `local_conformance_diagnostic`, which no gate reads (the gate judges the backend as
+    it is measured)."""
+    candidate_options = dict(candidate_options or {})
     workload = Workload(study)
     arch_lora = (workload.arch, study.actor.lora)
     policy = policy_versions(*arch_lora, study.actor.payload_digest, settings.policy_version)[-1]
@@ -135,7 +141,9 @@ def run_conformance(study: Preregistration, settings: ConformanceSettings, devic
                        or c.response_tokens in settings.partitions_response_tokens]
     total_steps = 2 * (2 * len(greedy_cells) + len(stochastic_cells) + len(partition_cells) * n_partitions)
     progress = tqdm(total=total_steps, desc="conformance", disable=None if show_progress else True)
-    report: dict[str, Any] = {"kind": "local_conformance", "candidate": "hf_cached", "oracle": "hf_reference",
+    kind = "local_conformance_diagnostic" if candidate_options else "local_conformance"
+    report: dict[str, Any] = {"kind": kind, "candidate": "hf_cached", "oracle": "hf_reference",
+                              "candidate_options": candidate_options,
                               "preregistered": study.preregistered, "preregistration_sha256": study.sha256,
                               "policy_version": policy.version, "policy_identity": policy.identity,
                               "settings": {"prompt_tokens": list(settings.prompt_tokens),
@@ -149,7 +157,8 @@ def run_conformance(study: Preregistration, settings: ConformanceSettings, devic
     started = time.perf_counter()
     for dtype in ("float32", study.actor.quantization.compute_dtype):
         part: dict[str, Any] = {}
-        backends = {name: create_backend(name, study, device=device, compute_dtype=dtype, cache_dir=cache_dir)
+        backends = {name: create_backend(name, study, device=device, compute_dtype=dtype, cache_dir=cache_dir,
+                                         **(candidate_options if name == "hf_cached" else {}))
                     for name in ("hf_reference", "hf_cached")}
         for backend in backends.values():
             part.setdefault("cold_start_s", {})[backend.name] = backend.cold_start().seconds
