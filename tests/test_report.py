@@ -183,3 +183,24 @@ def test_gate_outcome_separates_missing_evidence_from_a_failed_measurement():
         == "INCOMPLETE"
     assert gate_outcome({"passed": False, "failing_cells": [missing, measured]}) == "FAIL"
     assert gate_outcome({"passed": False, "failing_cells": [measured]}) == "FAIL"
+
+
+def test_conformance_table_shows_a_diagnostic_beside_the_gated_run(tmp_path):
+    import json
+
+    from rollout_lib.report.summary import conformance_table
+
+    def evidence(name, kind, options):
+        path = tmp_path / name
+        path.write_text(json.dumps({"kind": kind, "candidate_options": options,
+                                    "verdict": {"passed": False, "max_abs_logprob_diff": 0.3},
+                                    "float32": {"sampled_logprob": {"max_abs_diff": 1e-6}}}))
+        return {"path": str(path), "kind": kind, "accepted": True}
+
+    aggregate = {"evidence_files": [
+        evidence("conformance-a.json", "local_conformance", {}),
+        evidence("diagnostic-b.json", "local_conformance_diagnostic", {"lora_add": "bf16_like_nf4_oracle"}),
+        {"path": str(tmp_path / "refresh.json"), "kind": "policy_refresh", "accepted": True}]}
+    table = conformance_table(aggregate)
+    assert list(table["kind"]) == ["local_conformance", "local_conformance_diagnostic"]
+    assert list(table["candidate options"]) == ["as measured", "lora_add=bf16_like_nf4_oracle"]

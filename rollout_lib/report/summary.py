@@ -300,7 +300,7 @@ def conformance_table(aggregate: dict[str, Any]):
 
     rows = []
     for entry in aggregate["evidence_files"]:
-        if not entry["kind"].endswith("conformance"):
+        if "conformance" not in entry["kind"]:  # local, vllm, and the diagnostics beside them
             continue
         report = json.loads((REPO_ROOT / entry["path"]).read_text()) if not Path(entry["path"]).is_absolute() \
             else json.loads(Path(entry["path"]).read_text())
@@ -308,7 +308,9 @@ def conformance_table(aggregate: dict[str, Any]):
         measured = report.get("bfloat16") or report.get("float32", {})
         tf = measured.get("teacher_forced", {})
         f32 = report.get("float32", {})
+        options = report.get("candidate_options") or {}
         rows.append({"evidence": entry["path"], "kind": entry["kind"], "accepted": text(entry["accepted"]),
+                     "candidate options": ", ".join(f"{k}={v}" for k, v in sorted(options.items())) or "as measured",
                      "passed": "PASS" if verdict.get("passed") else "FAIL",
                      "float32 greedy identical": f"{f32.get('greedy_free_running_identical')}/"
                                                  f"{f32.get('greedy_free_running_requests')}",
