@@ -150,6 +150,7 @@ def main() -> int:
             patched[name] = getattr(engine_module, name)
             setattr(engine_module, name, value)
         current = use_before(args.before) if base_variant == "before" else None
+        backend = None
         try:
             backend = create_backend("hf_cached", study, **options)
             started = time.perf_counter()
@@ -178,6 +179,17 @@ def main() -> int:
             report[variant]["total_s"] = time.perf_counter() - started
             write(args.out, report)
             backend.teardown()
+        except Exception as exc:  # one variant failing (a compile option, an OOM) must not cost the others
+            import traceback
+
+            traceback.print_exc()
+            report[variant] = dict(report.get(variant, {}), error=f"{type(exc).__name__}: {exc}")
+            write(args.out, report)
+            if backend is not None:
+                try:
+                    backend.teardown()
+                except Exception:  # already failed: the error above is the record
+                    traceback.print_exc()
         finally:
             for name, value in patched.items():
                 setattr(engine_module, name, value)
