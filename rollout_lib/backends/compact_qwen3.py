@@ -57,6 +57,14 @@ class FusedLinear:
 LORA_ADD_ALLOWED = ("float32_once", "bf16_like_nf4_oracle")
 
 
+def lora_add_mode(value: str | None) -> str:
+    """The `lora_add` setting, checked (None: the default, float32_once)."""
+    mode = value or LORA_ADD_ALLOWED[0]
+    if mode not in LORA_ADD_ALLOWED:
+        raise ValueError(f"lora_add {mode!r} is not allowed; allowed: {', '.join(LORA_ADD_ALLOWED)}")
+    return mode
+
+
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
                   scaling: float, lora_as_reductions: bool = False, lora_add: str = "float32_once") -> torch.Tensor:
     """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft's plain
@@ -198,9 +206,7 @@ class CompactQwen3:
 
         import torch
 
-        if lora_add not in LORA_ADD_ALLOWED:
-            raise ValueError(f"lora_add {lora_add!r} is not allowed; allowed: {', '.join(LORA_ADD_ALLOWED)}")
-        self.lora_add = lora_add
+        self.lora_add = lora_add_mode(lora_add)
         model = peft_mirror.get_base_model() if hasattr(peft_mirror, "get_base_model") else peft_mirror
         config = model.config
         self.device = next(model.parameters()).device

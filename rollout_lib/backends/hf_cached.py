@@ -53,14 +53,14 @@ class HFCachedBackend(HFBackendBase):
         if self.step_compile not in STEP_COMPILE:
             raise ValueError(f"hf_cached: step_compile {self.step_compile!r} is not allowed; "
                              f"allowed: {', '.join(STEP_COMPILE)}")
-        from rollout_lib.backends.compact_qwen3 import LORA_ADD_ALLOWED
+        from rollout_lib.backends.compact_qwen3 import LORA_ADD_ALLOWED, lora_add_mode
 
         # how the graphs path adds the low-rank term (a conformance diagnostic; see _fused_linear)
-        self.lora_add = options.get("lora_add") or "float32_once"
-        if self.lora_add not in LORA_ADD_ALLOWED:
-            raise ValueError(f"hf_cached: lora_add {self.lora_add!r} is not allowed; "
-                             f"allowed: {', '.join(LORA_ADD_ALLOWED)}")
-        if self.decode == "eager" and self.lora_add != "float32_once":
+        try:
+            self.lora_add = lora_add_mode(options.get("lora_add"))
+        except ValueError as exc:
+            raise ValueError(f"hf_cached: {exc}") from exc
+        if self.decode == "eager" and self.lora_add != LORA_ADD_ALLOWED[0]:
             raise ValueError("hf_cached: lora_add applies to decode graphs only (the eager path is peft's "
                              "lora.Linear, which adds in float32 and rounds once)")
         self.engine = None
