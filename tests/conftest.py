@@ -59,3 +59,17 @@ def scratch_calculator(tmp_path, smoke_study, monkeypatch):
     shutil.copy(REPO / smoke_study.calculator.path, calc)
     monkeypatch.setattr("rollout_lib.evidence.publish.REPO_ROOT", tmp_path / "repo")
     return calc
+
+
+def started_backends(study, policy, specs, **common):
+    """Backends cold-started and synced to `policy`, by key: `specs` are (key, backend name, options),
+    `common` the options every one of them gets (device, compute_dtype, cache_dir)."""
+    from rollout_lib.backends import create_backend
+
+    backends = {}
+    for key, name, options in specs:
+        backend = create_backend(name, study, **common, **options)
+        backend.cold_start()
+        backend.sync_policy(policy)
+        backends[key] = backend
+    return backends

@@ -9,10 +9,11 @@ import dataclasses
 
 import pytest
 
-from rollout_lib.backends import create_backend
 from rollout_lib.checks.conformance import compare_free_running
 from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.workload import Workload
+
+from .conftest import started_backends
 
 pytestmark = pytest.mark.gpu
 
@@ -22,19 +23,11 @@ def policies(prereg_study):
     return policy_versions(Workload(prereg_study).arch, prereg_study.actor.lora, prereg_study.actor.payload_digest, 8)
 
 
-def _pair(study, dtype, policy):
-    pair = {}
-    for name in ("hf_reference", "hf_cached"):
-        backend = create_backend(name, study, device="cuda", compute_dtype=dtype)
-        backend.cold_start()
-        backend.sync_policy(policy)
-        pair[name] = backend
-    return pair
-
-
 @pytest.fixture(scope="module")
 def f32(prereg_study, policies):
-    pair = _pair(prereg_study, "float32", policies[0])
+    pair = started_backends(prereg_study, policies[0], (("hf_reference", "hf_reference", {}),
+                                                        ("hf_cached", "hf_cached", {})),
+                            device="cuda", compute_dtype="float32")
     yield pair
     for backend in pair.values():
         backend.teardown()

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_lib.backends import create_backend
 from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.workload import Workload
+
+from .conftest import started_backends
 
 pytestmark = pytest.mark.gpu
 
@@ -21,12 +22,9 @@ pytestmark = pytest.mark.gpu
 def oracle_and_eager(prereg_study):
     policy = policy_versions(Workload(prereg_study).arch, prereg_study.actor.lora,
                              prereg_study.actor.payload_digest, 1)[0]
-    pair = {}
-    for name, options in (("hf_reference", {}), ("hf_cached", {"decode": "eager"})):
-        backend = create_backend(name, prereg_study, device="cuda", compute_dtype="float32", **options)
-        backend.cold_start()
-        backend.sync_policy(policy)
-        pair[name] = backend
+    pair = started_backends(prereg_study, policy, (("hf_reference", "hf_reference", {}),
+                                                   ("hf_cached", "hf_cached", {"decode": "eager"})),
+                            device="cuda", compute_dtype="float32")
     yield pair
     for backend in pair.values():
         backend.teardown()

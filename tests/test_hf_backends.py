@@ -12,18 +12,15 @@ from rollout_lib.checks.conformance import ConformanceSettings, compare_free_run
 from rollout_lib.models.policy import PolicyIdentityMismatch, policy_versions
 from rollout_lib.study.workload import Workload
 
+from .conftest import started_backends
+
 
 def _pair(study, cache, dtype, policy):
     """The oracle, hf_cached on its default fast path (`graphs`; on a CPU the compact step without
     capture) and hf_cached on the eager path (same sampler as the oracle)."""
-    backends = {}
-    for key, name, options in (("hf_reference", "hf_reference", {}), ("hf_cached", "hf_cached", {}),
-                               ("hf_cached_eager", "hf_cached", {"decode": "eager"})):
-        backend = create_backend(name, study, device="cpu", compute_dtype=dtype, cache_dir=cache, **options)
-        backend.cold_start()
-        backend.sync_policy(policy)
-        backends[key] = backend
-    return backends
+    return started_backends(study, policy, (("hf_reference", "hf_reference", {}), ("hf_cached", "hf_cached", {}),
+                                            ("hf_cached_eager", "hf_cached", {"decode": "eager"})),
+                            device="cpu", compute_dtype=dtype, cache_dir=cache)
 
 
 @pytest.fixture(scope="module")
