@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 from rollout_lib.core import REPO_ROOT
-from tools.device import host_facts
+from rollout_lib.measure import host
 
 
 def test_cpu_model_is_read_from_cpuinfo():
     text = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480C\nflags\t: fpu\n"
-    assert host_facts.cpu_model(text) == "Intel(R) Xeon(R) Platinum 8480C"
-    assert host_facts.cpu_model("processor\t: 0\n") is None
+    assert host.cpu_model(text) == "Intel(R) Xeon(R) Platinum 8480C"
+    assert host.cpu_model("processor\t: 0\n") is None
 
 
 def test_host_facts_on_a_cpu_machine_say_what_they_could_not_measure():

@@ -18,16 +18,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-def cpu_model(cpuinfo: str) -> str | None:
-    for line in cpuinfo.splitlines():
-        if line.lower().startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return None
+from rollout_lib.measure.host import host_identity
 
 
 def python_loop_ns_per_iteration(iterations: int = 2_000_000) -> float:
@@ -58,10 +56,7 @@ def eager_launch_us_per_op(operations: int = 20_000) -> dict[str, Any]:
 
 
 def host_facts() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo")
-    facts: dict[str, Any] = {
-        "cpu_model": cpu_model(cpuinfo.read_text()) if cpuinfo.exists() else None,
-        "logical_cpus": os.cpu_count(),
+    facts: dict[str, Any] = host_identity() | {
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
