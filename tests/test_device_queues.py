@@ -37,6 +37,7 @@ def _shell_words(command: str) -> list[str]:
     """The command's words with shell arithmetic and command substitutions replaced by a plain value
     and redirections dropped (what argparse would see)."""
     command = re.sub(r"\$\(\(.*?\)\)", "600", command)
+    command = re.sub(r"\$\{?JOB_DEADLINE_S\}?", "600", command)
     command = re.sub(r"\$\([^()]*\)", "20261201T000000Z", command)
     words = shlex.split(command)
     out, skip = [], False
@@ -104,3 +105,47 @@ def test_device_scripts_parse(script):
 
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("path", QUEUES, ids=[p.name for p in QUEUES])
+def test_campaign_jobs_take_their_deadline_from_the_lease(path):
+    """A `campaign run` job plans for JOB_DEADLINE_S (the lease's remainder, or its own timeout less a
+    margin), never a fixed figure: lease 7's vllm rows had a fixed 540 s and started after the lease's
+    end, leaving a header-only raw file."""
+    for name, _, command in _jobs(path):
+        if "rollout_lib.cli campaign run" in command:
+            assert "--deadline-s $JOB_DEADLINE_S" in command, f"{path.name}/{name}: --deadline-s is not $JOB_DEADLINE_S"
+
+
+def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
+    """queue.sh itself, run on CPU in a throwaway checkout: a job gets JOB_DEADLINE_S = min(lease left,
+    timeout - JOB_MARGIN_S); a job reached with less than MIN_JOB_S of the lease left is skipped and
+    reported, and the queue still packs what ran."""
+    import os
+    import shutil
+    import subprocess
+
+    checkout = tmp_path / "checkout"
+    (checkout / "tools" / "device").mkdir(parents=True)
+    for script in ("queue.sh", "work_copy.sh"):
+        shutil.copy(REPO_ROOT / "tools" / "device" / script, checkout / "tools" / "device" / script)
+    write = "mkdir -p outputs/perf && echo $JOB_DEADLINE_S > outputs/perf/{}.txt"
+    (checkout / "q.tsv").write_text(
+        "# name\ttimeout_s\tcommand\n"
+        f"own-timeout\t30\t{write.format('own-timeout')}\n"
+        f"lease-left\t200\t{write.format('lease-left')}\n"
+        "long\t100\tsleep 12\n"
+        f"too-late\t100\t{write.format('too-late')}\n")
+    env = {**os.environ, "QUEUE": "q.tsv", "QUEUE_WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
+           "LEASE_S": "70", "MIN_JOB_S": "60", "JOB_MARGIN_S": "10", "CALL_S": "60"}
+    result = subprocess.run(["bash", "tools/device/queue.sh", "start"], cwd=checkout, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "queue: finished" in result.stdout, result.stdout
+    assert re.search(r"too-late\s+skipped: \d+ s of the lease left", result.stdout), result.stdout
+    assert re.search(r"long\s+exit 0 after", result.stdout), result.stdout
+    perf = tmp_path / "work" / "src" / "outputs" / "perf"
+    assert (perf / "own-timeout.txt").read_text().strip() == "20"  # 30 s timeout less the 10 s margin
+    assert 60 <= int((perf / "lease-left.txt").read_text()) <= 70  # the lease's remainder, under 200 - 10
+    assert not (perf / "too-late.txt").exists()
+    assert (tmp_path / "out" / "queue.tgz").stat().st_size > 0

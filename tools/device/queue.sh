@@ -10,10 +10,14 @@
 # campaign (the local SEALS.jsonl must be a prefix of the returned one).
 # Queue file: one job per line, `name<TAB>timeout_s<TAB>command` (run by bash from the work copy;
 # `#` lines are comments). A job that exceeds its timeout is killed and the queue goes on. Jobs see
-# QUEUE_ENDS_AT (epoch seconds, LEASE_S after the start) to fit a deadline to the lease.
+# QUEUE_ENDS_AT (epoch seconds, LEASE_S after the start) and JOB_DEADLINE_S (seconds this job may
+# plan for: the lease's remainder or its own timeout less JOB_MARGIN_S, whichever is less), so a
+# campaign run passes `--deadline-s $JOB_DEADLINE_S` and starts no unit that the lease cuts off. A job
+# reached with less than MIN_JOB_S of the lease left is skipped (recorded), not started: lease 7's
+# last job began after the lease's end and left a header-only raw file behind.
 set -u
 CALL_S=${CALL_S:-540}
-WORK=/tmp/rq
+WORK=${QUEUE_WORK:-/tmp/rq}
 started=$(date +%s)
 export PYTHONPATH=/tmp/site:$WORK/src VLLM_USE_FLASHINFER_SAMPLER=0
 if [ "${1:-poll}" = start ]; then
@@ -38,8 +42,14 @@ if [ "${1:-poll}" = start ]; then
     timeout 120 python3 tools/device/host_facts.py > '"$WORK"'/state/host.json 2> '"$WORK"'/logs/host_facts.log
     while IFS=$'"'"'\t'"'"' read -r name timeout_s command; do
       case "$name" in ""|\#*) continue ;; esac
+      left=$(( QUEUE_ENDS_AT - $(date +%s) ))
+      if [ "$left" -lt "${MIN_JOB_S:-60}" ]; then
+        echo "$name skipped $(date +%s) $left" >> '"$WORK"'/state/jobs; continue
+      fi
+      own=$(( timeout_s - ${JOB_MARGIN_S:-60} ))
+      export JOB_DEADLINE_S=$(( left < own ? left : own ))
       echo "$name running $(date +%s)" >> '"$WORK"'/state/jobs
-      timeout --kill-after=20 "$timeout_s" bash -c "$command" > '"$WORK"'/logs/"$name".log 2>&1
+      timeout --kill-after=20 "$timeout_s" bash -c "$command" > '"$WORK"'/logs/"$name".log 2>&1 < /dev/null
       echo "$name exit $? $(date +%s)" >> '"$WORK"'/state/jobs
       # a job killed by its timeout may leave its engine server behind (it holds GPU memory and a
       # port): recorded, then removed, so the next job starts on a clean GPU
@@ -60,8 +70,10 @@ now=$(date +%s)
 echo "queue: $([ -f "$WORK/state/running" ] && echo running || echo finished)"
 awk -v now="$now" '$2 == "running" { start[$1] = $3; order[++n] = $1 }
   $2 == "exit" { rc[$1] = $3; took[$1] = $4 - start[$1] }
+  $2 == "skipped" { order[++n] = $1; skipped[$1] = $4 }
   END { for (i = 1; i <= n; i++) { j = order[i];
-          if (j in rc) printf "  %-28s exit %s after %d s\n", j, rc[j], took[j];
+          if (j in skipped) printf "  %-28s skipped: %d s of the lease left\n", j, skipped[j];
+          else if (j in rc) printf "  %-28s exit %s after %d s\n", j, rc[j], took[j];
           else printf "  %-28s running for %d s\n", j, now - start[j] } }' "$WORK/state/jobs" 2>/dev/null
 cd "$WORK/src"
 dirs=()
