@@ -29,3 +29,29 @@ def test_a_failing_variant_is_recorded_and_the_next_one_runs(tmp_path, monkeypat
     assert report["inductor+perrows"] == {"error": "RuntimeError: compile option refused (simulated)"}
     cell = report["off"]["cells"]["p16-r8-n1-greedy"]
     assert cell["generated_tokens"] > 0 and cell["ms_per_decode_step"] > 0
+
+
+def test_option_suffixes_merge_and_are_restored_after_their_variant(tmp_path, monkeypatch, snapshot_cache):
+    """`+cdt+det` sets both inductor options (dict settings merge, not replace); the next variant
+    runs with the module's own settings again. Read where the engine reads them: when it is built."""
+    from rollout_lib.backends import compact_qwen3
+
+    real = fast_path_probe.create_backend
+    seen = []
+
+    def create_backend(name, study, **options):
+        seen.append((dict(compact_qwen3.INDUCTOR_OPTIONS), compact_qwen3.STEP_SHAPES))
+        return real(name, study, cache_dir=snapshot_cache, **options)
+
+    monkeypatch.setattr(fast_path_probe, "create_backend", create_backend)
+    own = (dict(compact_qwen3.INDUCTOR_OPTIONS), compact_qwen3.STEP_SHAPES)
+    out = tmp_path / "probe.json"
+    monkeypatch.setattr(sys, "argv", ["fast_path_probe.py", "--params", str(SMOKE), "--out", str(out),
+                                      "--cells", "p16-r8-n1-greedy", "--repetitions", "1", "--device", "cpu",
+                                      "--variants", "off+cdt+det+perrows,off"])
+    assert fast_path_probe.main() == 0
+    assert seen[0] == ({**own[0], "coordinate_descent_tuning": True, "deterministic": True}, "per_rows")
+    assert seen[-1] == own
+    assert (dict(compact_qwen3.INDUCTOR_OPTIONS), compact_qwen3.STEP_SHAPES) == own
+    report = json.loads(out.read_text())
+    assert report["off"]["inductor_cache"] == report["off+cdt+det+perrows"]["inductor_cache"] == "fresh"

@@ -10,14 +10,18 @@ of compact_qwen3.py (`--before FILE`), for before/after in one process. Suffixes
 change one thing each, to read the changes apart: `+f32head` forces the float32 GEMM head, `+dynamic` /
 `+perrows` one compilation for every row count / one per row count (STEP_SHAPES), `+kvinside` /
 `+kvoutside` the k/v cache write inside / outside the compiled piece (CACHE_WRITE), `+cdt` inductor's
-coordinate-descent tuning of launch configurations (INDUCTOR_OPTIONS); e.g. `inductor+perrows+cdt`.
+coordinate-descent tuning of launch configurations, `+det` inductor's deterministic mode (one fixed
+configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
+0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`.
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
-calls pass their guards).
+calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
+kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -36,6 +40,7 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "dynamic": ("STEP_SHAPES", "dynamic"),
             "perrows": ("STEP_SHAPES", "per_rows"),
             "cdt": ("INDUCTOR_OPTIONS", {"coordinate_descent_tuning": True}),
+            "det": ("INDUCTOR_OPTIONS", {"deterministic": True}),
             "kvinside": ("CACHE_WRITE", "inside"),
             "kvoutside": ("CACHE_WRITE", "outside")}
 
@@ -147,11 +152,15 @@ def main() -> int:
         patched = {}
         for suffix in suffixes:
             name, value = SUFFIXES[suffix]
-            patched[name] = getattr(engine_module, name)
-            setattr(engine_module, name, value)
+            patched.setdefault(name, getattr(engine_module, name))
+            current_value = getattr(engine_module, name)
+            # option dicts (INDUCTOR_OPTIONS) merge, so `+cdt+det` sets both
+            setattr(engine_module, name, {**current_value, **value} if isinstance(value, dict) else value)
         current = use_before(args.before) if base_variant == "before" else None
         backend = None
+        caches = contextlib.ExitStack()
         try:
+            inductor_cache = fresh_inductor_cache(caches)
             backend = create_backend("hf_cached", study, **options)
             started = time.perf_counter()
             cold = backend.cold_start()
@@ -165,7 +174,7 @@ def main() -> int:
                   flush=True)
             phases = [p.get("sync_phases_s") for p in (getattr(backend, "served_policies", None) or [])[-3:]]
             report[variant] = {"cold_start_s": cold.seconds, "policy_sync_s": syncs, "sync_phases_s": phases,
-                               "environment": env,
+                               "environment": env, "inductor_cache": inductor_cache,
                                "capture_s_by_bucket": {f"{r}x{n}": b.capture_s
                                                        for (r, n), b in (backend.buckets.buckets.items()
                                                                          if backend.buckets else [])}}
@@ -191,11 +200,24 @@ def main() -> int:
                 except Exception:  # already failed: the error above is the record
                     traceback.print_exc()
         finally:
+            caches.close()
             for name, value in patched.items():
                 setattr(engine_module, name, value)
             if current is not None:
                 sys.modules["rollout_lib.backends.compact_qwen3"] = current
     return 0
+
+
+def fresh_inductor_cache(stack: contextlib.ExitStack) -> str:
+    """Enter an empty inductor cache (a temporary directory, in-memory caches cleared) for one variant;
+    'fresh', or 'shared' where this torch has no such context manager."""
+    import torch._inductor.utils as inductor_utils
+
+    fresh = getattr(inductor_utils, "fresh_cache", None) or getattr(inductor_utils, "fresh_inductor_cache", None)
+    if fresh is None:
+        return "shared"
+    stack.enter_context(fresh())
+    return "fresh"
 
 
 def write(path, report):
