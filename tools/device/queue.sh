@@ -30,9 +30,9 @@ if [ "${1:-poll}" = start ]; then
   work_copy "$WORK"  # a second start on the same machine keeps the outputs of the first
   mkdir -p "$WORK/state" "$WORK/logs"
   cp "$queue" "$WORK/state/queue.tsv"
-  # when the lease's last poll must have packed everything: a job bounds its own deadline with
-  # $(( QUEUE_ENDS_AT - $(date +%s) )) (LEASE_S: seconds from this start; default for a start ~1 min
-  # into a 30-minute lease, leaving the last poll ~2 minutes)
+  # when the lease's last poll must have packed everything: the loop below derives each job's
+  # JOB_DEADLINE_S from it and skips a job it reaches too late (LEASE_S: seconds from this start;
+  # default for a start ~1 min into a 30-minute lease, leaving the last poll ~2 minutes)
   export QUEUE_ENDS_AT=$(( started + ${LEASE_S:-1560} ))
   echo "$QUEUE_ENDS_AT" > "$WORK/state/ends_at"
   setsid nohup bash -c '
