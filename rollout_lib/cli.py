@@ -331,10 +331,15 @@ def cmd_vllm_compare(args: argparse.Namespace) -> int:
         rungs = chosen_rungs(args.comparison, [r.strip() for r in args.rungs.split(",")] if args.rungs else None)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
+    # written after every rung (complete: false until the last): a deadline keeps the rungs already run
     report = run_comparison(study, args.comparison, cells, versions=args.versions, rungs=rungs, device=args.device,
-                            backend_options=_backend_options(args.backend_option))
+                            backend_options=_backend_options(args.backend_option),
+                            on_rung=lambda partial: write_json_atomic(out, partial))
     write_json_atomic(out, report)
     for rung in report["rungs"]:
+        if rung["status"] == "failed":
+            print(f"{rung['rung']}: FAILED after {rung['rung_wall_s']:.0f} s: {rung['error']}")
+            continue
         mean = rung["mean_abs_logprob_diff"]
         print(f"{rung['rung']}: max |d logprob| {rung['max_abs_logprob_diff']}, mean {mean}; "
               f"teacher-forced disagreements {rung['teacher_forced']['argmax_disagreements']}/"
@@ -343,7 +348,7 @@ def cmd_vllm_compare(args: argparse.Namespace) -> int:
               f"tok/s {[round(c['tokens_per_s'] or 0, 1) for c in rung['cells']]}; "
               f"attention {rung['attention_backend']}")
     print(f"wrote {out}")
-    return 0
+    return 0 if all(rung["status"] == "measured" for rung in report["rungs"]) else 1
 
 
 def cmd_cycle(args: argparse.Namespace) -> int:

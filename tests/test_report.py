@@ -171,6 +171,30 @@ def test_vllm_diagnostics_section_reads_compare_files_by_kind(tmp_path):
     assert not {"None", "True", "False", "nan"} & {str(v) for v in table.to_numpy().ravel()}
 
 
+def test_a_failed_or_unfinished_ladder_setting_is_shown_as_such(tmp_path):
+    import json
+
+    from rollout_lib.report import diagnostics
+
+    perf = tmp_path / "perf"
+    perf.mkdir()
+    measured = {"rung": "a_bf16", "about": "bf16", "status": "measured", "max_abs_logprob_diff": 0.3,
+                "mean_abs_logprob_diff": 0.02, "sync_s": [0.1], "cells": [{"cell_id": "c1", "tokens_per_s": 900.0}],
+                "teacher_forced": {"argmax_disagreements": 0, "positions": 96, "beyond_tie_margin": 0},
+                "attention_backend": "FLASH_ATTN", "syncs": [{"exact": True}]}
+    failed = {"rung": "b_bf16_fp32_head", "about": "fp32 head", "status": "failed",
+              "error": "ServerDied: exit 1 during start"}
+    (perf / "ladder.json").write_text(json.dumps({
+        "kind": "vllm_ladder", "complete": False, "rungs_planned": ["a_bf16", "b_bf16_fp32_head", "c_float32"],
+        "rungs": [measured, failed]}))
+    found = diagnostics.diagnostic_files(tmp_path)
+    table = diagnostics.diagnostic_table(*found[0])
+    assert table.loc[1, "max |d logprob|"] == "failed: ServerDied: exit 1 during start"
+    assert table.loc[1, "attention"] == "—" and table.loc[0, "attention"] == "FLASH_ATTN"
+    assert "incomplete**: 2 of 3 settings ran" in diagnostics.caption(*found[0])
+    assert not {"None", "nan"} & {str(v) for v in table.to_numpy().ravel()}
+
+
 def test_gate_outcome_separates_missing_evidence_from_a_failed_measurement():
     from rollout_lib.report.summary import gate_outcome
 

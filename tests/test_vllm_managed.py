@@ -245,3 +245,43 @@ def test_refresh_sync_time_excludes_synthesizing_the_policy(smoke_study, monkeyp
 def test_a_bad_stream_interval_is_refused(smoke_study, value):
     with pytest.raises(ValueError, match=r"vllm: stream_interval .* is not allowed; allowed: an integer >= 1"):
         create_backend("vllm", smoke_study, stream_interval=value)
+
+
+def test_a_comparison_rung_that_fails_is_recorded_and_the_next_rung_still_runs(smoke_study, monkeypatch):
+    """vllm-compare: one setting that raises (a server that dies at start) becomes a failed row, its
+    engine and scorer are torn down, the next setting runs, and the caller sees the report grow."""
+    from rollout_lib.checks import vllm_compare
+
+    torn_down = []
+
+    class Stage:
+        def __init__(self, kind, options):
+            self.kind, self.options = kind, options
+
+        def cold_start(self):
+            if self.options.get("extra_server_args"):  # rung b only
+                raise ServerStartError("vllm server exited with code 1 before it was healthy")
+            return None
+
+        def sync_policy(self, policy):
+            return policy.identity
+
+        def teardown(self):
+            torn_down.append(self.kind)
+
+    monkeypatch.setattr(vllm_compare, "create_backend", lambda kind, study, **options: Stage(kind, options))
+
+    def measure(study, workload, name, spec, cells, policies, scoring_dtype, scorer, engine):
+        engine.cold_start()
+        return {"rung": name, "about": spec["about"]}
+
+    monkeypatch.setattr(vllm_compare, "_measure_rung", measure)
+    seen = []
+    report = vllm_compare.run_comparison(
+        smoke_study, "ladder", ["p16-r24-n1-stochastic"], versions=1,
+        on_rung=lambda partial: seen.append((len(partial["rungs"]), partial["complete"])))
+    assert seen == [(1, False), (2, False), (3, True)]
+    assert [r["status"] for r in report["rungs"]] == ["measured", "failed", "measured"]
+    assert report["rungs"][1]["error"].startswith("ServerStartError: vllm server exited with code 1")
+    assert torn_down == ["vllm", "hf_reference"] * 3, "every rung tears down its engine and its scorer once"
+    assert report["rungs_planned"] == ["a_bf16", "b_bf16_fp32_head", "c_float32"]

@@ -15,13 +15,16 @@ the stochastic cells (tok/s; every sampled token's log-probability against the N
 the same tokens teacher-forced: max and mean |d logprob|) and the greedy cells (every greedy token
 of the engine against the actor's argmax at that position: agreement, and the actor's logit gap
 for each disagreement against the preregistered tie margin), the attention backend vLLM picked
-(from its log) and the identity it served.
+(from its log) and the identity it served. A setting that fails is a row with its error; the others
+still run, and the caller can write the report after each one (see `run_comparison`).
 """
 
 from __future__ import annotations
 
 import re
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +80,20 @@ def _rung(study: Preregistration, workload: Workload, name: str, spec: dict[str,
     policies = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, versions)
     scoring_dtype = spec["scoring_dtype"] or study.actor.quantization.compute_dtype
     scorer = create_backend("hf_reference", study, device=device, compute_dtype=scoring_dtype, cache_dir=cache_dir)
-    scorer.cold_start()
-    scorer.sync_policy(policies[-1])
-    engine = create_backend("vllm", study, **(backend_options | spec["options"]))
+    engine = None
+    try:
+        scorer.cold_start()
+        scorer.sync_policy(policies[-1])
+        engine = create_backend("vllm", study, **(backend_options | spec["options"]))
+        return _measure_rung(study, workload, name, spec, cells, policies, scoring_dtype, scorer, engine)
+    finally:  # once, on success or failure: a failed rung must not leave its server or its memory to the next
+        for stage in (engine, scorer):
+            if stage is not None:
+                stage.teardown()
+
+
+def _measure_rung(study: Preregistration, workload: Workload, name: str, spec: dict[str, Any], cells: list[str],
+                  policies: list[Any], scoring_dtype: str, scorer: Any, engine: Any) -> dict[str, Any]:
     cold = engine.cold_start()
     syncs = []
     for policy in policies:
@@ -119,8 +133,7 @@ def _rung(study: Preregistration, workload: Workload, name: str, spec: dict[str,
     environment = engine.environment()
     log = environment.get("log")
     log_text = Path(log).read_text(errors="replace") if log else ""
-    engine.teardown()
-    scorer.teardown()
+    served = list(engine.served_policies)
     total, count = sum(d for d, _ in diffs), sum(n for _, n in diffs)
     return {"rung": name, "about": spec["about"], "options": spec["options"], "scoring_dtype": scoring_dtype,
             "cold_start_s": cold.seconds, "syncs": syncs, "sync_s": [s["sync_s"] for s in syncs], "cells": rows,
@@ -128,7 +141,7 @@ def _rung(study: Preregistration, workload: Workload, name: str, spec: dict[str,
             "mean_abs_logprob_diff": total / count if count else None,
             "teacher_forced": {"positions": positions, "argmax_disagreements": disagree,
                                "beyond_tie_margin": beyond, "tie_margin_logits": tie_margin},
-            "attention_backend": attention_backend(log_text), "served_policies": engine.served_policies,
+            "attention_backend": attention_backend(log_text), "served_policies": served,
             "backend_environment": environment}
 
 
@@ -145,15 +158,36 @@ def chosen_rungs(comparison: str, rungs: list[str] | None) -> list[str]:
 
 def run_comparison(study: Preregistration, comparison: str, cells: list[str], versions: int = 2,
                    rungs: list[str] | None = None, device: str | None = None, cache_dir: str | None = None,
-                   backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One report for `comparison` (ladder | refresh-paths): one row per rung, run in order."""
+                   backend_options: dict[str, Any] | None = None,
+                   on_rung: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """One report for `comparison` (ladder | refresh-paths): one row per rung, run in order.
+
+    A rung that raises (a server that dies, an engine that refuses a setting) becomes a row with
+    `status: failed` and the error, and the next rung still runs. `on_rung` receives the report so
+    far after every rung (`complete: false` until the last), so a caller can write it as it grows
+    and a deadline or a lost machine keeps the rungs already run."""
     chosen = chosen_rungs(comparison, rungs)
     known = COMPARISONS[comparison]
     workload = Workload(study)
-    rows = [_rung(study, workload, rung, known[rung], cells, versions, device, cache_dir, backend_options or {})
-            for rung in chosen]
     tolerance = study.tolerances.nf4_sampled_logprob_abs
-    return {"kind": f"vllm_{comparison.replace('-', '_')}", "comparison": comparison, "cells": cells,
-            "policy_versions": versions, "preregistration_sha256": study.sha256,
-            "preregistered_tolerance_logprob_abs": tolerance,
-            "note": "diagnostic beside the preregistered gates; it changes none of them", "rungs": rows}
+    report: dict[str, Any] = {
+        "kind": f"vllm_{comparison.replace('-', '_')}", "comparison": comparison, "cells": cells,
+        "policy_versions": versions, "preregistration_sha256": study.sha256,
+        "preregistered_tolerance_logprob_abs": tolerance,
+        "note": "diagnostic beside the preregistered gates; it changes none of them",
+        "rungs_planned": chosen, "complete": False, "rungs": []}
+    for rung in chosen:
+        started = time.perf_counter()
+        try:
+            row = _rung(study, workload, rung, known[rung], cells, versions, device, cache_dir, backend_options or {})
+            row["status"] = "measured"
+        except Exception as exc:
+            row = {"rung": rung, "about": known[rung]["about"], "options": known[rung]["options"], "status": "failed",
+                   "error": f"{type(exc).__name__}: {exc}",
+                   "traceback_tail": traceback.format_exc().splitlines()[-12:]}
+        row["rung_wall_s"] = time.perf_counter() - started
+        report["rungs"].append(row)
+        report["complete"] = len(report["rungs"]) == len(chosen)
+        if on_rung is not None:
+            on_rung(report)
+    return report

@@ -50,6 +50,10 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
     else:
         rows = []
         for rung in report["rungs"]:
+            if rung.get("status") == "failed":  # older files carry no status: every rung of theirs was measured
+                rows.append({"setting": rung["rung"], "about": rung["about"],
+                             "max |d logprob|": f"failed: {rung['error']}"})
+                continue
             syncs = rung["sync_s"]
             tf = rung["teacher_forced"]
             rows.append({"setting": rung["rung"], "about": rung["about"],
@@ -64,7 +68,7 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
                          "attention": rung["attention_backend"],
                          "served identity": "policy's own" if all(s["exact"] for s in rung["syncs"])
                          else "merged weights' own (not the policy's)"})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).fillna("—")  # a failed setting has no figures: a dash, never "nan"
 
 
 def caption(path: Path, report: dict[str, Any]) -> str:
@@ -72,4 +76,7 @@ def caption(path: Path, report: dict[str, Any]) -> str:
               "vllm_refresh_paths": "refresh paths: adapter vs merged weights",
               "vllm_ladder": "precision ladder for PG-k1 (preregistered tolerance "
                              f"{report.get('preregistered_tolerance_logprob_abs')})"}
-    return f"**{titles[report['kind']]}** — `{path.name}`, sha256 `{sha256_file(path)[:16]}…`"
+    ran = len(report.get("rungs", report.get("rows", [])))
+    partial = ("" if report.get("complete", True) else
+               f" — **incomplete**: {ran} of {len(report.get('rungs_planned', []))} settings ran before it stopped")
+    return f"**{titles[report['kind']]}** — `{path.name}`, sha256 `{sha256_file(path)[:16]}…`{partial}"
