@@ -331,11 +331,12 @@ def cmd_vllm_compare(args: argparse.Namespace) -> int:
         rungs = chosen_rungs(args.comparison, [r.strip() for r in args.rungs.split(",")] if args.rungs else None)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
-    # written after every rung (complete: false until the last): a deadline keeps the rungs already run
+    # written after every rung (complete: false until the last), so a deadline keeps the rungs already
+    # run: the file grows within this run only (refused above if it existed before), hence overwrite
     report = run_comparison(study, args.comparison, cells, versions=args.versions, rungs=rungs, device=args.device,
                             backend_options=_backend_options(args.backend_option),
-                            on_rung=lambda partial: write_json_atomic(out, partial))
-    write_json_atomic(out, report)
+                            on_rung=lambda partial: write_json_atomic(out, partial, overwrite=True))
+    write_json_atomic(out, report, overwrite=True)
     for rung in report["rungs"]:
         if rung["status"] == "failed":
             print(f"{rung['rung']}: FAILED after {rung['rung_wall_s']:.0f} s: {rung['error']}")

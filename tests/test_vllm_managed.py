@@ -285,3 +285,37 @@ def test_a_comparison_rung_that_fails_is_recorded_and_the_next_rung_still_runs(s
     assert report["rungs"][1]["error"].startswith("ServerStartError: vllm server exited with code 1")
     assert torn_down == ["vllm", "hf_reference"] * 3, "every rung tears down its engine and its scorer once"
     assert report["rungs_planned"] == ["a_bf16", "b_bf16_fp32_head", "c_float32"]
+
+
+def test_vllm_compare_cli_writes_its_file_after_every_setting_and_never_reuses_one(tmp_path, monkeypatch, capsys):
+    """The file grows within one run (lease 8 lost its second settings to a writer that refused its own
+    file), a failed setting makes the exit code 1 with the file complete, and a second run with the
+    same --out is refused without touching the first run's file."""
+    import json
+
+    from rollout_lib.checks import vllm_compare
+    from rollout_lib.cli import main
+
+    out = tmp_path / "ladder.json"
+    seen_on_disk = []
+
+    def rung(study, workload, name, spec, cells, *rest):
+        seen_on_disk.append(json.loads(out.read_text()) if out.exists() else None)
+        if name == "b_bf16_fp32_head":
+            raise ServerStartError("vllm server exited with code 1 before it was healthy")
+        return {"rung": name, "about": spec["about"], "max_abs_logprob_diff": 0.3, "mean_abs_logprob_diff": 0.02,
+                "teacher_forced": {"argmax_disagreements": 0, "positions": 24, "beyond_tie_margin": 0},
+                "sync_s": [0.2], "cells": [{"cell_id": cells[0], "tokens_per_s": 10.0}], "attention_backend": "X"}
+
+    monkeypatch.setattr(vllm_compare, "_rung", rung)
+    argv = ["vllm-compare", "--params", str(SMOKE), "--comparison", "ladder", "--cells", "p16-r24-n1-stochastic",
+            "--versions", "1", "--out", str(out)]
+    assert main(argv) == 1
+    assert seen_on_disk[0] is None
+    assert [(len(d["rungs"]), d["complete"]) for d in seen_on_disk[1:]] == [(1, False), (2, False)]
+    final = json.loads(out.read_text())
+    assert final["complete"] and [r["status"] for r in final["rungs"]] == ["measured", "failed", "measured"]
+    assert "b_bf16_fp32_head: FAILED after" in capsys.readouterr().out
+    before = out.read_bytes()
+    assert main(argv) == 2
+    assert "exists; evidence is never overwritten" in capsys.readouterr().err and out.read_bytes() == before
