@@ -103,6 +103,35 @@ def test_request_response_mapping_and_refresh(smoke_study, vllm_fake):
     assert proof["port_closed"] and proof["leftover_pids"] == []
 
 
+def test_the_bf16_identity_is_hashed_after_the_sync_not_inside_it(smoke_study, vllm_fake, monkeypatch):
+    """The bf16 rounding's identity is bookkeeping (computed from the policy, not read from the engine):
+    no hashing inside sync_policy, which the refresh and the cycle time; every served version gets
+    its own identity, by the frozen definition, when it is first read."""
+    import torch
+
+    from rollout_lib.backends import vllm_managed
+    from rollout_lib.models.policy import policy_identity
+
+    hashed = []
+    real = vllm_managed.policy_identity_streamed
+    monkeypatch.setattr(vllm_managed, "policy_identity_streamed",
+                        lambda *a, **k: hashed.append(1) or real(*a, **k))
+    work = Workload(smoke_study)
+    policies = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 3)
+    vllm_fake.cold_start()
+    for policy in policies:
+        vllm_fake.sync_policy(policy)
+    assert hashed == [], "sync_policy hashed the bf16 rounding inside the timed sync"
+    expected = [policy_identity(p.base_digest, {k: v.to(torch.bfloat16) for k, v in p.tensors.items()})
+                for p in policies]
+    assert vllm_fake.served_bf16_identity == expected[-1]
+    assert [s["served_bf16_identity"] for s in vllm_fake.served_policies] == expected and len(hashed) == 3
+    assert vllm_fake.teardown_report()["served_policies"][0]["served_bf16_identity"] == expected[0]
+    assert len(hashed) == 3, "each version is hashed once"
+    assert all(s["bf16_identity_hash_s"] > 0 and "bf16_identity_hash_s" not in s["sync_phases_s"]
+               for s in vllm_fake.served_policies)
+
+
 def test_metrics_scrape_runs_after_the_timed_batch_not_inside_it(smoke_study, vllm_fake):
     """The engine-side phases come from a /metrics scrape; it must not sit inside the batch's timed
     call (the runner times the whole generate()), and a batch nobody asked about costs no scrape."""

@@ -244,7 +244,10 @@ class VLLMManagedBackend(Backend):
         self.server: ManagedServer | None = None
         self.restarts = 0
         self.policy: PolicyVersion | None = None
-        self.served_policies: list[dict[str, Any]] = []
+        self._served_policies: list[dict[str, Any]] = []
+        # adapter syncs whose bf16 identity is not hashed yet: (policy, its served_policies entry)
+        self._bf16_identity_pending: list[tuple[PolicyVersion, dict[str, Any]]] = []
+        self._served_bf16_identity: str | None = None
         self.metrics_before: dict[str, float] | None = None
         self.pending_batch: DeferredPhasesBatch | None = None  # the last batch, phases not read yet
         self.lora_name: str | None = None
@@ -385,8 +388,6 @@ class VLLMManagedBackend(Backend):
         self._settle_pending()
         if self.refresh == "merged":
             return self._sync_merged(policy)
-        import torch
-
         # each step timed: the refresh series of issue 13 grew from 0.25 to 0.82 s over 8 versions on
         # the H200, and the steps say where (file write, engine load, unload of the previous adapter)
         timings = {}
@@ -406,17 +407,47 @@ class VLLMManagedBackend(Backend):
             _post(f"{url}/v1/unload_lora_adapter", {"lora_name": self.lora_name}, timeout)
         timings["unload_s"] = time.perf_counter() - step
         self.lora_name, self.policy = name, policy
-        # what the engine holds: the rounding of the exact tensors to the model dtype (lora_dtype =
-        # model dtype): bf16 as preregistered; a float32 engine holds them exactly
-        # (the streamed identity: the same bytes and framing, one gather instead of a copy per tensor)
-        self.served_bf16_identity = policy_identity_streamed(
-            policy.base_digest, {k: v.to(torch.bfloat16) for k, v in policy.tensors.items()}) \
-            if self.serving_dtype == "bfloat16" else None
         self.served_identity = identity
-        self.served_policies.append({"version": policy.version, "identity": identity, "adapter": name,
-                                     "served_bf16_identity": self.served_bf16_identity, "sync_phases_s": timings})
+        entry = {"version": policy.version, "identity": identity, "adapter": name,
+                 "served_bf16_identity": None, "sync_phases_s": timings}
+        self._served_policies.append(entry)
+        self._served_bf16_identity = None
+        if self.serving_dtype == "bfloat16":  # hashed when first read, outside the sync (see served_bf16_identity)
+            self._bf16_identity_pending.append((policy, entry))
         self.metrics_before = None  # adapter loads are not a batch
         return identity
+
+    @property
+    def served_bf16_identity(self) -> str | None:
+        """What a bf16 engine holds after an adapter sync: the exact float32 tensors rounded to the model
+        dtype (vLLM 0.26: lora_dtype = model dtype); None for a float32 engine (it holds them exactly) and
+        for the merged path (its own identity is recorded instead).
+
+        Hashed when first read, not inside `sync_policy`: it is computed from the policy's own tensors,
+        not read back from the engine, so it verifies nothing the RL loop waits for (the adapter file's
+        read-back identity does that, inside the sync); on the H200 it was ~40-50 ms of each timed sync."""
+        self._hash_pending_bf16_identities()
+        return self._served_bf16_identity
+
+    @property
+    def served_policies(self) -> list[dict[str, Any]]:
+        """Every policy this engine served, in order, with its sync phases and identities."""
+        self._hash_pending_bf16_identities()
+        return self._served_policies
+
+    def _hash_pending_bf16_identities(self) -> None:
+        import torch
+
+        while self._bf16_identity_pending:
+            policy, entry = self._bf16_identity_pending.pop(0)
+            started = time.perf_counter()
+            # the streamed identity: the same bytes and framing, one gather instead of a copy per tensor
+            entry["served_bf16_identity"] = policy_identity_streamed(
+                policy.base_digest, {k: v.to(torch.bfloat16) for k, v in policy.tensors.items()})
+            # what the sync no longer pays, measured in the same run (before = sync_s + this)
+            entry["bf16_identity_hash_s"] = time.perf_counter() - started
+            if entry is self._served_policies[-1]:
+                self._served_bf16_identity = entry["served_bf16_identity"]
 
     def _sync_merged(self, policy: PolicyVersion) -> str:
         """Merge, write, reload in place, reset the prefix cache; each step timed (seconds)."""
@@ -450,8 +481,8 @@ class VLLMManagedBackend(Backend):
             shutil.rmtree(self.merged_folder, ignore_errors=True)  # loaded and hashed: not evidence
         self.merged_folder, self.policy = folder, policy
         self.served_identity = identity
-        self.served_bf16_identity = None
-        self.served_policies.append({"version": policy.version, "policy_identity": policy.identity,
+        self._served_bf16_identity = None
+        self._served_policies.append({"version": policy.version, "policy_identity": policy.identity,
                                      "merged_identity": identity, "refresh": "merged", "dtype": self.serving_dtype,
                                      "sync_phases_s": timings})
         self.metrics_before = None
