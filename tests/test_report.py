@@ -228,3 +228,29 @@ def test_conformance_table_shows_a_diagnostic_beside_the_gated_run(tmp_path):
     table = conformance_table(aggregate)
     assert list(table["kind"]) == ["local_conformance", "local_conformance_diagnostic"]
     assert list(table["candidate options"]) == ["as measured", "lora_add=bf16_like_nf4_oracle"]
+
+
+def test_cold_start_table_shows_the_phases_a_backend_exposes_and_only_used_runs():
+    from rollout_lib.report.summary import cold_start_table
+
+    vllm_phases = {"mirror_snapshot_s": {"status": "measured", "seconds": 31.2},
+                   "server_to_healthy_s": {"status": "measured", "seconds": 155.7},
+                   "torch_compile_s": {"status": "not_measured", "reason": "no such line in the server log"}}
+    inputs = {"raw_files": [
+        {"path": "raw/c/vllm/a.jsonl", "backend": "vllm", "run_id": "a", "records": [
+            {"record": "header"},
+            {"record": "cold_start", "cold_start_s": {"status": "measured", "seconds": 191.84},
+             "backend_environment": {"cold_start_phases": vllm_phases, "compile_cache_warm_at_start": False}}]},
+        {"path": "raw/c/hf_cached/b.jsonl", "backend": "hf_cached", "run_id": "b", "records": [
+            {"record": "cold_start", "cold_start_s": {"status": "measured", "seconds": 18.9},
+             "backend_environment": {}}]},
+        {"path": "raw/c/vllm/superseded.jsonl", "backend": "vllm", "run_id": "superseded", "records": [
+            {"record": "cold_start", "cold_start_s": {"status": "measured", "seconds": 99.0}}]}]}
+    aggregate = {"cells": [{"raw_file": "raw/c/vllm/a.jsonl"}, {"raw_file": "raw/c/hf_cached/b.jsonl"}]}
+    table = cold_start_table(aggregate, inputs)
+    assert list(table.index) == [("vllm", "a"), ("hf_cached", "b")], "a run no cell uses is not listed"
+    vllm, hf = table.loc[("vllm", "a")], table.loc[("hf_cached", "b")]
+    assert vllm["cold start"] == "191.840 s" and vllm["server_to_healthy_s"] == "155.700 s"
+    assert vllm["torch_compile_s"] == "not_measured" and vllm["compile cache at start"] == "cold"
+    assert hf["phases"].startswith("not_measured") and hf["compile cache at start"] == "not_applicable"
+    assert not {"None", "nan", "0"} & {str(v) for v in table.to_numpy().ravel()}

