@@ -303,7 +303,8 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
         raise CommandError(f"stream-intervals: {args.stream_intervals!r} is not a list of integers >= 1, "
                            "e.g. 1,8") from exc
     try:  # run_diagnostic checks the values before it starts anything
-        report = run_diagnostic(study, cells, args.repetitions, stream_intervals=intervals)
+        report = run_diagnostic(study, cells, args.repetitions, stream_intervals=intervals,
+                                non_streamed=args.non_streamed)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     write_json_atomic(out, report)
@@ -313,7 +314,10 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
               f"(managed/in-process {row['managed_over_inprocess_adapter']:.3f}, "
               f"LoRA tax {100 * row['lora_tax_fraction']:.1f}%)"
               + "".join(f"; managed with stream interval {n}: {rate:.1f} tok/s"
-                        for n, rate in row["managed_tokens_per_s_by_stream_interval"].items() if n != "1"))
+                        for n, rate in row["managed_tokens_per_s_by_stream_interval"].items() if n != "1")
+              + (f"; managed, non-streamed: {row['managed_non_streamed_tokens_per_s']:.1f} tok/s "
+                 f"({row['managed_non_streamed_over_inprocess_adapter']:.3f} of in-process)"
+                 if "managed_non_streamed_tokens_per_s" in row else ""))
     print(f"wrote {out}")
     return 0
 
@@ -612,6 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-intervals", default="1", metavar="N,M",
                    help="the managed backend once per value of its stream_interval option (default 1, the "
                         "preregistered one event per token; e.g. 1,8)")
+    p.add_argument("--non-streamed", action="store_true",
+                   help="also measure the managed backend with non-streamed requests (streaming: false), "
+                        "beside the preregistered streamed setting")
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
     p.set_defaults(func=cmd_vllm_diagnostic)

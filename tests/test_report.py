@@ -254,3 +254,22 @@ def test_cold_start_table_shows_the_phases_a_backend_exposes_and_only_used_runs(
     assert vllm["torch_compile_s"] == "not_measured" and vllm["compile cache at start"] == "cold"
     assert hf["phases"].startswith("not_measured") and hf["compile cache at start"] == "not_applicable"
     assert not {"None", "nan", "0"} & {str(v) for v in table.to_numpy().ravel()}
+
+
+def test_lora_tax_table_shows_the_non_streamed_setting_when_measured(tmp_path):
+    import json
+
+    from rollout_lib.report import diagnostics
+
+    row = {"cell_id": "c1", "managed_tokens_per_s": 800.0, "inprocess_adapter_tokens_per_s": 1000.0,
+           "inprocess_no_adapter_tokens_per_s": 1100.0, "managed_over_inprocess_adapter": 0.8,
+           "lora_tax_fraction": 1 - 1000 / 1100, "managed_tokens_per_s_by_stream_interval": {"1": 800.0},
+           "managed_non_streamed_tokens_per_s": 990.0, "managed_non_streamed_over_inprocess_adapter": 0.99}
+    older = {k: v for k, v in row.items() if not k.startswith("managed_non_streamed")}
+    (tmp_path / "perf").mkdir()
+    for name, r in (("new.json", row), ("old.json", older)):
+        (tmp_path / "perf" / name).write_text(json.dumps({"kind": "vllm_inprocess_diagnostic", "rows": [r]}))
+    tables = {p.name: diagnostics.diagnostic_table(p, rep) for p, rep in diagnostics.diagnostic_files(tmp_path)}
+    assert tables["new.json"].loc[0, "non-streamed / in-process"] == "0.990"
+    assert tables["new.json"].loc[0, "managed, non-streamed tok/s"] == "990.0"
+    assert "non-streamed / in-process" not in tables["old.json"].columns

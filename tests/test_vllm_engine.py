@@ -89,6 +89,27 @@ def test_stream_interval_serves_the_same_tokens_and_logprobs(smoke_study, engine
     assert all(len(r.token_ids) == 24 for r in batch.results) and batch.phases["ttft_s"].status == "measured"
 
 
+def test_non_streamed_requests_serve_the_same_tokens_and_take_ttft_from_the_engine(smoke_study, engine):
+    """`streaming: false` on the same server (a client-side setting: one response per request): the same
+    tokens, log-probabilities and stop reasons as the stream; TTFT from vllm:time_to_first_token_seconds."""
+    work = Workload(smoke_study)
+    policy = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[0]
+    requests = work.requests(work.cell("p16-r24-n2-stochastic"))
+    engine.sync_policy(policy)
+    streamed = engine.generate(requests)
+    _ = streamed.phases
+    engine.streaming = False
+    try:
+        whole = engine.generate(requests)
+        phases = whole.phases
+    finally:
+        engine.streaming = True
+    assert [(r.token_ids, r.logprobs, r.stop_reason) for r in whole.results] == \
+        [(r.token_ids, r.logprobs, r.stop_reason) for r in streamed.results]
+    assert phases["ttft_s"].status == "measured", phases["ttft_s"]
+    assert phases["ttft_s"].reason.startswith("source: vLLM /metrics vllm:time_to_first_token_seconds")
+
+
 def test_real_engine_greedy_agrees_with_the_nf4_oracle_teacher_forced(smoke_study, engine, snapshot_cache):
     """Decision 8, teacher-forced: the NF4 actor's argmax on vLLM's greedy sequences."""
     work = Workload(smoke_study)

@@ -7,6 +7,7 @@ SIGTERM, request/response mapping, policy refresh through adapter files, a serve
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 
@@ -372,3 +373,78 @@ def test_vllm_compare_cli_writes_its_file_after_every_setting_and_never_reuses_o
     before = out.read_bytes()
     assert main(argv) == 2
     assert "exists; evidence is never overwritten" in capsys.readouterr().err and out.read_bytes() == before
+
+
+def test_non_streamed_requests_give_the_same_results_and_say_where_ttft_comes_from(smoke_study, tmp_path):
+    """`streaming: false`: one response per request (the server builds the output once, as the
+    in-process engine does); tokens, logprobs and stop reasons equal the streamed path's; the client
+    measures no TTFT, so it is the engine's (/metrics) or not_measured, never a client guess."""
+    work = Workload(smoke_study)
+    policy = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[-1]
+    requests = work.requests(work.cell("p16-r8-n2-stochastic"))
+    results = {}
+    for streaming in (True, False):
+        backend = create_backend("vllm", smoke_study, server_command=[sys.executable, FAKE, "--port", "{port}"],
+                                 model_dir=str(tmp_path), cache_dir=str(tmp_path / f"c{streaming}"),
+                                 start_timeout_s=30, streaming=streaming)
+        try:
+            backend.cold_start()
+            backend.sync_policy(policy)
+            batch = backend.generate(requests)
+            results[streaming] = [(r.token_ids, r.logprobs, r.stop_reason) for r in batch.results]
+            ttft = batch.phases["ttft_s"]
+            assert backend.environment()["streaming"] is streaming
+        finally:
+            backend.teardown()
+        if streaming:
+            assert ttft.status == "measured"
+        else:  # the stand-in server has no /metrics: the engine's TTFT is not exposed
+            assert ttft.status == "not_measured" and "/metrics" in ttft.reason
+    assert results[True] == results[False] and all(len(t) == 8 for t, _, _ in results[False])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"streaming": "no"}, "vllm: streaming 'no' is not allowed; allowed: true (as preregistered), false"),
+    ({"streaming": False, "stream_interval": 8}, "stream_interval applies to streamed requests only"),
+])
+def test_bad_streaming_options_are_refused(smoke_study, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        create_backend("vllm", smoke_study, **options)
+
+
+def test_engine_ttft_comes_from_its_histogram_when_the_client_cannot_see_it():
+    from rollout_lib.backends.vllm_managed import ENGINE_TTFT_METRIC, PHASE_METRICS, engine_phases
+
+    metric = ENGINE_TTFT_METRIC["ttft_s"]
+    before = {f"{metric}_count": 4.0, f"{metric}_sum": 0.2}
+    after = {f"{metric}_count": 8.0, f"{metric}_sum": 0.44}
+    phases = engine_phases(before, after, 4, PHASE_METRICS | ENGINE_TTFT_METRIC)
+    assert phases["ttft_s"].status == "measured" and abs(phases["ttft_s"].seconds - 0.06) < 1e-12
+    assert metric in phases["ttft_s"].reason
+
+
+def test_diagnostic_reports_the_non_streamed_setting_beside_the_preregistered_one(smoke_study, tmp_path, monkeypatch):
+    from rollout_lib.checks import vllm_inprocess
+
+    def child(python, job):
+        return {"adapter": "adapter_dir" in job, "cells": {c: {"tokens_per_s": 1000.0 if "adapter_dir" in job
+                                                                else 1100.0} for c in job["cells"]}}
+
+    seen = []
+
+    def managed(study, workload, policy, cells, repetitions, options):
+        seen.append({k: options.get(k) for k in ("stream_interval", "streaming")})
+        rate = 800.0 if options.get("streaming") is not False else 990.0
+        return {"cells": {c: {"tokens_per_s": rate} for c in cells}}
+
+    monkeypatch.setattr(vllm_inprocess, "run_child", child)
+    monkeypatch.setattr(vllm_inprocess, "_measure_managed", managed)
+    report = vllm_inprocess.run_diagnostic(smoke_study, ["p16-r8-n1-greedy"], repetitions=1, non_streamed=True,
+                                           backend_options={"model_dir": str(tmp_path),
+                                                            "cache_dir": str(tmp_path / "cache")})
+    assert seen == [{"stream_interval": 1, "streaming": None}, {"stream_interval": None, "streaming": False}]
+    (row,) = report["rows"]
+    assert row["managed_over_inprocess_adapter"] == 0.8, "the 5% goal is judged on the preregistered setting"
+    assert row["managed_non_streamed_over_inprocess_adapter"] == 0.99
+    assert report["verdict"]["managed_within_5_percent_of_inprocess"] is False
+    assert "managed_non_streamed" in report

@@ -94,7 +94,7 @@ class DeferredPhasesBatch(BatchResult):
         paid inside whatever the engine does next)."""
         if self._finish is not None:
             self._finish = None
-            self._phases = {k: Phase.not_measured(reason) for k in PHASE_METRICS} | self._phases
+            self._phases = {k: Phase.not_measured(reason) for k in [*PHASE_METRICS, "ttft_s"]} | self._phases
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -138,6 +138,18 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float) -> dict[st
     return {"token_ids": tokens, "logprobs": logprobs, "finish_reason": finish, "ttft_s": ttft}
 
 
+def complete_once(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One non-streamed completion (the server builds the output once, at the end, as the in-process
+    engine does): token ids, sampled-token log-probabilities, finish reason; no client TTFT."""
+    request = urllib.request.Request(url, data=json.dumps(body | {"stream": False}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        choice = json.loads(response.read())["choices"][0]
+    return {"token_ids": list(choice.get("token_ids") or []),
+            "logprobs": list((choice.get("logprobs") or {}).get("token_logprobs") or []),
+            "finish_reason": choice.get("finish_reason"), "ttft_s": None}
+
+
 PHASE_METRICS = {"prefill_s": "vllm:request_prefill_time_seconds", "decode_s": "vllm:request_decode_time_seconds",
                  "queue_s": "vllm:request_queue_time_seconds"}
 METRICS_SETTLE_S = 2.0  # the API server's stats land shortly after a request finishes
@@ -164,10 +176,15 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def engine_phases(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, Phase]:
+# a non-streamed client sees no first token: TTFT then comes from the engine's own histogram
+ENGINE_TTFT_METRIC = {"ttft_s": "vllm:time_to_first_token_seconds"}
+
+
+def engine_phases(before: dict[str, float], after: dict[str, float], requests: int,
+                  metrics: dict[str, str] = PHASE_METRICS) -> dict[str, Phase]:
     """Mean per-request engine time of each phase over one batch, from two scrapes."""
     phases = {}
-    for phase, metric in PHASE_METRICS.items():
+    for phase, metric in metrics.items():
         count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
         total = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
         if f"{metric}_count" not in after:
@@ -230,13 +247,16 @@ class VLLMManagedBackend(Backend):
     start_timeout_s, request_timeout_s, kv_cache_fraction_of_budget, cache_dir, extra_server_args,
     refresh (adapter | merged), dtype (bfloat16 | float32), sleep_mode (bool: `--enable-sleep-mode`, for the
     RL cycle's engine sleep between rollouts; CUDA only), stream_interval (int >= 1: the server streams
-    every N tokens, `--stream-interval`, the first at once; 1 = one event per token, as preregistered)."""
+    every N tokens, `--stream-interval`, the first at once; 1 = one event per token, as preregistered),
+    streaming (bool, default true as preregistered: false sends non-streamed requests, whose outputs the
+    server builds once at the end like the in-process engine; TTFT then comes from the engine's
+    /metrics histogram, not the client)."""
 
     name = "vllm"
     description = "managed vLLM OpenAI server on 127.0.0.1, CUDA graphs, runtime LoRA refresh"
     allowed_options = ("server_python", "server_command", "model_dir", "start_timeout_s", "request_timeout_s",
                        "kv_cache_fraction_of_budget", "cache_dir", "extra_server_args", "device", "log_dir",
-                       "refresh", "dtype", "sleep_mode", "stream_interval")
+                       "refresh", "dtype", "sleep_mode", "stream_interval", "streaming")
 
     def __init__(self, study, **options: Any):
         unknown = sorted(set(options) - set(self.allowed_options))
@@ -270,6 +290,15 @@ class VLLMManagedBackend(Backend):
             raise ValueError(f"vllm: stream_interval {interval!r} is not allowed; allowed: an integer >= 1 "
                              "(1 = one streamed event per token, as preregistered)")
         self.stream_interval = interval
+        streaming = options.get("streaming")
+        streaming = True if streaming is None else streaming
+        if not isinstance(streaming, bool):
+            raise ValueError(f"vllm: streaming {streaming!r} is not allowed; allowed: true (as preregistered), "
+                             "false")
+        if not streaming and interval != 1:
+            raise ValueError("vllm: stream_interval applies to streamed requests only; with streaming false "
+                             "leave it at 1")
+        self.streaming = streaming
         if self.sleep_mode and not self.on_gpu:
             raise ValueError("vllm: sleep_mode needs a CUDA device (vLLM's sleep mode is CUDA-only); "
                              "on a CPU it is not_applicable")
@@ -548,7 +577,8 @@ class VLLMManagedBackend(Backend):
         start = time.perf_counter()
         try:
             with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
-                outputs = list(pool.map(lambda r: stream_completion(url, self._body(r), timeout), requests))
+                send = stream_completion if self.streaming else complete_once
+                outputs = list(pool.map(lambda r: send(url, self._body(r), timeout), requests))
         except OSError as exc:  # connection refused/reset: did the engine die?
             time.sleep(0.5)
             if not self.server.alive():
@@ -563,16 +593,18 @@ class VLLMManagedBackend(Backend):
                                          tuple(out["logprobs"]) if out["logprobs"] else None, self.served_identity))
         ttfts = sorted(o["ttft_s"] for o in outputs if o["ttft_s"] is not None)
         ttft = Phase.measured(ttfts[len(ttfts) // 2]) if ttfts else Phase.not_measured("no tokens")
+        client = {"ttft_s": ttft} if self.streaming else {}  # non-streamed: the engine's TTFT, read below
         self.pending_batch = DeferredPhasesBatch(results, wall, lambda: self._engine_phases(before, len(requests)),
-                                                 {"ttft_s": ttft})
+                                                 client)
         return self.pending_batch
 
     def _engine_phases(self, before: dict[str, float] | None, requests: int) -> dict[str, Phase]:
         """The last batch's engine-side phases, from a settled /metrics scrape (when first read)."""
         scrape_started = time.perf_counter()
         after = self._settled_scrape(before, requests)
-        phases = engine_phases(before or {}, after or {}, requests) if before is not None and after is not None \
-            else {k: Phase.not_measured(_NOT_EXPOSED) for k in PHASE_METRICS}
+        metrics = PHASE_METRICS if self.streaming else PHASE_METRICS | ENGINE_TTFT_METRIC
+        phases = engine_phases(before or {}, after or {}, requests, metrics) \
+            if before is not None and after is not None else {k: Phase.not_measured(_NOT_EXPOSED) for k in metrics}
         phases["metrics_scrape_s"] = Phase.measured(time.perf_counter() - scrape_started)
         self.metrics_before = after  # the next batch's starting point: no scrape inside its timer
         self.pending_batch = None
@@ -627,6 +659,7 @@ class VLLMManagedBackend(Backend):
                 "cuda_graphs": "on (no --enforce-eager)" if self.on_gpu else "not_applicable (CPU engine)",
                 "server_python": self.server_python, "refresh": self.refresh, "dtype": self.serving_dtype,
                 "sleep_mode": self.sleep_mode, "stream_interval": self.stream_interval,
+                "streaming": self.streaming,
                 "lora_refresh": ("runtime load_lora_adapter (peft files)" if self.refresh == "adapter" else
                                  "merged W + s*B@A reloaded in place (collective_rpc reload_weights), "
                                  "prefix cache reset"),

@@ -46,6 +46,9 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
                  "LoRA tax": f"{100 * r['lora_tax_fraction']:.1f}%"}
                 | {f"managed, stream interval {n} tok/s": _num(rate, 1)  # older files have no such column
                    for n, rate in r.get("managed_tokens_per_s_by_stream_interval", {}).items() if n != "1"}
+                | ({"managed, non-streamed tok/s": _num(r["managed_non_streamed_tokens_per_s"], 1),
+                    "non-streamed / in-process": _num(r["managed_non_streamed_over_inprocess_adapter"], 3)}
+                   if "managed_non_streamed_tokens_per_s" in r else {})
                 for r in report["rows"]]
     else:
         rows = []
