@@ -256,6 +256,24 @@ def test_cold_start_table_shows_the_phases_a_backend_exposes_and_only_used_runs(
     assert not {"None", "nan", "0"} & {str(v) for v in table.to_numpy().ravel()}
 
 
+def test_refresh_paths_table_shows_the_sync_with_and_without_the_bf16_hash(tmp_path):
+    import json
+
+    from rollout_lib.report import diagnostics
+
+    rung = {"rung": "adapter", "about": "peft adapter", "status": "measured", "max_abs_logprob_diff": 0.4,
+            "mean_abs_logprob_diff": 0.05, "sync_s": [0.20, 0.15, 0.16],
+            "served_policies": [{"bf16_identity_hash_s": h} for h in (0.05, 0.06, 0.05)],
+            "teacher_forced": {"argmax_disagreements": 0, "positions": 8, "beyond_tie_margin": 0},
+            "cells": [], "attention_backend": "FLASH_ATTN", "syncs": [{"exact": True}] * 3}
+    merged = rung | {"rung": "merged", "served_policies": [{"merged_identity": "x"}] * 3}
+    (tmp_path / "perf").mkdir()
+    (tmp_path / "perf" / "r.json").write_text(json.dumps({"kind": "vllm_refresh_paths", "rungs": [rung, merged]}))
+    table = diagnostics.diagnostic_table(*diagnostics.diagnostic_files(tmp_path)[0])
+    column = "sync s median (with the bf16 hash inside, as before)"
+    assert table.loc[0, column] == "0.160 (0.210)" and table.loc[1, column] == "—"
+
+
 def test_lora_tax_table_shows_the_non_streamed_setting_when_measured(tmp_path):
     import json
 

@@ -66,12 +66,26 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
                                                    f"({tf['beyond_tie_margin']} beyond the tie margin)",
                          "sync s (first / max / last)": (f"{syncs[0]:.3f} / {max(syncs):.3f} / {syncs[-1]:.3f}"
                                                          if syncs else "—"),
+                         **_bf16_hash_column(rung),
                          "tok/s per cell": ", ".join(f"{c['cell_id']}: {c['tokens_per_s']:.0f}"
                                                      for c in rung["cells"] if c.get("tokens_per_s")),
                          "attention": rung["attention_backend"],
                          "served identity": "policy's own" if all(s["exact"] for s in rung["syncs"])
                          else "merged weights' own (not the policy's)"})
     return pd.DataFrame(rows).fillna("—")  # a failed setting has no figures: a dash, never "nan"
+
+
+def _bf16_hash_column(rung: dict[str, Any]) -> dict[str, str]:
+    """Adapter syncs from 5f03bf1 on hash the bf16 identity after the timed sync and record its seconds:
+    the median sync with and without it, from the same run (older files have no such column)."""
+    import statistics
+
+    hashes = [s.get("bf16_identity_hash_s") for s in rung.get("served_policies") or []]
+    syncs = rung.get("sync_s") or []
+    if not syncs or len(hashes) != len(syncs) or any(h is None for h in hashes):
+        return {}
+    before = statistics.median([a + b for a, b in zip(syncs, hashes, strict=True)])
+    return {"sync s median (with the bf16 hash inside, as before)": f"{statistics.median(syncs):.3f} ({before:.3f})"}
 
 
 def caption(path: Path, report: dict[str, Any]) -> str:
