@@ -277,7 +277,6 @@ class VLLMManagedBackend(Backend):
         self._served_policies: list[dict[str, Any]] = []
         # adapter syncs whose bf16 identity is not hashed yet: (policy, its served_policies entry)
         self._bf16_identity_pending: list[tuple[PolicyVersion, dict[str, Any]]] = []
-        self._served_bf16_identity: str | None = None
         self.metrics_before: dict[str, float] | None = None
         self.pending_batch: DeferredPhasesBatch | None = None  # the last batch, phases not read yet
         self.lora_name: str | None = None
@@ -459,7 +458,6 @@ class VLLMManagedBackend(Backend):
         entry = {"version": policy.version, "identity": identity, "adapter": name,
                  "served_bf16_identity": None, "sync_phases_s": timings}
         self._served_policies.append(entry)
-        self._served_bf16_identity = None
         if self.serving_dtype == "bfloat16":  # hashed when first read, outside the sync (see served_bf16_identity)
             self._bf16_identity_pending.append((policy, entry))
         self.metrics_before = None  # adapter loads are not a batch
@@ -474,8 +472,7 @@ class VLLMManagedBackend(Backend):
         Hashed when first read, not inside `sync_policy`: it is computed from the policy's own tensors,
         not read back from the engine, so it verifies nothing the RL loop waits for (the adapter file's
         read-back identity does that, inside the sync); on the H200 it was ~40-50 ms of each timed sync."""
-        self._hash_pending_bf16_identities()
-        return self._served_bf16_identity
+        return self.served_policies[-1].get("served_bf16_identity") if self._served_policies else None
 
     @property
     def served_policies(self) -> list[dict[str, Any]]:
@@ -494,8 +491,6 @@ class VLLMManagedBackend(Backend):
                 policy.base_digest, {k: v.to(torch.bfloat16) for k, v in policy.tensors.items()})
             # what the sync no longer pays, measured in the same run (before = sync_s + this)
             entry["bf16_identity_hash_s"] = time.perf_counter() - started
-            if entry is self._served_policies[-1]:
-                self._served_bf16_identity = entry["served_bf16_identity"]
 
     def _sync_merged(self, policy: PolicyVersion) -> str:
         """Merge, write, reload in place, reset the prefix cache; each step timed (seconds)."""
@@ -529,7 +524,6 @@ class VLLMManagedBackend(Backend):
             shutil.rmtree(self.merged_folder, ignore_errors=True)  # loaded and hashed: not evidence
         self.merged_folder, self.policy = folder, policy
         self.served_identity = identity
-        self._served_bf16_identity = None
         self._served_policies.append({"version": policy.version, "policy_identity": policy.identity,
                                      "merged_identity": identity, "refresh": "merged", "dtype": self.serving_dtype,
                                      "sync_phases_s": timings})
