@@ -93,12 +93,25 @@ def main():
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--exit-at-start", action="store_true")
+    parser.add_argument("--exit-like-vllm-engine-core", action="store_true")
     parser.add_argument("--die-once-file", default="")
     ARGS = parser.parse_args()
     print(f"fake-server: starting on 127.0.0.1:{ARGS.port}", flush=True)
     if ARGS.exit_at_start:
         print("fake-server: RuntimeError: simulated start-up failure", flush=True)
         sys.exit(3)
+    if ARGS.exit_like_vllm_engine_core:  # the shape of vLLM 0.26's log when its engine core fails
+        print("(EngineCore pid=41) ERROR 12-01 17:55:02 [core.py:1100] EngineCore failed to start.", flush=True)
+        print("(EngineCore pid=41) Traceback (most recent call last):", flush=True)
+        print('(EngineCore pid=41)   File "vllm/v1/engine/core.py", line 1090, in run_engine_core', flush=True)
+        print("(EngineCore pid=41) ValueError: simulated: float32 is not supported by this attention backend",
+              flush=True)
+        for line in range(60):  # the API server's own wrapper traceback: all that a 40-line tail shows
+            print(f'(APIServer pid=40)   File "vllm/entrypoints/openai/api_server.py", line {line}, in run',
+                  flush=True)
+        print("(APIServer pid=40) RuntimeError: Engine core initialization failed. See root cause above. "
+              "Failed core proc(s): {}", flush=True)
+        sys.exit(1)
     if ARGS.ignore_sigterm:
         signal.signal(signal.SIGTERM, lambda *a: print("fake-server: ignoring SIGTERM", flush=True))
     ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler).serve_forever()

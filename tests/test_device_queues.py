@@ -54,48 +54,58 @@ def _shell_words(command: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("path", QUEUES, ids=[p.name for p in QUEUES])
-def test_queue_file_is_runnable(path):
+def _check_command(where: str, command: str, parser, known_cells: set[str]) -> None:
+    """One shell command of a job, parsed as its program would parse it."""
     from tools import fast_path_probe
 
+    words = _shell_words(command)
+    env = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if re.fullmatch(r"[A-Z_]+=.*", w)}
+    words = [w for w in words if not re.fullmatch(r"[A-Z_]+=.*", w)]
+    if words[:3] == ["python3", "-m", "rollout_lib.cli"]:
+        args = parser.parse_args(words[3:])  # SystemExit (a failed test) on an unknown option
+        for attribute in ("cells", "cell"):
+            value = getattr(args, attribute, None)
+            if value:
+                unknown = set(str(value).split(",")) - known_cells
+                assert not unknown, f"{where}: unknown cells {sorted(unknown)}"
+        if getattr(args, "rungs", None):  # a setting the comparison does not have fails before the lease
+            from rollout_lib.checks.vllm_compare import chosen_rungs
+
+            chosen_rungs(args.comparison, args.rungs.split(","))
+    elif words[:2] == ["python3", "tools/side_by_side.py"]:
+        from tools import side_by_side
+
+        args = side_by_side.build_parser().parse_args(words[2:])
+        unknown = set(args.cells.split(",")) - known_cells
+        assert not unknown, f"{where}: unknown cells {sorted(unknown)}"
+    elif words[:4] == ["python3", "-m", "pytest", "-q"]:
+        for word in words:
+            if word.startswith("tests/") or word.startswith("--ignore=tests/"):
+                target = word.split("=", 1)[-1]
+                assert (REPO_ROOT / target).exists(), f"{where}: {target} does not exist"
+    elif words[:2] == ["bash", "tools/device/fast_path_evidence.sh"]:
+        for variant in env.get("VARIANTS", "before,inductor").split(","):
+            base, *suffixes = variant.split("+")
+            assert base in ("before", "off", "inductor", "eager"), f"{where}: variant {variant}"
+            assert all(s in fast_path_probe.SUFFIXES for s in suffixes), f"{where}: {variant}"
+            assert not suffixes or base in ("off", "inductor"), f"{where}: {variant}"
+            if base == "before":
+                assert "BEFORE" in env, f"{where}: `before` needs BEFORE=<file>"
+    else:
+        pytest.fail(f"{where}: a command this test cannot check: {command[:80]}")
+
+
+@pytest.mark.parametrize("path", QUEUES, ids=[p.name for p in QUEUES])
+def test_queue_file_is_runnable(path):
     jobs = _jobs(path)
     assert jobs, f"{path.name}: no jobs"
     names = [name for name, _, _ in jobs]
     assert len(set(names)) == len(names), f"{path.name}: duplicate job names"
     known_cells = set(Workload(load(REPO_ROOT / "params" / "rollout-runtime-v2.yaml")).cell_ids())
     parser = build_parser()
-    for name, _, command in jobs:
-        words = _shell_words(command)
-        env = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if re.fullmatch(r"[A-Z_]+=.*", w)}
-        words = [w for w in words if not re.fullmatch(r"[A-Z_]+=.*", w)]
-        if words[:3] == ["python3", "-m", "rollout_lib.cli"]:
-            args = parser.parse_args(words[3:])  # SystemExit (a failed test) on an unknown option
-            for attribute in ("cells", "cell"):
-                value = getattr(args, attribute, None)
-                if value:
-                    unknown = set(str(value).split(",")) - known_cells
-                    assert not unknown, f"{path.name}/{name}: unknown cells {sorted(unknown)}"
-        elif words[:2] == ["python3", "tools/side_by_side.py"]:
-            from tools import side_by_side
-
-            args = side_by_side.build_parser().parse_args(words[2:])
-            unknown = set(args.cells.split(",")) - known_cells
-            assert not unknown, f"{path.name}/{name}: unknown cells {sorted(unknown)}"
-        elif words[:4] == ["python3", "-m", "pytest", "-q"]:
-            for word in words:
-                if word.startswith("tests/") or word.startswith("--ignore=tests/"):
-                    target = word.split("=", 1)[-1]
-                    assert (REPO_ROOT / target).exists(), f"{path.name}/{name}: {target} does not exist"
-        elif words[:2] == ["bash", "tools/device/fast_path_evidence.sh"]:
-            for variant in env.get("VARIANTS", "before,inductor").split(","):
-                base, *suffixes = variant.split("+")
-                assert base in ("before", "off", "inductor", "eager"), f"{path.name}/{name}: variant {variant}"
-                assert all(s in fast_path_probe.SUFFIXES for s in suffixes), f"{path.name}/{name}: {variant}"
-                assert not suffixes or base in ("off", "inductor"), f"{path.name}/{name}: {variant}"
-                if base == "before":
-                    assert "BEFORE" in env, f"{path.name}/{name}: `before` needs BEFORE=<file>"
-        else:
-            pytest.fail(f"{path.name}/{name}: a command this test cannot check: {command[:80]}")
+    for name, _, line in jobs:
+        for command in re.split(r"\s(?:\|\||&&)\s", line):  # `a || b`: the fallback is checked like the first
+            _check_command(f"{path.name}/{name}", command, parser, known_cells)
 
 
 @pytest.mark.parametrize("script", sorted((REPO_ROOT / "tools" / "device").glob("*.sh")), ids=lambda p: p.name)

@@ -56,6 +56,28 @@ def test_exit_before_healthy_is_reported(tmp_path):
         server.start()
 
 
+def test_start_failure_names_the_root_cause_above_the_wrapper_traceback(tmp_path):
+    # Lease 9: a 40-line tail held only the API server's wrapper ("See root cause above") and lost the cause.
+    server = ManagedServer(fake("--exit-like-vllm-engine-core"), tmp_path / "s.log", start_timeout_s=30)
+    with pytest.raises(ServerStartError) as failure:
+        server.start()
+    message = str(failure.value)
+    cause = message.split("root cause:\n", 1)[1].split("log tail", 1)[0]
+    assert "ValueError: simulated: float32 is not supported" in cause
+    assert "Engine core initialization failed" not in cause
+    assert "Engine core initialization failed" in message.split("log tail", 1)[1]  # the tail is still there
+    assert str(tmp_path / "s.log") in message
+
+
+def test_root_cause_is_none_without_an_exception_line(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text("INFO starting\nERROR 12-01 EngineCore failed to start.\nRuntimeError: Engine core "
+                   "initialization failed. See root cause above.\n")
+    server = ManagedServer(fake(), log)
+    assert server.root_cause() is None
+    assert server.failure_report().startswith("no exception line in the log; log tail")
+
+
 def test_teardown_of_a_process_that_ignores_sigterm(tmp_path):
     server = ManagedServer(fake("--ignore-sigterm"), tmp_path / "s.log", start_timeout_s=30)
     server.start()
@@ -339,6 +361,20 @@ def test_a_comparison_rung_that_fails_is_recorded_and_the_next_rung_still_runs(s
     assert report["rungs"][1]["error"].startswith("ServerStartError: vllm server exited with code 1")
     assert torn_down == ["vllm", "hf_reference"] * 3, "every rung tears down its engine and its scorer once"
     assert report["rungs_planned"] == ["a_bf16", "b_bf16_fp32_head", "c_float32"]
+
+
+def test_optional_rungs_run_only_when_asked_for_and_say_graphs_are_off(smoke_study, tmp_path):
+    from rollout_lib.checks import vllm_compare
+
+    assert vllm_compare.chosen_rungs("ladder", None) == ["a_bf16", "b_bf16_fp32_head", "c_float32"]
+    assert vllm_compare.chosen_rungs("ladder", ["c_float32_eager"]) == ["c_float32_eager"]
+    with pytest.raises(ValueError, match=r"'d_fp64' is not a rung of ladder; allowed: a_bf16, .*c_float32_eager"):
+        vllm_compare.chosen_rungs("ladder", ["d_fp64"])
+    eager = vllm_compare.COMPARISONS["ladder"]["c_float32_eager"]["options"]
+    backend = create_backend("vllm", smoke_study, model_dir=str(tmp_path), cache_dir=str(tmp_path / "c"), **eager)
+    backend.on_gpu = True  # what the H200 run records; the flag itself travels in the server's arguments
+    assert backend.environment()["cuda_graphs"] == "off (--enforce-eager)"
+    assert "--enforce-eager" in backend._command(str(tmp_path))(8000)
 
 
 def test_vllm_compare_cli_writes_its_file_after_every_setting_and_never_reuses_one(tmp_path, monkeypatch, capsys):

@@ -4,7 +4,9 @@ Used by the vLLM backend (vLLM's OpenAI-compatible server) and testable with any
 - `start()` picks a free port (a preferred port already in use is replaced by a free one and the
   switch recorded), starts the command in its own session with output to a log file, and polls
   `GET /health` until it answers 200; a process that exits, or a deadline that passes, raises
-  `ServerStartError` with the log tail, and the process is stopped.
+  `ServerStartError` with the log's first exception (the root cause: vLLM's engine core raises it,
+  then the API server prints its own wrapper traceback, which is all a plain tail shows) and the
+  log tail, and the process is stopped.
 - `stop()` sends SIGTERM to the whole process group, waits, escalates to SIGKILL, and returns the
   proof: exit code, signal used, whether the port still accepts connections, leftover processes.
 Servers bind 127.0.0.1 only.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +28,12 @@ from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
+# "ValueError: ...", "torch.OutOfMemoryError: ...", "RuntimeError: ..." at the start of a line, after an
+# optional "(EngineCore pid=12) " / "[rank0]: " prefix of a multi-process server.
+_EXCEPTION_LINE = re.compile(r"^(?:\([^)]*pid=\d+\)\s*|\[rank\d+\]:\s*)?"
+                             r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)(?::.*)?)$")
+# Wrappers that say "see above" rather than what went wrong.
+_WRAPPER_EXCEPTIONS = ("Engine core initialization failed", "EngineCore failed to start")
 
 
 class ServerStartError(RuntimeError):
@@ -101,13 +110,13 @@ class ManagedServer:
                 code = self.process.returncode
                 self.stop()
                 raise ServerStartError(f"server exited with code {code} before it was healthy "
-                                       f"(port {self.port}); log tail:\n{self.log_tail()}")
+                                       f"(port {self.port}); {self.failure_report()}")
             if self.healthy():
                 return time.perf_counter() - started
             time.sleep(0.5)
         self.stop()
         raise ServerStartError(f"server not healthy within {self.start_timeout_s:.0f} s on port {self.port}; "
-                               f"log tail:\n{self.log_tail()}")
+                               f"{self.failure_report()}")
 
     def healthy(self) -> bool:
         try:
@@ -125,6 +134,24 @@ class ManagedServer:
         except OSError:
             return "(no log)"
         return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+    def root_cause(self, context_lines: int = 6) -> str | None:
+        """The log's first exception line that is not a "see above" wrapper, with the lines before it."""
+        try:
+            lines = self.log_path.read_bytes().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return None
+        for index, line in enumerate(lines):
+            match = _EXCEPTION_LINE.match(line.strip())
+            if match and not any(wrapper in match.group(1) for wrapper in _WRAPPER_EXCEPTIONS):
+                return "\n".join(lines[max(0, index - context_lines):index + 1])
+        return None
+
+    def failure_report(self, tail_lines: int = 20) -> str:
+        """What a failed start says: the root cause (when the log has one), then the log tail and its path."""
+        cause = self.root_cause()
+        head = f"root cause:\n{cause}\n" if cause else "no exception line in the log; "
+        return f"{head}log tail ({self.log_path}):\n{self.log_tail(tail_lines)}"
 
     def stop(self, grace_s: float = 30.0) -> dict[str, Any]:
         """SIGTERM the process group, escalate to SIGKILL after `grace_s`; return the proof."""

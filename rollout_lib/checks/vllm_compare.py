@@ -42,6 +42,11 @@ COMPARISONS: dict[str, dict[str, dict[str, Any]]] = {
                              "about": "bf16 with vLLM's float32 LM head"},
         "c_float32": {"options": {"dtype": "float32"}, "scoring_dtype": "float32",
                       "about": "vLLM --dtype float32 (LoRA in float32) and the NF4 actor scoring in float32"},
+        # only when asked for (`--rungs`): (c) without CUDA graphs or vLLM's compilation, for a GPU on which
+        # (c) does not start (lease 9: its server exited during engine init); precision is what it tests
+        "c_float32_eager": {"options": {"dtype": "float32", "extra_server_args": ["--enforce-eager"]},
+                            "scoring_dtype": "float32", "optional": True,
+                            "about": "(c) with --enforce-eager: no CUDA graphs, no torch.compile"},
     },
     "refresh-paths": {
         "adapter": {"options": {"refresh": "adapter"}, "scoring_dtype": None,
@@ -146,14 +151,15 @@ def _measure_rung(study: Preregistration, workload: Workload, name: str, spec: d
 
 
 def chosen_rungs(comparison: str, rungs: list[str] | None) -> list[str]:
-    """The rungs to run (all of the comparison's by default); an unknown name fails naming the allowed ones."""
+    """The rungs to run (the comparison's non-optional ones by default); an unknown name fails naming the
+    allowed ones."""
     if comparison not in COMPARISONS:
         raise ValueError(f"comparison {comparison!r} is not known; allowed: {', '.join(COMPARISONS)}")
     known = COMPARISONS[comparison]
     for rung in rungs or []:
         if rung not in known:
             raise ValueError(f"rungs: {rung!r} is not a rung of {comparison}; allowed: {', '.join(known)}")
-    return list(rungs or known)
+    return list(rungs or [name for name, spec in known.items() if not spec.get("optional")])
 
 
 def run_comparison(study: Preregistration, comparison: str, cells: list[str], versions: int = 2,
