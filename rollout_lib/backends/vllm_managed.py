@@ -361,7 +361,7 @@ class VLLMManagedBackend(Backend):
                 "--served-model-name", SERVED_BASE_NAME, "--host", "127.0.0.1", "--dtype", self.serving_dtype,
                 "--max-model-len", str(max_len), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
                 *(lora_args if self.refresh == "adapter" else []), *sleep_args, *stream_args, "--seed", "0",
-                "--generation-config", "vllm", *self.options.get("extra_server_args", [])]
+                "--generation-config", "vllm", *self.extra_server_args]
         if not self.on_gpu:  # vLLM's CPU backend also checks this fraction of host memory at start-up
             args += ["--gpu-memory-utilization", "0.1"]
         return lambda port: [*args, "--port", str(port)]
@@ -654,6 +654,10 @@ class VLLMManagedBackend(Backend):
             out.append(top[0] if top else None)
         return out
 
+    @property
+    def extra_server_args(self) -> list[str]:
+        return list(self.options.get("extra_server_args", []))
+
     def environment(self) -> dict[str, Any]:
         return {"engine": "vllm OpenAI server",
                 "engine_vllm_version": getattr(self, "engine_version", "not_measured"),
@@ -661,7 +665,7 @@ class VLLMManagedBackend(Backend):
                 "port_note": self.server.port_note if self.server else None,
                 "kv_cache_memory_bytes": self.kv_cache_bytes, "mirror_payload_digest": self.mirror_digest,
                 "cuda_graphs": ("not_applicable (CPU engine)" if not self.on_gpu else
-                                "off (--enforce-eager)" if "--enforce-eager" in self.options.get("extra_server_args", [])
+                                "off (--enforce-eager)" if "--enforce-eager" in self.extra_server_args
                                 else "on (no --enforce-eager)"),
                 "server_python": self.server_python, "refresh": self.refresh, "dtype": self.serving_dtype,
                 "sleep_mode": self.sleep_mode, "stream_interval": self.stream_interval,
