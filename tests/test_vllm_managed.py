@@ -67,6 +67,10 @@ def test_start_failure_names_the_root_cause_above_the_wrapper_traceback(tmp_path
     assert "Engine core initialization failed" not in cause
     assert "Engine core initialization failed" in message.split("log tail", 1)[1]  # the tail is still there
     assert str(tmp_path / "s.log") in message
+    from rollout_lib.report.diagnostics import failure_summary  # what the report's ladder table shows
+
+    assert failure_summary(f"ServerStartError: {message}").endswith(
+        "— root cause: ValueError: simulated: float32 is not supported by this attention backend")
 
 
 def test_root_cause_is_none_without_an_exception_line(tmp_path):

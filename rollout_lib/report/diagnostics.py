@@ -8,6 +8,7 @@ reader can re-derive every number from it, but no gate or selection reads these 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
         for rung in report["rungs"]:
             if rung.get("status") == "failed":  # older files carry no status: every rung of theirs was measured
                 rows.append({"setting": rung["rung"], "about": rung["about"],
-                             "max |d logprob|": f"failed: {rung['error']}"})
+                             "max |d logprob|": failure_summary(rung["error"])})
                 continue
             syncs = rung["sync_s"]
             tf = rung["teacher_forced"]
@@ -73,6 +74,20 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
                          "served identity": "policy's own" if all(s["exact"] for s in rung["syncs"])
                          else "merged weights' own (not the policy's)"})
     return pd.DataFrame(rows).fillna("—")  # a failed setting has no figures: a dash, never "nan"
+
+
+def failure_summary(error: str) -> str:
+    """A failed setting in one line: what failed and, when the error names it, the root cause (the
+    file keeps the whole error with the server's log tail)."""
+    first = error.splitlines()[0] if error else "no error recorded"
+    head = re.split(r";\s*(?:root cause:|log tail|no exception line)", first, maxsplit=1)[0].rstrip("; ")
+    if "root cause:\n" in error:
+        block = error.split("root cause:\n", 1)[1].split("\nlog tail", 1)[0].strip().splitlines()
+        cause = re.sub(r"^\([^)]*pid=\d+\)\s*", "", block[-1].strip()) if block else ""
+        return f"failed: {head} — root cause: {cause}"
+    if "log tail" in error:
+        return f"failed: {head} (its root cause is not in the recorded log tail)"
+    return f"failed: {head}"
 
 
 def _bf16_hash_column(rung: dict[str, Any]) -> dict[str, str]:
