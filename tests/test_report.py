@@ -201,14 +201,16 @@ def test_a_failed_setting_is_one_line_with_its_root_cause():
     lease9 = ("ServerStartError: server exited with code 1 before it was healthy (port 51505); log tail:\n"
               "(APIServer pid=3336)   File \"x.py\", line 1\n(APIServer pid=3336) RuntimeError: Engine core "
               "initialization failed. See root cause above.")
-    assert failure_summary(lease9) == ("failed: ServerStartError: server exited with code 1 before it was healthy "
-                                       "(port 51505) (its root cause is not in the recorded log tail)")
+    assert failure_summary({"error": lease9}) == (
+        "failed: ServerStartError: server exited with code 1 before it was healthy "
+        "(port 51505) (its root cause is not in the recorded log tail)")
     now = ("ServerStartError: server exited with code 1 before it was healthy (port 4); root cause:\n"
            "(EngineCore pid=41) Traceback (most recent call last):\n"
            "(EngineCore pid=41) ValueError: float32 is not supported\nlog tail (/x/s.log):\nRuntimeError: wrapper")
-    assert failure_summary(now) == ("failed: ServerStartError: server exited with code 1 before it was healthy "
-                                    "(port 4) — root cause: ValueError: float32 is not supported")
-    assert failure_summary("ServerDied: exit 1 during start") == "failed: ServerDied: exit 1 during start"
+    assert failure_summary({"error": now, "root_cause": "ValueError: float32 is not supported"}) == (
+        "failed: ServerStartError: server exited with code 1 before it was healthy "
+        "(port 4) — root cause: ValueError: float32 is not supported")
+    assert failure_summary({"error": "ServerDied: exit 1 during start"}) == "failed: ServerDied: exit 1 during start"
 
 
 def test_gate_outcome_separates_missing_evidence_from_a_failed_measurement():

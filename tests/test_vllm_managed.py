@@ -68,9 +68,11 @@ def test_start_failure_names_the_root_cause_above_the_wrapper_traceback(tmp_path
     assert "Engine core initialization failed" not in cause
     assert "Engine core initialization failed" in message.split("log tail", 1)[1]  # the tail is still there
     assert str(tmp_path / "s.log") in message
+    assert failure.value.root_cause == "ValueError: simulated: float32 is not supported by this attention backend"
     from rollout_lib.report.diagnostics import failure_summary  # what the report's ladder table shows
 
-    assert failure_summary(f"ServerStartError: {message}").endswith(
+    failed_row = {"error": f"ServerStartError: {message}", "root_cause": failure.value.root_cause}
+    assert failure_summary(failed_row).endswith(
         "— root cause: ValueError: simulated: float32 is not supported by this attention backend")
 
 
@@ -80,7 +82,8 @@ def test_root_cause_is_none_without_an_exception_line(tmp_path):
                    "initialization failed. See root cause above.\n")
     server = ManagedServer(fake(), log)
     assert server.root_cause() is None
-    assert server.failure_report().startswith("no exception line in the log; log tail")
+    report, cause = server.failure_report()
+    assert report.startswith("no exception line in the log; log tail") and cause is None
 
 
 def test_teardown_of_a_process_that_ignores_sigterm(tmp_path):

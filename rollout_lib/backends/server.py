@@ -37,7 +37,12 @@ _WRAPPER_EXCEPTIONS = ("Engine core initialization failed", "EngineCore failed t
 
 
 class ServerStartError(RuntimeError):
-    """The server did not become healthy; the message carries the reason and the log tail."""
+    """The server did not become healthy; the message carries the reason, the root cause with the lines
+    before it, and the log tail; `root_cause` is the log's first exception line (None when it has none)."""
+
+    def __init__(self, message: str, root_cause: str | None = None):
+        super().__init__(message)
+        self.root_cause = root_cause
 
 
 def port_open(port: int, host: str = HOST) -> bool:
@@ -109,14 +114,16 @@ class ManagedServer:
             if self.process.poll() is not None:
                 code = self.process.returncode
                 self.stop()
+                report, cause = self.failure_report()
                 raise ServerStartError(f"server exited with code {code} before it was healthy "
-                                       f"(port {self.port}); {self.failure_report()}")
+                                       f"(port {self.port}); {report}", cause)
             if self.healthy():
                 return time.perf_counter() - started
             time.sleep(0.5)
         self.stop()
+        report, cause = self.failure_report()
         raise ServerStartError(f"server not healthy within {self.start_timeout_s:.0f} s on port {self.port}; "
-                               f"{self.failure_report()}")
+                               f"{report}", cause)
 
     def healthy(self) -> bool:
         try:
@@ -135,8 +142,9 @@ class ManagedServer:
             return "(no log)"
         return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
-    def root_cause(self, context_lines: int = 6) -> str | None:
-        """The log's first exception line that is not a "see above" wrapper, with the lines before it."""
+    def _first_exception(self) -> tuple[list[str], int, str] | None:
+        """(the log's lines, the index of its first exception line that is not a "see above" wrapper, that
+        exception without its process prefix), or None when the log has none."""
         try:
             lines = self.log_path.read_bytes().decode("utf-8", "replace").splitlines()
         except OSError:
@@ -144,14 +152,24 @@ class ManagedServer:
         for index, line in enumerate(lines):
             match = _EXCEPTION_LINE.match(line.strip())
             if match and not any(wrapper in match.group(1) for wrapper in _WRAPPER_EXCEPTIONS):
-                return "\n".join(lines[max(0, index - context_lines):index + 1])
+                return lines, index, match.group(1)
         return None
 
-    def failure_report(self, tail_lines: int = 20) -> str:
-        """What a failed start says: the root cause (when the log has one), then the log tail and its path."""
-        cause = self.root_cause()
-        head = f"root cause:\n{cause}\n" if cause else "no exception line in the log; "
-        return f"{head}log tail ({self.log_path}):\n{self.log_tail(tail_lines)}"
+    def root_cause(self) -> str | None:
+        """The log's first exception line that is not a "see above" wrapper (process prefix removed)."""
+        found = self._first_exception()
+        return found[2] if found else None
+
+    def failure_report(self, tail_lines: int = 20, context_lines: int = 6) -> tuple[str, str | None]:
+        """What a failed start says (the root cause with the lines before it, when the log has one, then
+        the log tail and its path), and the root cause itself (None when the log has none)."""
+        found = self._first_exception()
+        if found:
+            lines, index, cause = found
+            head = "root cause:\n" + "\n".join(lines[max(0, index - context_lines):index + 1]) + "\n"
+        else:
+            cause, head = None, "no exception line in the log; "
+        return f"{head}log tail ({self.log_path}):\n{self.log_tail(tail_lines)}", cause
 
     def stop(self, grace_s: float = 30.0) -> dict[str, Any]:
         """SIGTERM the process group, escalate to SIGKILL after `grace_s`; return the proof."""

@@ -589,7 +589,7 @@ class VLLMManagedBackend(Backend):
             time.sleep(0.5)
             if not self.server.alive():
                 raise ServerDied(f"vLLM server exited (code {self.server.process.returncode}) during the request: "
-                                 f"{exc}; {self.server.failure_report()}") from exc
+                                 f"{exc}; {self.server.failure_report()[0]}") from exc
             raise
         wall = time.perf_counter() - start
         results = []

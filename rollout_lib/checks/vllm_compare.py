@@ -190,6 +190,7 @@ def run_comparison(study: Preregistration, comparison: str, cells: list[str], ve
         except Exception as exc:
             row = {"rung": rung, "about": known[rung]["about"], "options": known[rung]["options"], "status": "failed",
                    "error": f"{type(exc).__name__}: {exc}",
+                   "root_cause": getattr(exc, "root_cause", None),  # a server start's first exception line
                    "traceback_tail": traceback.format_exc().splitlines()[-12:]}
         row["rung_wall_s"] = time.perf_counter() - started
         report["rungs"].append(row)

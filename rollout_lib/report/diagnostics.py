@@ -56,7 +56,7 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
         for rung in report["rungs"]:
             if rung.get("status") == "failed":  # older files carry no status: every rung of theirs was measured
                 rows.append({"setting": rung["rung"], "about": rung["about"],
-                             "max |d logprob|": failure_summary(rung["error"])})
+                             "max |d logprob|": failure_summary(rung)})
                 continue
             syncs = rung["sync_s"]
             tf = rung["teacher_forced"]
@@ -76,15 +76,14 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
     return pd.DataFrame(rows).fillna("—")  # a failed setting has no figures: a dash, never "nan"
 
 
-def failure_summary(error: str) -> str:
-    """A failed setting in one line: what failed and, when the error names it, the root cause (the
-    file keeps the whole error with the server's log tail)."""
-    first = error.splitlines()[0] if error else "no error recorded"
-    head = re.split(r";\s*(?:root cause:|log tail|no exception line)", first, maxsplit=1)[0].rstrip("; ")
-    if "root cause:\n" in error:
-        block = error.split("root cause:\n", 1)[1].split("\nlog tail", 1)[0].strip().splitlines()
-        cause = re.sub(r"^\([^)]*pid=\d+\)\s*", "", block[-1].strip()) if block else ""
-        return f"failed: {head} — root cause: {cause}"
+def failure_summary(rung: dict[str, Any]) -> str:
+    """A failed setting in one line: what failed and, when the server's log named it, the root cause
+    (the row's `root_cause`; older files have none, and the file keeps the whole error with the log tail)."""
+    error = rung.get("error") or "no error recorded"
+    head = re.split(r";\s*(?:root cause:|log tail|no exception line)", error.splitlines()[0], maxsplit=1)[0]
+    head = head.rstrip("; ")
+    if rung.get("root_cause"):
+        return f"failed: {head} — root cause: {rung['root_cause']}"
     if "log tail" in error:
         return f"failed: {head} (its root cause is not in the recorded log tail)"
     return f"failed: {head}"
