@@ -226,20 +226,25 @@ def test_unknown_refresh_path_is_refused(smoke_study):
 
 def test_precision_ladder_agrees_when_precision_is_not_the_limit(smoke_study, snapshot_cache):
     """Issue 13's ladder on the tiny model: with both sides in float32 (the engine serving the float32
-    dequantization) the engine's sampled-token log-probabilities equal the NF4 actor's to float32
-    rounding; in bf16 they do not. The report names every rung's settings, sync times and tok/s."""
+    dequantization, its LoRA in float32 or the adapter merged into the weights in float32) the engine's
+    sampled-token log-probabilities equal the NF4 actor's to float32 rounding; in bf16 they do not. The
+    report names every rung's settings, sync times and tok/s."""
     from rollout_lib.checks.vllm_compare import run_comparison
 
     report = run_comparison(smoke_study, "ladder", ["p16-r24-n1-stochastic", "p48-r24-n1-greedy"], versions=1,
-                            rungs=["a_bf16", "c_float32"], device="cpu", cache_dir=snapshot_cache,
+                            rungs=["a_bf16", "c_float32", "c_float32_merged"], device="cpu", cache_dir=snapshot_cache,
                             backend_options={"server_python": ENGINE, "start_timeout_s": 600,
                                              "cache_dir": snapshot_cache})
-    bf16, f32 = report["rungs"]
-    assert (bf16["rung"], f32["rung"]) == ("a_bf16", "c_float32") and f32["scoring_dtype"] == "float32"
-    assert f32["max_abs_logprob_diff"] < 1e-4 < bf16["max_abs_logprob_diff"], (bf16, f32)
-    assert f32["teacher_forced"]["beyond_tie_margin"] == 0 and f32["teacher_forced"]["positions"] == 4 * 24
-    assert f32["backend_environment"]["dtype"] == "float32" and bf16["backend_environment"]["dtype"] == "bfloat16"
+    bf16, f32, merged = report["rungs"]
+    assert [r["rung"] for r in report["rungs"]] == ["a_bf16", "c_float32", "c_float32_merged"], report["rungs"]
+    for rung in (f32, merged):
+        assert rung["scoring_dtype"] == "float32" and rung["backend_environment"]["dtype"] == "float32"
+        assert rung["max_abs_logprob_diff"] < 1e-4 < bf16["max_abs_logprob_diff"], (bf16, rung)
+        assert rung["teacher_forced"]["beyond_tie_margin"] == 0 and rung["teacher_forced"]["positions"] == 4 * 24
+    assert bf16["backend_environment"]["dtype"] == "bfloat16"
     assert f32["served_policies"][0]["served_bf16_identity"] is None, "a float32 engine holds no bf16 rounding"
+    assert merged["backend_environment"]["refresh"] == "merged" and not merged["syncs"][0]["exact"]
+    assert merged["served_policies"][0]["merged_identity"] == merged["syncs"][0]["served_identity"]
     assert all(c["tokens_per_s"] > 0 for rung in report["rungs"] for c in rung["cells"])
 
 

@@ -76,6 +76,41 @@ def test_start_failure_names_the_root_cause_above_the_wrapper_traceback(tmp_path
         "— root cause: ValueError: simulated: float32 is not supported by this attention backend")
 
 
+def test_a_bare_exception_names_the_frame_that_raised_it():
+    # Lease 10's float32 rung: the root cause was a message-less AssertionError inside vLLM's LoRA kernel.
+    from rollout_lib.backends.server import root_cause_in
+
+    lines = ['(EngineCore pid=956)   File "/opt/torch/lib/torch/utils/_contextlib.py", line 124, in decorate_context',
+             "(EngineCore pid=956)     return func(*args, **kwargs)",
+             "(EngineCore pid=956)            ^^^^^^^^^^^^^^^^^^^^^",
+             '(EngineCore pid=956)   File "/tmp/site/vllm/lora/ops/triton_ops/lora_expand_op.py", line 183, in '
+             "_lora_expand",
+             "(EngineCore pid=956)     assert weight.dtype in [torch.float16, torch.bfloat16]",
+             "(EngineCore pid=956)            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+             "(EngineCore pid=956) AssertionError",
+             "(APIServer pid=809) RuntimeError: Engine core initialization failed. See root cause above."]
+    assert root_cause_in(lines) == (6, "AssertionError at /tmp/site/vllm/lora/ops/triton_ops/lora_expand_op.py:183 "
+                                       "in _lora_expand: assert weight.dtype in [torch.float16, torch.bfloat16]")
+    assert root_cause_in(["(EngineCore pid=1) AssertionError"]) == (0, "AssertionError")  # no frame: as it is
+    assert root_cause_in(["ValueError: x", 'File "a.py", line 1, in f'])[1] == "ValueError: x"  # a message: as it is
+    assert root_cause_in(lines[-1:]) is None
+
+
+def test_the_report_names_lease_10s_bare_root_cause_from_the_recorded_context():
+    """The lease-10 ladder file (committed evidence) recorded `root_cause: AssertionError`; its error keeps the
+    context lines, so the report's one-line summary names the kernel that refused float32."""
+    import json
+
+    from rollout_lib.report.diagnostics import failure_summary
+
+    path = REPO / "outputs/perf/vllm-ladder-h200-20261201T202456Z.json"
+    rung = json.loads(path.read_text())["rungs"][0]
+    assert rung["root_cause"] == "AssertionError" and rung["status"] == "failed"
+    assert failure_summary(rung).endswith(
+        "— root cause: AssertionError at /tmp/site/vllm/lora/ops/triton_ops/lora_expand_op.py:183 in _lora_expand: "
+        "assert weight.dtype in [torch.float16, torch.bfloat16]")
+
+
 def test_root_cause_is_none_without_an_exception_line(tmp_path):
     log = tmp_path / "s.log"
     log.write_text("INFO starting\nERROR 12-01 EngineCore failed to start.\nRuntimeError: Engine core "
@@ -368,7 +403,7 @@ def test_a_comparison_rung_that_fails_is_recorded_and_the_next_rung_still_runs(s
     assert [r["status"] for r in report["rungs"]] == ["measured", "failed", "measured"]
     assert report["rungs"][1]["error"].startswith("ServerStartError: vllm server exited with code 1")
     assert torn_down == ["vllm", "hf_reference"] * 3, "every rung tears down its engine and its scorer once"
-    assert report["rungs_planned"] == ["a_bf16", "b_bf16_fp32_head", "c_float32"]
+    assert report["rungs_planned"] == ["a_bf16", "b_bf16_fp32_head", "c_float32_merged"]
 
 
 def test_engine_version_comes_from_metadata_without_importing_vllm(smoke_study, tmp_path, monkeypatch):
@@ -393,8 +428,9 @@ def test_engine_version_comes_from_metadata_without_importing_vllm(smoke_study, 
 def test_optional_rungs_run_only_when_asked_for_and_say_graphs_are_off(smoke_study, tmp_path):
     from rollout_lib.checks import vllm_compare
 
-    assert vllm_compare.chosen_rungs("ladder", None) == ["a_bf16", "b_bf16_fp32_head", "c_float32"]
+    assert vllm_compare.chosen_rungs("ladder", None) == ["a_bf16", "b_bf16_fp32_head", "c_float32_merged"]
     assert vllm_compare.chosen_rungs("ladder", ["c_float32_eager"]) == ["c_float32_eager"]
+    assert vllm_compare.chosen_rungs("ladder", ["c_float32"]) == ["c_float32"]  # LoRA in float32: CPU engine only
     with pytest.raises(ValueError, match=r"'d_fp64' is not a rung of ladder; allowed: a_bf16, .*c_float32_eager"):
         vllm_compare.chosen_rungs("ladder", ["d_fp64"])
     eager = vllm_compare.COMPARISONS["ladder"]["c_float32_eager"]["options"]
@@ -402,6 +438,23 @@ def test_optional_rungs_run_only_when_asked_for_and_say_graphs_are_off(smoke_stu
     backend.on_gpu = True  # what the H200 run records; the flag itself travels in the server's arguments
     assert backend.environment()["cuda_graphs"] == "off (--enforce-eager)"
     assert "--enforce-eager" in backend._command(str(tmp_path))(8000)
+
+
+def test_the_default_float32_rung_serves_merged_weights_without_vllms_lora_kernels(smoke_study, tmp_path):
+    """Lease 10: vLLM 0.26.0's GPU LoRA kernels refuse float32 weights, so the ladder's (c) runs the engine in
+    float32 without LoRA and merges W + s*B@A in float32 (no rounding: the float32 mirror's dtype)."""
+    from rollout_lib.checks import vllm_compare
+
+    spec = vllm_compare.COMPARISONS["ladder"]["c_float32_merged"]
+    assert spec["scoring_dtype"] == "float32" and not spec.get("optional")
+    backend = create_backend("vllm", smoke_study, model_dir=str(tmp_path), cache_dir=str(tmp_path / "c"),
+                             **spec["options"])
+    command = backend._command(str(tmp_path))(8000)
+    assert command[command.index("--dtype") + 1] == "float32"
+    assert "--enable-lora" not in command and backend.refresh == "merged"
+    lora_rung = create_backend("vllm", smoke_study, model_dir=str(tmp_path), cache_dir=str(tmp_path / "c"),
+                               **vllm_compare.COMPARISONS["ladder"]["c_float32"]["options"])
+    assert "--enable-lora" in lora_rung._command(str(tmp_path))(8000)
 
 
 def test_vllm_compare_cli_writes_its_file_after_every_setting_and_never_reuses_one(tmp_path, monkeypatch, capsys):

@@ -36,6 +36,38 @@ _EXCEPTION_LINE = re.compile(r"^(?:\([^)]*pid=\d+\)\s*|\[rank\d+\]:\s*)?"
 _WRAPPER_EXCEPTIONS = ("Engine core initialization failed", "EngineCore failed to start")
 
 
+_PROCESS_PREFIX = re.compile(r"^(?:\([^)]*pid=\d+\)\s?|\[rank\d+\]:\s?)")
+_FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+
+
+def root_cause_in(lines: list[str]) -> tuple[int, str] | None:
+    """(index, text) of the first exception line in `lines` that is not a "see above" wrapper, process
+    prefix removed, or None. An exception without a message (a bare `AssertionError`) says nothing by
+    itself: the frame that raised it and its source line are appended (lease 10: "AssertionError at
+    .../lora_expand_op.py:183 in _lora_expand: assert weight.dtype in [torch.float16, torch.bfloat16]")."""
+    for index, line in enumerate(lines):
+        match = _EXCEPTION_LINE.match(line.strip())
+        if not match or any(wrapper in match.group(1) for wrapper in _WRAPPER_EXCEPTIONS):
+            continue
+        cause = match.group(1)
+        if ":" not in cause:
+            cause += _raising_frame(lines[:index])
+        return index, cause
+    return None
+
+
+def _raising_frame(before: list[str]) -> str:
+    """" at FILE:LINE in FUNCTION: SOURCE" for the last traceback frame in `before`, or "" when none."""
+    body = [_PROCESS_PREFIX.sub("", line) for line in before]
+    for index in range(len(body) - 1, -1, -1):
+        frame = _FRAME_LINE.match(body[index])
+        if frame:
+            source = next((line.strip() for line in body[index + 1:]
+                           if line.strip() and set(line.strip()) - set("^~")), "")
+            return f" at {frame.group(1)}:{frame.group(2)} in {frame.group(3)}" + (f": {source}" if source else "")
+    return ""
+
+
 class ServerStartError(RuntimeError):
     """The server did not become healthy; the message carries the reason, the root cause with the lines
     before it, and the log tail; `root_cause` is the log's first exception line (None when it has none)."""
@@ -149,14 +181,11 @@ class ManagedServer:
             lines = self.log_path.read_bytes().decode("utf-8", "replace").splitlines()
         except OSError:
             return None
-        for index, line in enumerate(lines):
-            match = _EXCEPTION_LINE.match(line.strip())
-            if match and not any(wrapper in match.group(1) for wrapper in _WRAPPER_EXCEPTIONS):
-                return lines, index, match.group(1)
-        return None
+        found = root_cause_in(lines)
+        return (lines, *found) if found else None
 
     def root_cause(self) -> str | None:
-        """The log's first exception line that is not a "see above" wrapper (process prefix removed)."""
+        """The log's first exception line that is not a "see above" wrapper (see `root_cause_in`)."""
         found = self._first_exception()
         return found[2] if found else None
 

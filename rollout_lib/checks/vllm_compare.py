@@ -4,9 +4,12 @@ Two comparisons, each a list of settings ("rungs") run one after the other in on
 the same requests, seeds and policy versions:
 
 - `ladder` — the precision ladder for PG-k1: (a) bf16 as preregistered; (b) bf16 with vLLM's
-  float32 LM head (`--hf-overrides {"head_dtype": "float32"}`); (c) both sides in float32 (vLLM
-  `--dtype float32`, whose LoRA then runs in float32 too, and the NF4 actor scoring in float32).
-  Tells a user whether the machinery agrees when precision is not the limit.
+  float32 LM head (`--hf-overrides {"head_dtype": "float32"}`); (c) both sides in float32: vLLM
+  `--dtype float32` serving the float32 dequantization with the adapter merged in float32
+  (W + s*B@A, the merged refresh path), and the NF4 actor scoring in float32. Tells a user whether
+  the machinery agrees when precision is not the limit. The issue's first form of (c), vLLM's LoRA
+  in float32, does not start on the GPU: vLLM 0.26.0's Triton LoRA kernels take only fp16/bf16
+  weights (lease 10); it stays as the optional rung `c_float32` (vLLM's CPU backend runs it).
 - `refresh-paths` — the adapter refresh (preregistered) against merged weights W + s*B@A reloaded
   in place (`refresh: merged`): sync time per version, tok/s, exactness.
 
@@ -40,13 +43,19 @@ COMPARISONS: dict[str, dict[str, dict[str, Any]]] = {
         "a_bf16": {"options": {}, "scoring_dtype": "bfloat16", "about": "bf16 as preregistered"},
         "b_bf16_fp32_head": {"options": {"extra_server_args": FP32_HEAD}, "scoring_dtype": "bfloat16",
                              "about": "bf16 with vLLM's float32 LM head"},
-        "c_float32": {"options": {"dtype": "float32"}, "scoring_dtype": "float32",
-                      "about": "vLLM --dtype float32 (LoRA in float32) and the NF4 actor scoring in float32"},
-        # only when asked for (`--rungs`): (c) without CUDA graphs or vLLM's compilation, for a GPU on which
-        # (c) does not start (lease 9: its server exited during engine init); precision is what it tests
+        "c_float32_merged": {"options": {"dtype": "float32", "refresh": "merged"}, "scoring_dtype": "float32",
+                             "about": "vLLM --dtype float32 serving W + s*B@A merged in float32 (no LoRA kernel) "
+                                      "and the NF4 actor scoring in float32"},
+        # only when asked for (`--rungs`): float32 through vLLM's LoRA path. On the GPU, vLLM 0.26.0's Triton
+        # LoRA kernels take only fp16/bf16 weights (lease 10: `assert weight.dtype in [torch.float16,
+        # torch.bfloat16]`, lora/ops/triton_ops/lora_expand_op.py:183, raised during engine init, with and
+        # without --enforce-eager), so (c) merges the adapter instead; vLLM's CPU backend runs this one
+        "c_float32": {"options": {"dtype": "float32"}, "scoring_dtype": "float32", "optional": True,
+                      "about": "vLLM --dtype float32 with its LoRA in float32 (CPU backend only in vLLM 0.26.0) "
+                               "and the NF4 actor scoring in float32"},
         "c_float32_eager": {"options": {"dtype": "float32", "extra_server_args": ["--enforce-eager"]},
                             "scoring_dtype": "float32", "optional": True,
-                            "about": "(c) with --enforce-eager: no CUDA graphs, no torch.compile"},
+                            "about": "c_float32 with --enforce-eager: no CUDA graphs, no torch.compile"},
     },
     "refresh-paths": {
         "adapter": {"options": {"refresh": "adapter"}, "scoring_dtype": None,

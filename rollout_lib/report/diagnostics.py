@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from rollout_lib.backends.server import root_cause_in
 from rollout_lib.core import sha256_file
 
 KINDS = ("vllm_inprocess_diagnostic", "vllm_refresh_paths", "vllm_ladder")
@@ -82,8 +83,15 @@ def failure_summary(rung: dict[str, Any]) -> str:
     error = rung.get("error") or "no error recorded"
     head = re.split(r";\s*(?:root cause:|log tail|no exception line)", error.splitlines()[0], maxsplit=1)[0]
     head = head.rstrip("; ")
-    if rung.get("root_cause"):
-        return f"failed: {head} — root cause: {rung['root_cause']}"
+    cause = rung.get("root_cause")
+    if cause and ":" not in cause and "root cause:\n" in error:
+        # a bare exception (lease 10's `AssertionError`, recorded before the raising frame was appended):
+        # the same definition read from the context lines that the error keeps above its log tail
+        context = error.split("root cause:\n", 1)[1].split("\nlog tail", 1)[0].splitlines()
+        found = root_cause_in(context)
+        cause = found[1] if found else cause
+    if cause:
+        return f"failed: {head} — root cause: {cause}"
     if "log tail" in error:
         return f"failed: {head} (its root cause is not in the recorded log tail)"
     return f"failed: {head}"
