@@ -195,6 +195,38 @@ def test_a_failed_or_unfinished_ladder_setting_is_shown_as_such(tmp_path):
     assert not {"None", "nan"} & {str(v) for v in table.to_numpy().ravel()}
 
 
+def test_the_ladder_summary_takes_each_settings_newest_measurement_across_files(tmp_path):
+    """Lease 9 measured (a) and (b), (c) failed there and in lease 10, and its replacement runs later: the
+    summary shows one row per setting, the newest measured one (a later failure never hides a measurement),
+    a never-run default setting as not_measured, and the file each row comes from."""
+    from rollout_lib.report.diagnostics import ladder_summary
+
+    def rung(name, status="measured", value=0.4):
+        if status == "failed":
+            return {"rung": name, "about": name, "status": "failed", "error": "ServerStartError: exit 1",
+                    "root_cause": "AssertionError"}
+        return {"rung": name, "about": name, "status": status, "max_abs_logprob_diff": value,
+                "mean_abs_logprob_diff": value / 8, "sync_s": [0.1], "cells": [{"cell_id": "c", "tokens_per_s": 9.0}],
+                "teacher_forced": {"argmax_disagreements": 1, "positions": 8, "beyond_tie_margin": 0},
+                "attention_backend": "FLASH_ATTN", "syncs": [{"exact": True}]}
+
+    files = [(tmp_path / "vllm-ladder-h200-20261201T151323Z.json", [rung("a_bf16", value=0.5)]),
+             (tmp_path / "vllm-ladder-h200-20261201T174749Z.json",
+              [rung("a_bf16", value=0.422), rung("b_bf16_fp32_head", value=0.353), rung("c_float32", "failed")]),
+             (tmp_path / "vllm-ladder-h200-20261201T202741Z-eager.json",
+              [rung("c_float32_eager", "failed"), rung("a_bf16", "failed")])]
+    found = [(path, {"kind": "vllm_ladder", "rungs": rungs}) for path, rungs in reversed(files)]  # any order
+    table = ladder_summary(found)
+    rows = {row["setting"]: row for row in table.to_dict("records")}
+    assert list(rows) == ["a_bf16", "b_bf16_fp32_head", "c_float32_merged", "c_float32", "c_float32_eager"]
+    assert rows["a_bf16"]["max |d logprob|"] == "0.4220" and rows["a_bf16"]["file"].endswith("174749Z.json")
+    merged = rows["c_float32_merged"]
+    assert merged["max |d logprob|"].startswith("not_measured") and merged["file"] == "—"
+    assert rows["c_float32"]["max |d logprob|"].endswith("root cause: AssertionError")
+    assert not {"None", "nan"} & {str(v) for v in table.to_numpy().ravel()}
+    assert ladder_summary(found[:1]) is None  # one file: its own table is the ladder
+
+
 def test_a_failed_setting_is_one_line_with_its_root_cause():
     from rollout_lib.report.diagnostics import failure_summary
 

@@ -177,6 +177,11 @@ DIAGNOSTICS = """from rollout_lib.report import diagnostics
 found = diagnostics.diagnostic_files(Path(output_dir))
 if not found:
     display(Markdown('No vLLM diagnostic runs in this output folder yet.'))
+ladder = diagnostics.ladder_summary(found)
+if ladder is not None:
+    display(Markdown('**precision ladder for PG-k1, newest measurement of each setting** (from the files '
+                     'below; a setting never measured shows its newest failure)'))
+    display(report.styled(ladder))
 for path, diagnostic in found:
     display(Markdown(diagnostics.caption(path, diagnostic)))
     display(report.styled(diagnostics.diagnostic_table(path, diagnostic)))"""

@@ -53,28 +53,66 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
                    if "managed_non_streamed_tokens_per_s" in r else {})
                 for r in report["rows"]]
     else:
-        rows = []
-        for rung in report["rungs"]:
-            if rung.get("status") == "failed":  # older files carry no status: every rung of theirs was measured
-                rows.append({"setting": rung["rung"], "about": rung["about"],
-                             "max |d logprob|": failure_summary(rung)})
-                continue
-            syncs = rung["sync_s"]
-            tf = rung["teacher_forced"]
-            rows.append({"setting": rung["rung"], "about": rung["about"],
-                         "max |d logprob|": _num(rung["max_abs_logprob_diff"]),
-                         "mean |d logprob|": _num(rung["mean_abs_logprob_diff"], 5),
-                         "greedy vs actor argmax": f"{tf['argmax_disagreements']}/{tf['positions']} "
-                                                   f"({tf['beyond_tie_margin']} beyond the tie margin)",
-                         "sync s (first / max / last)": (f"{syncs[0]:.3f} / {max(syncs):.3f} / {syncs[-1]:.3f}"
-                                                         if syncs else "—"),
-                         **_bf16_hash_column(rung),
-                         "tok/s per cell": ", ".join(f"{c['cell_id']}: {c['tokens_per_s']:.0f}"
-                                                     for c in rung["cells"] if c.get("tokens_per_s")),
-                         "attention": rung["attention_backend"],
-                         "served identity": "policy's own" if all(s["exact"] for s in rung["syncs"])
-                         else "merged weights' own (not the policy's)"})
+        rows = [_rung_row(rung) for rung in report["rungs"]]
     return pd.DataFrame(rows).fillna("—")  # a failed setting has no figures: a dash, never "nan"
+
+
+def _rung_row(rung: dict[str, Any]) -> dict[str, str]:
+    """One setting of a ladder or refresh-paths file as a table row (a failed one: its one-line summary)."""
+    if rung.get("status") == "failed":  # older files carry no status: every rung of theirs was measured
+        return {"setting": rung["rung"], "about": rung["about"], "max |d logprob|": failure_summary(rung)}
+    syncs = rung["sync_s"]
+    tf = rung["teacher_forced"]
+    return {"setting": rung["rung"], "about": rung["about"],
+            "max |d logprob|": _num(rung["max_abs_logprob_diff"]),
+            "mean |d logprob|": _num(rung["mean_abs_logprob_diff"], 5),
+            "greedy vs actor argmax": f"{tf['argmax_disagreements']}/{tf['positions']} "
+                                      f"({tf['beyond_tie_margin']} beyond the tie margin)",
+            "sync s (first / max / last)": (f"{syncs[0]:.3f} / {max(syncs):.3f} / {syncs[-1]:.3f}"
+                                            if syncs else "—"),
+            **_bf16_hash_column(rung),
+            "tok/s per cell": ", ".join(f"{c['cell_id']}: {c['tokens_per_s']:.0f}"
+                                        for c in rung["cells"] if c.get("tokens_per_s")),
+            "attention": rung["attention_backend"],
+            "served identity": "policy's own" if all(s["exact"] for s in rung["syncs"])
+            else "merged weights' own (not the policy's)"}
+
+
+def ladder_summary(found: list[tuple[Path, dict[str, Any]]]):
+    """The precision ladder in one table when its settings ran in several files (a setting that failed in
+    one hold and was rerun, or replaced, in a later one): per setting, its newest measured row, else its
+    newest failure, with the file it comes from. Settings in the ladder's order; None without ladder files
+    or when there is only one (its own table says it all)."""
+    import pandas as pd
+
+    from rollout_lib.checks.vllm_compare import COMPARISONS
+
+    ladders = [(path, report) for path, report in found if report["kind"] == "vllm_ladder"]
+    if len(ladders) < 2:
+        return None
+    newest: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for path, report in sorted(ladders, key=lambda item: _file_stamp(item[0])):
+        for rung in report["rungs"]:
+            measured = rung.get("status", "measured") == "measured"
+            earlier = newest.get(rung["rung"])
+            if measured or earlier is None or earlier[1].get("status") == "failed":
+                newest[rung["rung"]] = (path, rung)
+    order = [*COMPARISONS["ladder"], *sorted(set(newest) - set(COMPARISONS["ladder"]))]
+    rows = []
+    for name in order:
+        if name in newest:
+            rows.append({**_rung_row(newest[name][1]), "file": newest[name][0].name})
+        elif not COMPARISONS["ladder"][name].get("optional"):  # a default setting no file has run yet
+            rows.append({"setting": name, "about": COMPARISONS["ladder"][name]["about"],
+                         "max |d logprob|": "not_measured: no ladder file has run this setting yet", "file": "—"})
+    return pd.DataFrame(rows).fillna("—")
+
+
+def _file_stamp(path: Path) -> str:
+    """A comparison file's UTC stamp (`...-20261201T202456Z[-suffix].json`), for newest-first; the name
+    when it has none."""
+    found = re.search(r"\d{8}T\d{6}Z", path.name)
+    return found.group(0) if found else path.name
 
 
 def failure_summary(rung: dict[str, Any]) -> str:
