@@ -361,6 +361,11 @@ def cmd_cycle(args: argparse.Namespace) -> int:
     from rollout_lib.study.cycle import load as load_cycle
 
     study = load_cycle(args.params)
+    if args.deadline_s is not None:
+        skipped = _cycle_deadline_refusal(args)
+        if skipped:
+            print(skipped)
+            return 0  # not an error: a queue goes on to its next job
     try:
         path = run_cycles(study, args.backend, args.algorithm, args.cell, args.campaign, run_id=args.run_id,
                           output_dir=Path(args.output_dir), device=args.device, cycles=args.cycles,
@@ -370,6 +375,28 @@ def cmd_cycle(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     print(f"wrote {path}")
     return 0
+
+
+def _cycle_deadline_refusal(args: argparse.Namespace) -> str | None:
+    """Why this cycle run is not started before `--deadline-s`, or None when it fits or has no estimate."""
+    from rollout_lib.measure.cycle import estimated_run_s
+    from rollout_lib.measure.runner import DEADLINE_MARGIN_S, DEADLINE_SAFETY
+
+    if args.deadline_s <= 0:
+        raise CommandError(f"deadline-s: {args.deadline_s} is not allowed; a positive number of seconds")
+    found = estimated_run_s(Path(args.output_dir), args.campaign, args.backend, args.algorithm, args.cell,
+                            args.vllm_memory_mode)
+    if found is None:
+        print("cycle: no earlier complete run of this kind on this GPU model; starting without an estimate")
+        return None
+    seconds, source = found  # a full run's: with --cycles (a probe) it over-estimates, on the safe side
+    needed = seconds * DEADLINE_SAFETY + DEADLINE_MARGIN_S
+    if needed <= args.deadline_s:
+        print(f"cycle: estimate {seconds:.0f} s (from {source}) fits the {args.deadline_s:.0f} s left")
+        return None
+    return (f"cycle: skipped (deadline): estimate {seconds:.0f} s (from {source}; x{DEADLINE_SAFETY} + "
+            f"{DEADLINE_MARGIN_S:.0f} s = {needed:.0f} s) does not fit the {args.deadline_s:.0f} s left, and a cycle "
+            f"run cannot be continued; no raw file written")
 
 
 def cmd_cycle_publish(args: argparse.Namespace) -> int:
@@ -652,6 +679,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE")
     p.add_argument("--vllm-memory-mode", default=None, help="vllm only: sleep (engine sleeps while the trainer works) "
                                                             "or small_kv (awake, smaller KV cache)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="seconds from now by which the run must end: a run cannot be continued, so none is "
+                        "started whose estimate (the newest complete run of its kind on this GPU model, with "
+                        "the campaign runner's safety factor and margin) does not fit; without an earlier run "
+                        "it starts")
     p.set_defaults(func=cmd_cycle)
 
     p = sub.add_parser("cycle-publish", help="the frozen cycle calculator over a cycle campaign's sealed raw files; "

@@ -242,3 +242,47 @@ def test_vllm_memory_modes_are_checked(cycle_study, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sleep_mode needs a CUDA device"):
             create_backend("vllm", cycle_study.rollout, sleep_mode=True)
+
+
+def test_a_cycle_run_that_the_deadline_would_cut_is_not_started(cycle_study, tiny, tmp_path, capsys):
+    """A cycle run cannot be continued (its training state lives in the process): `--deadline-s` starts none
+    whose estimate, the newest complete run of its kind on this GPU model, does not fit."""
+    import argparse
+
+    from rollout_lib.cli import _cycle_deadline_refusal, main
+    from rollout_lib.measure.cycle import estimated_run_s
+
+    cell = "p16-r24-n2-stochastic"
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell) is None  # nothing yet: no estimate
+    path = run_cycles(cycle_study, "hf_cached", "pg_k1", cell, "cyc", run_id="e1", output_dir=tmp_path, device="cpu",
+                      cache_dir=tiny["cache"])
+    records = read_raw(path)[0]
+    seconds, source = estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell)
+    assert source == path.name and 0 < seconds < 600
+    assert abs(seconds - (_utc(records[-1]["utc"]) - _utc(records[0]["utc"]))) < 1e-6  # header to teardown
+    cut = path.with_name(path.name.replace("-e1", "-e2"))  # a later run that never reached its teardown
+    cut.write_text("".join(line + "\n" for line in path.read_text().splitlines()[:-1]))
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell)[1] == path.name
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "direct_gkd", cell)[1] == path.name  # same rollout
+    assert estimated_run_s(tmp_path, "cyc", "hf_reference", "pg_k1", cell) is None
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell,
+                           gpu={"status": "measured", "name": "NVIDIA H200", "driver": "580"}) is None
+
+    before = sorted(path.parent.iterdir())
+    args = ["cycle", "--params", str(SMOKE_CYCLE), "--backend", "hf_cached", "--algorithm", "pg_k1", "--cell", cell,
+            "--campaign", "cyc", "--output-dir", str(tmp_path), "--device", "cpu"]
+    assert main([*args, "--deadline-s", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "cycle: skipped (deadline): estimate" in out and path.name in out and "no raw file written" in out
+    assert sorted(path.parent.iterdir()) == before
+    assert main([*args, "--deadline-s", "-3"]) == 2
+    assert "deadline-s: -3.0 is not allowed" in capsys.readouterr().err
+    roomy = argparse.Namespace(deadline_s=seconds * 2 + 60, output_dir=str(tmp_path), campaign="cyc",
+                               backend="hf_cached", algorithm="pg_k1", cell=cell, vllm_memory_mode=None)
+    assert _cycle_deadline_refusal(roomy) is None and "fits the" in capsys.readouterr().out
+
+
+def _utc(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp).timestamp()

@@ -33,8 +33,8 @@ from rollout_lib.backends.base import Phase
 from rollout_lib.backends.decode import synchronize
 from rollout_lib.backends.vllm_managed import DEFAULT_KV_CACHE_FRACTION
 from rollout_lib.core import OUTPUTS_DIR
-from rollout_lib.measure.identity import environment_identity
-from rollout_lib.measure.rawfile import RawWriter, seal_file
+from rollout_lib.measure.identity import environment_identity, gpu_identity, gpu_key
+from rollout_lib.measure.rawfile import RawWriter, read_raw, seal_file
 from rollout_lib.models.actor import add_lora, load_nf4_base, torch_dtype, use_float32_lm_head
 from rollout_lib.models.local_snapshot import resolve_model_snapshot
 from rollout_lib.models.policy import (
@@ -232,6 +232,45 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         writer.close()
     seal_file(path, seal_folder, ended="teardown")
     return path
+
+
+def estimated_run_s(output_dir: Path, campaign: str, backend_name: str, algorithm: str, cell_id: str,
+                    vllm_memory_mode: str | None = None, gpu: dict[str, Any] | None = None,
+                    ) -> tuple[float, str] | None:
+    """(seconds, source) that a cycle run of this kind is expected to take, header to teardown: the newest
+    complete earlier run on the same GPU model with the same backend, memory mode and cell (the same
+    algorithm preferred: the two differ in the loss, not in the rollout); None without one.
+
+    A cycle run cannot be continued (its training state lives in the process), so a run that the
+    deadline would cut is time lost: `rollout cycle --deadline-s` starts none whose estimate does not fit."""
+    gpu = gpu_key({"gpu": gpu_identity()} if gpu is None else {"gpu": gpu})
+    folder = cycle_raw_dir(output_dir, campaign) / backend_name
+    mode = f"-{vllm_memory_mode}" if vllm_memory_mode else ""
+    best: dict[bool, tuple[str, float, str]] = {}
+    for path in sorted(folder.glob(f"*-{cell_id}{mode}-*.jsonl")):
+        try:
+            records, _ = read_raw(path)
+        except (OSError, ValueError):
+            continue  # a half-written or foreign file estimates nothing
+        header = records[0] if records else {}
+        ends = [r for r in records if r.get("record") == "teardown"]
+        cycles = [r for r in records if r.get("record") == "cycle"]
+        if (header.get("record") != "header" or header.get("vllm_memory_mode") != vllm_memory_mode
+                or header.get("cell_id") != cell_id or not ends or len(cycles) < header.get("cycles", 0)
+                or gpu_key(header.get("environment", {})) != gpu):
+            continue
+        seconds = (_utc_seconds(ends[-1]["utc"]) - _utc_seconds(header["utc"]))
+        same = header.get("algorithm") == algorithm
+        if same not in best or header["utc"] > best[same][0]:
+            best[same] = (header["utc"], seconds, path.name)
+    chosen = best.get(True) or best.get(False)
+    return (chosen[1], chosen[2]) if chosen else None
+
+
+def _utc_seconds(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def cycle_raw_dir(output_dir: Path, campaign: str) -> Path:
