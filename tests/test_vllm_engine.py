@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,13 @@ def test_real_engine_serves_seeded_token_id_requests(smoke_study, engine):
     moved = engine.generate(requests)
     assert [r.logprobs for r in moved.results] != [r.logprobs for r in first.results]
     engine.sync_policy(policies[0])
+    # the CPU engine runs in the GPU's shape (API server, engine core with its worker inside): no
+    # multiprocess executor and its extra vLLM import (CI time) unless the environment asks for one
+    if "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        environment = engine.environment()
+        assert environment["vllm_enable_v1_multiprocessing"] == "0"
+        log = Path(environment["log"]).read_text(errors="replace")
+        assert "(EngineCore pid=" in log and "(Worker pid=" not in log
 
 
 def test_stream_interval_serves_the_same_tokens_and_logprobs(smoke_study, engine, tmp_path):

@@ -403,8 +403,13 @@ class VLLMManagedBackend(Backend):
         own["mirror_snapshot_s"] = _own_phase(step, "the bf16 (or float32) mirror snapshot: written, or found "
                                                     "in the cache")
         self.model_dir_path = model_dir
+        # On vLLM's CPU backend "1" forces the multiprocess executor: one more process that imports vLLM
+        # (~15 s of every start on a 2-core CI machine). "0" there gives the GPU's shape for one device:
+        # the API server and the engine core with its worker inside (the engine core stays its own process).
+        multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if self.on_gpu else "0")
+        self.engine_multiprocessing = multiprocessing
         env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_USE_FLASHINFER_SAMPLER="0",
-                   VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"))
+                   VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing)
         # vLLM's torch.compile cache in the project cache, so every server start of this process tree
         # (a restart after a crash, the next setting of a comparison) finds the previous start's
         # artifacts; whether it was warm is recorded beside the cold-start phases
@@ -681,6 +686,7 @@ class VLLMManagedBackend(Backend):
                 "healthy_after_s": getattr(self, "healthy_after_s", None), "restarts": self.restarts,
                 "cold_start_phases": getattr(self, "cold_start_phases", {}),
                 "compile_cache_warm_at_start": getattr(self, "compile_cache_warm", None),
+                "vllm_enable_v1_multiprocessing": getattr(self, "engine_multiprocessing", None),
                 "engine_phases": "prefill/decode/queue from the server's /metrics histograms",
                 "log": str(self.server.log_path) if self.server else None}
 
