@@ -28,15 +28,15 @@ from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
+# The "(EngineCore pid=12) " / "[rank0]: " prefix of a multi-process server's log lines.
+_PREFIX = r"(?:\([^)]*pid=\d+\)|\[rank\d+\]:)"
+_PROCESS_PREFIX = re.compile(rf"^{_PREFIX}\s?")
 # "ValueError: ...", "torch.OutOfMemoryError: ...", "RuntimeError: ..." at the start of a line, after an
-# optional "(EngineCore pid=12) " / "[rank0]: " prefix of a multi-process server.
-_EXCEPTION_LINE = re.compile(r"^(?:\([^)]*pid=\d+\)\s*|\[rank\d+\]:\s*)?"
+# optional process prefix.
+_EXCEPTION_LINE = re.compile(rf"^(?:{_PREFIX}\s*)?"
                              r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)(?::.*)?)$")
 # Wrappers that say "see above" rather than what went wrong.
 _WRAPPER_EXCEPTIONS = ("Engine core initialization failed", "EngineCore failed to start")
-
-
-_PROCESS_PREFIX = re.compile(r"^(?:\([^)]*pid=\d+\)\s?|\[rank\d+\]:\s?)")
 _FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
