@@ -362,7 +362,7 @@ def cmd_cycle(args: argparse.Namespace) -> int:
 
     study = load_cycle(args.params)
     if args.deadline_s is not None:
-        skipped = _cycle_deadline_refusal(args)
+        skipped = _cycle_deadline_refusal(args, study.cycles)
         if skipped:
             print(skipped)
             return 0  # not an error: a queue goes on to its next job
@@ -377,7 +377,7 @@ def cmd_cycle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cycle_deadline_refusal(args: argparse.Namespace) -> str | None:
+def _cycle_deadline_refusal(args: argparse.Namespace, cycles_required: int) -> str | None:
     """Why this cycle run is not started before `--deadline-s`, or None when it fits or has no estimate."""
     from rollout_lib.measure.cycle import estimated_run_s
     from rollout_lib.measure.runner import DEADLINE_MARGIN_S, DEADLINE_SAFETY
@@ -385,7 +385,7 @@ def _cycle_deadline_refusal(args: argparse.Namespace) -> str | None:
     if args.deadline_s <= 0:
         raise CommandError(f"deadline-s: {args.deadline_s} is not allowed; a positive number of seconds")
     found = estimated_run_s(Path(args.output_dir), args.campaign, args.backend, args.algorithm, args.cell,
-                            args.vllm_memory_mode)
+                            cycles_required, args.vllm_memory_mode)
     if found is None:
         print("cycle: no earlier complete run of this kind on this GPU model; starting without an estimate")
         return None

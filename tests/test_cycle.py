@@ -252,20 +252,23 @@ def test_a_cycle_run_that_the_deadline_would_cut_is_not_started(cycle_study, tin
     from rollout_lib.cli import _cycle_deadline_refusal, main
     from rollout_lib.measure.cycle import estimated_run_s
 
-    cell = "p16-r24-n2-stochastic"
-    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell) is None  # nothing yet: no estimate
+    cell, full = "p16-r24-n2-stochastic", cycle_study.cycles
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell, full) is None  # nothing yet: no estimate
     path = run_cycles(cycle_study, "hf_cached", "pg_k1", cell, "cyc", run_id="e1", output_dir=tmp_path, device="cpu",
                       cache_dir=tiny["cache"])
     records = read_raw(path)[0]
-    seconds, source = estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell)
-    assert source == path.name and 0 < seconds < 600
+    probe = run_cycles(cycle_study, "hf_cached", "pg_k1", cell, "cyc", run_id="e3", output_dir=tmp_path,
+                       device="cpu", cache_dir=tiny["cache"], cycles=1)  # newer, but a probe: not a full run
+    seconds, source = estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell, full)
+    assert source == path.name != probe.name and 0 < seconds < 600
     assert abs(seconds - (_utc(records[-1]["utc"]) - _utc(records[0]["utc"]))) < 1e-6  # header to teardown
     cut = path.with_name(path.name.replace("-e1", "-e2"))  # a later run that never reached its teardown
     cut.write_text("".join(line + "\n" for line in path.read_text().splitlines()[:-1]))
-    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell)[1] == path.name
-    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "direct_gkd", cell)[1] == path.name  # same rollout
-    assert estimated_run_s(tmp_path, "cyc", "hf_reference", "pg_k1", cell) is None
-    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell,
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell, full)[1] == path.name
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell, 1)[1] == probe.name  # its own count
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "direct_gkd", cell, full)[1] == path.name  # same rollout
+    assert estimated_run_s(tmp_path, "cyc", "hf_reference", "pg_k1", cell, full) is None
+    assert estimated_run_s(tmp_path, "cyc", "hf_cached", "pg_k1", cell, full,
                            gpu={"status": "measured", "name": "NVIDIA H200", "driver": "580"}) is None
 
     before = sorted(path.parent.iterdir())
@@ -279,7 +282,7 @@ def test_a_cycle_run_that_the_deadline_would_cut_is_not_started(cycle_study, tin
     assert "deadline-s: -3.0 is not allowed" in capsys.readouterr().err
     roomy = argparse.Namespace(deadline_s=seconds * 2 + 60, output_dir=str(tmp_path), campaign="cyc",
                                backend="hf_cached", algorithm="pg_k1", cell=cell, vllm_memory_mode=None)
-    assert _cycle_deadline_refusal(roomy) is None and "fits the" in capsys.readouterr().out
+    assert _cycle_deadline_refusal(roomy, full) is None and "fits the" in capsys.readouterr().out
 
 
 def _utc(stamp: str) -> float:

@@ -235,11 +235,13 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
 
 
 def estimated_run_s(output_dir: Path, campaign: str, backend_name: str, algorithm: str, cell_id: str,
-                    vllm_memory_mode: str | None = None, gpu: dict[str, Any] | None = None,
+                    cycles_required: int, vllm_memory_mode: str | None = None, gpu: dict[str, Any] | None = None,
                     ) -> tuple[float, str] | None:
     """(seconds, source) that a cycle run of this kind is expected to take, header to teardown: the newest
     complete earlier run on the same GPU model with the same backend, memory mode and cell (the same
-    algorithm preferred: the two differ in the loss, not in the rollout); None without one.
+    algorithm preferred: the two differ in the loss, not in the rollout); None without one. Complete is
+    the cycle calculator's rule: cycles 0..cycles_required-1 (the study's count, so a `--cycles` probe
+    never estimates a full run) and a teardown record.
 
     A cycle run cannot be continued (its training state lives in the process), so a run that the
     deadline would cut is time lost: `rollout cycle --deadline-s` starts none whose estimate does not fit."""
@@ -254,9 +256,9 @@ def estimated_run_s(output_dir: Path, campaign: str, backend_name: str, algorith
             continue  # a half-written or foreign file estimates nothing
         header = records[0] if records else {}
         ends = [r for r in records if r.get("record") == "teardown"]
-        cycles = [r for r in records if r.get("record") == "cycle"]
+        cycles = sorted(r["cycle"] for r in records if r.get("record") == "cycle")
         if (header.get("record") != "header" or header.get("vllm_memory_mode") != vllm_memory_mode
-                or header.get("cell_id") != cell_id or not ends or len(cycles) < header.get("cycles", 0)
+                or header.get("cell_id") != cell_id or not ends or cycles != list(range(cycles_required))
                 or gpu_key(header.get("environment", {})) != gpu):
             continue
         seconds = (_utc_seconds(ends[-1]["utc"]) - _utc_seconds(header["utc"]))
