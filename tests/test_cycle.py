@@ -17,7 +17,15 @@ from rollout_lib.measure.cycle import PHASES, CycleBudgetError, run_cycles
 from rollout_lib.measure.rawfile import read_raw, read_seals
 from rollout_lib.models.policy import policy_versions, read_policy_from_peft
 from rollout_lib.models.synthetic import ensure_snapshot, load_causal_lm
-from rollout_lib.models.training import ActorTrainer, TrainedPolicy, gkd_loss, pg_k1_loss, token_logprobs
+from rollout_lib.models.training import (
+    LOGPROB_CHUNK_TOKENS,
+    ActorTrainer,
+    TrainedPolicy,
+    gkd_loss,
+    lora_parameters,
+    pg_k1_loss,
+    token_logprobs,
+)
 from rollout_lib.study.cycle import CycleStudyError, load, loads
 from rollout_lib.study.workload import Workload
 
@@ -78,12 +86,68 @@ def tiny(cycle_study, tmp_path_factory):
     backend.teardown()
 
 
-def test_scoring_matches_the_backends_own_log_probabilities(tiny):
+@pytest.mark.parametrize("chunk_tokens", [LOGPROB_CHUNK_TOKENS, 5])
+def test_scoring_matches_the_backends_own_log_probabilities(tiny, chunk_tokens):
     """Micro-batched, right-padded teacher-forced scoring of the actor equals what the oracle recorded
-    while generating (same float32 actor): the padding and the micro-batches change nothing."""
-    scored = token_logprobs(tiny["backend"].model, tiny["rows"], "cpu", tiny["pad"], micro_batch_rows=3)
+    while generating (same float32 actor): the padding, the micro-batches and the LM-head chunks
+    (5 positions: several per 24-token response, the last one short) change nothing."""
+    scored = token_logprobs(tiny["backend"].model, tiny["rows"], "cpu", tiny["pad"], micro_batch_rows=3,
+                            chunk_tokens=chunk_tokens)
     for got, expected in zip(scored, tiny["rollout_lp"], strict=True):
         assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-4)
+
+
+def test_the_memory_strategy_leaves_the_gradient_unchanged(tiny):
+    """Checkpointed decoder layers and checkpointed 5-position LM-head chunks (what the trainer does
+    to stay inside 16 GiB) give the same loss and LoRA gradients as keeping every activation."""
+    actor = tiny["backend"].model
+    rows, pad = tiny["rows"], tiny["pad"]
+    tokens = sum(len(r) for _, r in rows)
+    params = lora_parameters(actor)
+    for param in params:
+        param.requires_grad_(True)
+
+    decoder, head = actor.get_base_model().model, actor.get_base_model().get_output_embeddings()
+    calls = {"layer": 0, "head": 0}
+    hooks = [decoder.layers[0].register_forward_pre_hook(lambda *_: calls.__setitem__("layer", calls["layer"] + 1)),
+             head.register_forward_pre_hook(lambda *_: calls.__setitem__("head", calls["head"] + 1))]
+
+    def gradients(chunk_tokens: int, checkpoint_head: bool) -> tuple[float, list[torch.Tensor]]:
+        for param in params:
+            param.grad = None
+        calls.update(layer=0, head=0)
+        losses = []
+
+        def on_micro_batch(indices, logprobs):
+            loss = pg_k1_loss(logprobs, [tiny["rollout_lp"][i] for i in indices], [0.5 - i % 2 for i in indices],
+                              0.05, tokens)
+            losses.append(float(loss.detach()))
+            return loss
+
+        actor.train()
+        try:
+            token_logprobs(actor, rows, "cpu", pad, 3, grad=True, on_micro_batch=on_micro_batch,
+                           chunk_tokens=chunk_tokens, checkpoint_head=checkpoint_head)
+        finally:
+            actor.eval()
+        return sum(losses), [p.grad.clone() for p in params]
+
+    micro_batches = -(-len(rows) // 3)
+    try:
+        actor.gradient_checkpointing_disable()
+        plain_loss, plain = gradients(10**6, checkpoint_head=False)
+        assert calls == {"layer": micro_batches, "head": len(rows)}  # nothing recomputed
+        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        strategy_loss, strategy = gradients(5, checkpoint_head=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    chunks = sum(-(-len(r) // 5) for _, r in rows)
+    assert calls == {"layer": 2 * micro_batches, "head": 2 * chunks}  # each recomputed once in the backward
+    assert any(float(g.abs().max()) > 0 for g in plain)
+    assert strategy_loss == pytest.approx(plain_loss, rel=1e-6, abs=1e-9)
+    for got, expected in zip(strategy, plain, strict=True):
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("algorithm", ["direct_gkd", "pg_k1"])
@@ -168,8 +232,51 @@ def test_a_cycle_run_records_every_phase_and_seals_its_raw_file(cycle_study, tin
         assert cycle["mismatch"]["status"] == "measured" and cycle["mismatch"]["importance_ratio_min"] > 0
         policies.append((cycle["policy_identity"], cycle["next_policy_identity"]))
     assert policies[1][0] == policies[0][1], "cycle 2 rolls out with the policy cycle 1 trained"
+    assert header["training_memory"] == {**header["training_memory"], "gradient_checkpointing": True,
+                                         "logprob_chunk_tokens": LOGPROB_CHUNK_TOKENS}
+    assert all(c["memory_by_process"]["rollout_end"]["status"] == "not_applicable" for c in records[2:4])
     seals = read_seals(tmp_path / "cycles" / "raw" / "cyc")
     assert f"{backend_name}/{path.name}" in seals
+
+
+@pytest.mark.parametrize("failing_cycle", [0, 1])
+def test_a_run_that_fails_mid_way_says_where_and_is_sealed(cycle_study, tiny, tmp_path, monkeypatch, failing_cycle):
+    """An exception in the actor update (here a stand-in for lease 11's CUDA OOM) leaves a `failure`
+    record naming the cycle and phase, tears the backend down, seals the file as abandoned and
+    re-raises; cycle-publish names a run without one cycle as excluded with that reason, and a run
+    with earlier cycles as an incomplete row."""
+    from rollout_lib.evidence.cycles import publish_cycles
+
+    steps = {"n": 0}
+    real_step = ActorTrainer.step
+
+    def failing_step(self, *args, **kwargs):
+        if steps["n"] == failing_cycle:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 298.00 MiB (stand-in)")
+        steps["n"] += 1
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(ActorTrainer, "step", failing_step)
+    with pytest.raises(torch.OutOfMemoryError, match="stand-in"):
+        run_cycles(cycle_study, "hf_cached", "pg_k1", "p16-r24-n2-stochastic", "cyc", run_id="f1",
+                   output_dir=tmp_path, device="cpu", cache_dir=tiny["cache"], cycles=2)
+    (path,) = (tmp_path / "cycles" / "raw" / "cyc" / "hf_cached").glob("*.jsonl")
+    records, torn = read_raw(path)
+    kinds = [r["record"] for r in records]
+    assert not torn and kinds == ["header", "cold_start"] + ["cycle"] * failing_cycle + [
+        "failure", "sealed_without_teardown"]
+    failure = records[-2]
+    assert (failure["cycle"], failure["phase"]) == (failing_cycle, "actor_update")
+    assert failure["error"].startswith("OutOfMemoryError: CUDA out of memory.")
+    assert read_seals(tmp_path / "cycles" / "raw" / "cyc")[f"hf_cached/{path.name}"]["ended"] == "abandoned"
+    aggregate = json.loads(publish_cycles(cycle_study, "cyc", tmp_path).read_text())
+    if failing_cycle == 0:
+        (excluded,) = aggregate["excluded"]
+        assert excluded["reason"].startswith("no cycle record: failed in cycle 0's actor_update: OutOfMemoryError")
+        assert not aggregate["rows"]
+    else:
+        (row,) = aggregate["rows"]
+        assert not row["complete"] and row["cycles"] == 1 and not aggregate["excluded"]
 
 
 def test_the_budget_check_fires_when_the_budget_is_too_small(tmp_path):
@@ -231,6 +338,17 @@ def test_report_full_cycle_section(cycle_study, tiny, tmp_path):
     assert table.loc[0, "memory gate (peak)"] == "FAIL: no NVML peak per phase (not_applicable)"
     assert cycle_report.cycle_phase_figure(aggregate) is not None
     assert cycle_report.cycle_memory_figure(aggregate) is None  # CPU: no GPU memory to draw
+    assert cycle_report.runs_not_counted(aggregate) is None
+    header = json.loads((tmp_path / aggregate["rows"][0]["raw_file"]).read_text().splitlines()[0])
+    commit = header["environment"]["source"].get("source_commit")
+    with_source = cycle_report.cycle_table(aggregate, tmp_path)
+    assert with_source.loc[0, "source commit"].startswith(commit[:7] if commit else header["environment"]["source"]
+                                                          ["status"])
+    run_cycles(cycle_study, "hf_cached", "pg_k1", "p16-r24-n2-stochastic", "cyc", run_id="r2", output_dir=tmp_path,
+               device="cpu", cache_dir=tiny["cache"], cycles=1)
+    publish_cycles(cycle_study, "cyc", tmp_path)
+    not_counted = cycle_report.runs_not_counted(cycle_report.load_cycle_aggregate(tmp_path, "cyc"))
+    assert list(not_counted["why"]) == ["superseded by cycles/raw/cyc/hf_cached/pg_k1-p16-r24-n2-stochastic-r2.jsonl"]
 
 
 def test_vllm_memory_modes_are_checked(cycle_study, tmp_path):

@@ -78,6 +78,11 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         args = side_by_side.build_parser().parse_args(words[2:])
         unknown = set(args.cells.split(",")) - known_cells
         assert not unknown, f"{where}: unknown cells {sorted(unknown)}"
+    elif words[:2] == ["python3", "tools/device/cycle_memory_probe.py"]:
+        from tools.device import cycle_memory_probe
+
+        args = cycle_memory_probe.build_parser().parse_args(words[2:])
+        assert args.cell in known_cells, f"{where}: unknown cell {args.cell}"
     elif words[:4] == ["python3", "-m", "pytest", "-q"]:
         for word in words:
             if word.startswith("tests/") or word.startswith("--ignore=tests/"):

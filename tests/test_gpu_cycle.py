@@ -13,10 +13,12 @@ from rollout_lib.study.cycle import load
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("algorithm", ["direct_gkd", "pg_k1"])
-def test_one_hf_cached_cycle_measures_every_phase_within_budget(tmp_path, algorithm):
+@pytest.mark.parametrize(("algorithm", "cell"), [("direct_gkd", "p128-r256-n4-stochastic"),
+                                                 ("pg_k1", "p128-r256-n4-stochastic"),
+                                                 ("pg_k1", "p512-r512-n4-stochastic")])  # lease 11: OOM here
+def test_one_hf_cached_cycle_measures_every_phase_within_budget(tmp_path, algorithm, cell):
     study = load(REPO_ROOT / "params" / "rollout-runtime-v2-cycle.yaml")
-    path = run_cycles(study, "hf_cached", algorithm, "p128-r256-n4-stochastic", "gpu-test", run_id=algorithm,
+    path = run_cycles(study, "hf_cached", algorithm, cell, "gpu-test", run_id=f"{algorithm}-{cell}",
                       output_dir=tmp_path, cycles=2)
     records = read_raw(path)[0]
     cycles = [r for r in records if r["record"] == "cycle"]

@@ -7,6 +7,7 @@ SIGTERM, request/response mapping, policy refresh through adapter files, a serve
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -564,3 +565,26 @@ def test_diagnostic_reports_the_non_streamed_setting_beside_the_preregistered_on
     assert row["managed_non_streamed_over_inprocess_adapter"] == 0.99
     assert report["verdict"]["managed_within_5_percent_of_inprocess"] is False
     assert "managed_non_streamed" in report
+
+
+@pytest.mark.parametrize("value", [{"triton_f32_default": "ieee"}, {"TRITON_F32_DEFAULT": 1}, ["X=1"]])
+def test_a_bad_server_env_is_refused(smoke_study, value):
+    with pytest.raises(ValueError, match=r"vllm: server_env entry .* is not allowed; allowed: a mapping of upper"):
+        create_backend("vllm", smoke_study, server_env=value)
+
+
+def test_server_env_reaches_the_server_process_only(smoke_study, tmp_path):
+    """`server_env` (the ladder's TRITON_F32_DEFAULT=ieee rung) is set in the server's environment,
+    not in this process's, and recorded in the backend environment."""
+    seen = tmp_path / "seen.txt"
+    script = f'echo "$TRITON_F32_DEFAULT" > {seen}; exec {sys.executable} {FAKE} --port "$1"'
+    backend = create_backend("vllm", smoke_study, server_command=["sh", "-c", script, "sh", "{port}"],
+                             model_dir=str(tmp_path), cache_dir=str(tmp_path / "cache"), start_timeout_s=30,
+                             server_env={"TRITON_F32_DEFAULT": "ieee"})
+    try:
+        assert backend.cold_start().status == "measured"
+        assert seen.read_text().strip() == "ieee"
+        assert "TRITON_F32_DEFAULT" not in os.environ
+        assert backend.environment()["server_env"] == {"TRITON_F32_DEFAULT": "ieee"}
+    finally:
+        backend.teardown()

@@ -160,7 +160,7 @@ cycles = cycle_report.load_cycle_aggregate(Path(output_dir), campaign)
 if cycles is None:
     display(Markdown(f'No cycle campaign `{campaign}` published yet (`rollout cycle` then `rollout cycle-publish`).'))
 else:
-    display(report.styled(cycle_report.cycle_table(cycles)))
+    display(report.styled(cycle_report.cycle_table(cycles, Path(output_dir))))
     for make, what in ((cycle_report.cycle_phase_figure, 'phases per cycle'),
                        (cycle_report.cycle_memory_figure, 'memory per phase')):
         fig = make(cycles)
@@ -170,7 +170,11 @@ else:
             plt.show()
     if cycles['missing']:
         display(Markdown(f"Cycle runs still missing: {len(cycles['missing'])} of "
-                         f"{len(cycles['missing']) + sum(r['complete'] for r in cycles['rows'])}."))"""
+                         f"{len(cycles['missing']) + sum(r['complete'] for r in cycles['rows'])}."))
+    not_counted = cycle_report.runs_not_counted(cycles)
+    if not_counted is not None:
+        display(Markdown('**Cycle raw files the calculator did not take** (kept, never dropped):'))
+        display(report.styled(not_counted))"""
 
 DIAGNOSTICS = """from rollout_lib.report import diagnostics
 

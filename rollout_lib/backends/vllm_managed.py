@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -259,13 +260,14 @@ class VLLMManagedBackend(Backend):
     every N tokens, `--stream-interval`, the first at once; 1 = one event per token, as preregistered),
     streaming (bool, default true as preregistered: false sends non-streamed requests, whose outputs the
     server builds once at the end like the in-process engine; TTFT then comes from the engine's
-    /metrics histogram, not the client)."""
+    /metrics histogram, not the client), server_env (environment variables for the server process
+    only, e.g. {"TRITON_F32_DEFAULT": "ieee"}; recorded in the environment)."""
 
     name = "vllm"
     description = "managed vLLM OpenAI server on 127.0.0.1, CUDA graphs, runtime LoRA refresh"
     allowed_options = ("server_python", "server_command", "model_dir", "start_timeout_s", "request_timeout_s",
                        "kv_cache_fraction_of_budget", "cache_dir", "extra_server_args", "device", "log_dir",
-                       "refresh", "dtype", "sleep_mode", "stream_interval", "streaming")
+                       "refresh", "dtype", "sleep_mode", "stream_interval", "streaming", "server_env")
 
     def __init__(self, study, **options: Any):
         unknown = sorted(set(options) - set(self.allowed_options))
@@ -298,6 +300,14 @@ class VLLMManagedBackend(Backend):
             raise ValueError(f"vllm: stream_interval {interval!r} is not allowed; allowed: an integer >= 1 "
                              "(1 = one streamed event per token, as preregistered)")
         self.stream_interval = interval
+        server_env = options.get("server_env") or {}
+        bad = [k for k, v in server_env.items() if not (isinstance(k, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", k)
+                                                       and isinstance(v, str))] if isinstance(server_env, dict) \
+            else [server_env]
+        if bad:
+            raise ValueError(f"vllm: server_env entry {bad[0]!r} is not allowed; allowed: a mapping of upper-case "
+                             "environment variable names to string values")
+        self.server_env = dict(server_env)
         streaming = options.get("streaming")
         streaming = True if streaming is None else streaming
         if not isinstance(streaming, bool):
@@ -419,6 +429,7 @@ class VLLMManagedBackend(Backend):
         env.setdefault("VLLM_CACHE_ROOT", str(compile_cache))
         if self.refresh == "merged" or self.sleep_mode:  # /collective_rpc, /reset_prefix_cache, /sleep: dev mode
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.update(self.server_env)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"server-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{self.restarts}.log"
         self.server = ManagedServer(self._command(model_dir), log, env=env,
@@ -676,6 +687,7 @@ class VLLMManagedBackend(Backend):
                                 else "on (no --enforce-eager)"),
                 "server_python": self.server_python, "refresh": self.refresh, "dtype": self.serving_dtype,
                 "sleep_mode": self.sleep_mode, "stream_interval": self.stream_interval,
+                "server_env": dict(self.server_env),
                 "streaming": self.streaming,
                 "lora_refresh": ("runtime load_lora_adapter (peft files)" if self.refresh == "adapter" else
                                  "merged W + s*B@A reloaded in place (collective_rpc reload_weights), "

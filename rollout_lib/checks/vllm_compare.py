@@ -53,6 +53,15 @@ COMPARISONS: dict[str, dict[str, dict[str, Any]]] = {
         "c_float32": {"options": {"dtype": "float32"}, "scoring_dtype": "float32", "optional": True,
                       "about": "vLLM --dtype float32 with its LoRA in float32 (CPU backend only in vLLM 0.26.0) "
                                "and the NF4 actor scoring in float32"},
+        # only when asked for: the float32 rung with Triton's f32 dots in IEEE float32. vLLM's Triton
+        # attention (v1/attention/ops/triton_unified_attention.py) calls tl.dot(Q, K) and tl.dot(P, V)
+        # without input_precision, and Triton's default for float32 operands on NVIDIA is tf32 (10-bit
+        # mantissa) unless TRITON_F32_DEFAULT says otherwise (a cache-invalidating variable in Triton)
+        "c_float32_merged_ieee": {"options": {"dtype": "float32", "refresh": "merged",
+                                              "server_env": {"TRITON_F32_DEFAULT": "ieee"}},
+                                  "scoring_dtype": "float32", "optional": True,
+                                  "about": "c_float32_merged with TRITON_F32_DEFAULT=ieee in the server: Triton "
+                                           "attention's float32 dots in IEEE float32, not tf32"},
         "c_float32_eager": {"options": {"dtype": "float32", "extra_server_args": ["--enforce-eager"]},
                             "scoring_dtype": "float32", "optional": True,
                             "about": "c_float32 with --enforce-eager: no CUDA graphs, no torch.compile"},

@@ -47,6 +47,8 @@ def collect_cycle_inputs(study: CycleStudy, campaign: str, output_dir: Path) -> 
             reason = f"bound to cycle study {header.get('cycle_study_sha256')}, not this one"
         elif header.get("backend") != path.parent.name:
             reason = f"header backend {header.get('backend')!r}, its place says {path.parent.name!r}"
+        elif not any(r.get("record") == "cycle" for r in records):
+            reason = "no cycle record: " + ended_before_first_cycle(records)
         entry = {"path": relative, "sha256": digest or sha256_file(path), "records": records,
                  "accepted": reason is None}
         if reason is not None:
@@ -55,6 +57,21 @@ def collect_cycle_inputs(study: CycleStudy, campaign: str, output_dir: Path) -> 
     if problems:
         raise EvidenceRefused(f"{len(problems)} evidence problem(s), nothing computed:\n  " + "\n  ".join(problems))
     return raw_files
+
+
+def ended_before_first_cycle(records: list[dict[str, Any]]) -> str:
+    """How a run without one cycle record ended, in the file's own words: its failure record (the
+    phase, cycle and exception), else the reason of its seal without teardown, else its last record."""
+    kinds = {r.get("record"): r for r in records}
+    if "failure" in kinds:
+        failure = kinds["failure"]
+        where = (f"cycle {failure['cycle']}'s {failure.get('phase')}" if failure.get("cycle") is not None
+                 else str(failure.get("phase")))
+        return f"failed in {where}: {failure.get('error')}"
+    if "sealed_without_teardown" in kinds:
+        sealed = kinds["sealed_without_teardown"]
+        return f"sealed without teardown ({sealed.get('ended')}): {sealed.get('reason')}"
+    return f"ended after its {records[-1].get('record') if records else 'nothing'} record"
 
 
 def derive_cycles(study: CycleStudy, campaign: str, output_dir: Path = OUTPUTS_DIR) -> tuple[bytes, dict[str, Any]]:

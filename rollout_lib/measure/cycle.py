@@ -12,17 +12,22 @@ Outputs one raw file (append-only, locked, sealed at the end) under
 `<output-dir>/cycles/raw/<campaign>/<backend>/`: a header bound to the environment, both preregistrations and
 the model digests; one `cycle` record per cycle (phases, memory per phase, loss, gradient norm,
 mismatch diagnostics: mean/max |d logprob| between the rollout backend and the actor, min/mean/max
-importance ratio; requested and served policy identities); a teardown record.
+importance ratio; requested and served policy identities; each process's GPU memory at the end of
+the rollout and of the update); a teardown record. A run that fails mid-way (a CUDA OOM, a server
+that died) appends a `failure` record (cycle, phase, exception, torch memory at that moment), tears
+its backend down and seals the file as abandoned with that reason, then re-raises.
 
 Memory plan: before anything is loaded, the bytes the process tree will hold (weights, LoRA and
-optimizer state, the engine's KV cache, one micro-batch of training activations and logits) are
-added up against the cycle study's budget; a plan over budget is refused (CycleBudgetError, each
-component named) instead of being discovered by an OOM halfway.
+optimizer state, the engine's KV cache, the checkpointed activations of one micro-batch and one
+LM-head chunk's logits) are added up against the cycle study's budget; a plan over budget is
+refused (CycleBudgetError, each component named) instead of being discovered by an OOM halfway. The
+plan leaves out CUDA contexts, CUDA-graph pools and allocator slack: the NVML peaks are the answer.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +39,7 @@ from rollout_lib.backends.decode import synchronize
 from rollout_lib.backends.vllm_managed import DEFAULT_KV_CACHE_FRACTION
 from rollout_lib.core import OUTPUTS_DIR
 from rollout_lib.measure.identity import environment_identity, gpu_identity, gpu_key
-from rollout_lib.measure.rawfile import RawWriter, read_raw, seal_file
+from rollout_lib.measure.rawfile import RawWriter, read_raw, seal_abandoned, seal_file
 from rollout_lib.models.actor import add_lora, load_nf4_base, torch_dtype, use_float32_lm_head
 from rollout_lib.models.local_snapshot import resolve_model_snapshot
 from rollout_lib.models.policy import (
@@ -45,6 +50,7 @@ from rollout_lib.models.policy import (
 )
 from rollout_lib.models.synthetic import load_causal_lm
 from rollout_lib.models.training import (
+    LOGPROB_CHUNK_TOKENS,
     ActorTrainer,
     TrainedPolicy,
     gkd_loss,
@@ -52,6 +58,7 @@ from rollout_lib.models.training import (
     sequence_rewards,
     token_logprobs,
     token_scores,
+    training_memory_strategy,
 )
 from rollout_lib.study.arch import get_architecture
 from rollout_lib.study.cycle import ALGORITHMS, CycleStudy
@@ -87,8 +94,11 @@ def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]
     }
     sequence = cell.prompt_tokens + cell.response_tokens
     rows = study.optimizer.micro_batch_rows
-    plan["training_activations"] = rows * sequence * actor.hidden_size * actor.num_hidden_layers * 2 * 24
-    plan["training_logits"] = rows * cell.response_tokens * actor.vocab_size * 4 * 3
+    # checkpointed decoder: each layer's bf16 input is kept, one layer's activations (~24 hidden-sized
+    # bf16 tensors per token) are live while it is recomputed
+    plan["training_activations"] = rows * sequence * actor.hidden_size * 2 * (actor.num_hidden_layers + 24)
+    # one checkpointed LM-head chunk: bf16 logits, float32 logits, log-softmax and its gradient
+    plan["training_logits"] = min(LOGPROB_CHUNK_TOKENS, cell.response_tokens) * actor.vocab_size * (2 + 4 * 3)
     if backend == "hf_cached":
         plan["serving_mirror_weights"] = actor_params * 2
         # the graphs path's static KV caches: one per row count, sized for the longest cell (as BucketSet)
@@ -177,10 +187,11 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
               "rollout_preregistration_sha256": rollout.sha256, "memory_plan_bytes": plan,
               "budget_bytes": study.memory.budget_bytes, "gate_peak_total_bytes": study.memory.gate_peak_total_bytes,
               "algorithm_spec": _spec_json(getattr(study.algorithms, algorithm)),
-              "optimizer": _spec_json(study.optimizer),
+              "optimizer": _spec_json(study.optimizer), "training_memory": training_memory_strategy(),
               "environment": environment_identity(model_digests=digests, preregistration_sha256=rollout.sha256)}
     writer.open(header)
-    backend = None
+    backend, failure = None, None
+    progress: dict[str, Any] = {"cycle": None, "phase": "cold_start"}
     try:
         options = {"cache_dir": cache_dir} if cache_dir and backend_name != "vllm" else {}
         if device and backend_name != "vllm":
@@ -215,23 +226,52 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         policy = start_policy
         try:
             for index in range(count):
+                progress["cycle"] = index
                 record = _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, algorithm,
-                                    scores, torch_device, memory, sleep=vllm_memory_mode == "sleep")
+                                    scores, torch_device, memory, sleep=vllm_memory_mode == "sleep",
+                                    progress=progress)
                 policy = record.pop("_next_policy")
                 writer.append(record)
         finally:
             if sampler is not None:
                 sampler.__exit__(None, None, None)
+        progress.update(cycle=None, phase="teardown")
         teardown = backend.teardown()
         writer.append({"record": "teardown", "teardown_s": teardown.to_json(),
                        "teardown_report": backend.teardown_report()})
         backend = None
+    except Exception as exc:
+        failure = failure_record(exc, progress, backend.device if backend is not None else None)
+        writer.append(failure)
+        raise
     finally:
         if backend is not None:
             backend.teardown()
         writer.close()
+        if failure is not None:  # the file says how the run ended; it is never continued
+            seal_abandoned(path, reason=f"failed in {_where(failure)}: {failure['error']}")
     seal_file(path, seal_folder, ended="teardown")
     return path
+
+
+def _where(failure: dict[str, Any]) -> str:
+    cycle = failure.get("cycle")
+    return f"cycle {cycle}'s {failure.get('phase')}" if cycle is not None else str(failure.get("phase"))
+
+
+def failure_record(exc: BaseException, progress: dict[str, Any], device: Any) -> dict[str, Any]:
+    """What a failed run leaves in its raw file: where it was, the exception's first line, and the
+    torch allocator's view of the device at that moment (an OOM says how close the budget was)."""
+    text = str(exc).strip().splitlines()
+    record = {"record": "failure", "cycle": progress.get("cycle"), "phase": progress.get("phase"),
+              "error": f"{type(exc).__name__}: {text[0][:400] if text else ''}".rstrip(": ")}
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        record["torch_memory"] = {"allocated_bytes": int(torch.cuda.memory_allocated(device)),
+                                  "reserved_bytes": int(torch.cuda.memory_reserved(device)),
+                                  "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+    return record
 
 
 def estimated_run_s(output_dir: Path, campaign: str, backend_name: str, algorithm: str, cell_id: str,
@@ -331,16 +371,46 @@ def _timed_freeing(device, action) -> tuple[float, int | None]:
     return seconds, (after - before) if before is not None else None
 
 
+def process_memory(device) -> dict[str, Any]:
+    """This process tree's processes on the device, each with its GPU memory now (NVML): which of
+    the trainer, the API server and the engine core holds what."""
+    if device.type != "cuda":
+        return {"status": "not_applicable", "reason": "CPU run: no GPU memory"}
+    try:
+        import pynvml
+
+        from rollout_lib.measure.memory import nvml_handle, process_tree
+
+        pynvml.nvmlInit()
+        running = pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_handle(device.index or 0))
+    except Exception as exc:  # no NVML: say so
+        return {"status": "not_measured", "reason": f"NVML unavailable: {type(exc).__name__}: {exc}"}
+    tree, me = process_tree(), os.getpid()
+    processes = []
+    for proc in running:
+        if proc.pid not in tree:
+            continue
+        try:
+            name = Path(f"/proc/{proc.pid}/comm").read_text().strip()
+        except OSError:
+            name = "exited"
+        processes.append({"pid": int(proc.pid), "name": name, "role": "this process" if proc.pid == me else "child",
+                          "used_bytes": int(proc.usedGpuMemory) if proc.usedGpuMemory is not None else None})
+    return {"status": "measured", "processes": sorted(processes, key=lambda p: p["pid"])}
+
+
 def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, algorithm, scores, device,
-               memory, sleep: bool = False) -> dict[str, Any]:
+               memory, sleep: bool = False, progress: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch
 
     pad_id = workload.arch.bos_token_id
     micro = study.optimizer.micro_batch_rows
     requests = _cycle_requests(workload, cell, index, study.seeds.sample_seed_stride_per_cycle)
-    phases, peaks = {}, {}
+    phases, peaks, by_process = {}, {}, {}
+    progress = {} if progress is None else progress
 
-    def begin() -> float:
+    def begin(name: str) -> float:
+        progress["phase"] = name
         synchronize(device)
         memory.start()
         return time.perf_counter()
@@ -350,22 +420,24 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
         phases[name] = Phase.measured(time.perf_counter() - began).to_json()
         peaks[name] = memory.read()
 
-    cycle_started = began = begin()
+    cycle_started = began = begin("rollout")
     batch = backend.generate(requests)
     end("rollout", began)
+    by_process["rollout_end"] = process_memory(device)
     engine = {}
     if sleep:  # the engine's weights and KV cache leave the GPU while the trainer works
+        progress["phase"] = "engine_sleep"
         engine["sleep_s"], engine["freed_bytes"] = _timed_freeing(
             device, lambda: backend.sleep(study.memory.vllm_sleep_level))
     rows = [(r.prompt_token_ids, tuple(res.token_ids)) for r, res in zip(requests, batch.results, strict=True)]
     tokens = sum(len(res) for _, res in rows)
     rollout_lp = [torch.tensor(res.logprobs or [], dtype=torch.float32) for res in batch.results]
 
-    began = begin()
+    began = begin("teacher_scoring")
     teacher_lp = token_logprobs(teacher, rows, device, pad_id, micro)
     end("teacher_scoring", began)
 
-    began = begin()
+    began = begin("actor_scoring")
     actor_lp = token_logprobs(trainer.actor, rows, device, pad_id, micro)
     end("actor_scoring", began)
     mismatch = _mismatch(rollout_lp, actor_lp)
@@ -381,14 +453,20 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
         return pg_k1_loss(logprobs, [rollout_lp[i] for i in indices], [advantages[i] for i in indices],
                           spec.kl_coefficient, tokens)
 
-    began = begin()
+    began = begin("actor_update")
     update = trainer.step(loss_for, rows, device, pad_id)
     end("actor_update", began)
+    by_process["actor_update_end"] = process_memory(device)
 
     if sleep:
+        # the trainer gives its allocator's cached blocks back before the engine takes its memory
+        # again: cached, unused blocks count in the process tree as much as live ones
+        progress["phase"] = "engine_wake"
+        engine["trainer_cache_release_s"], engine["trainer_cache_released_bytes"] = _timed_freeing(
+            device, lambda: _timed(_empty_cache, device))
         engine["wake_s"], freed = _timed_freeing(device, backend.wake_up)
         engine["wake_reclaimed_bytes"] = -freed if freed is not None else None
-    began = begin()
+    began = begin("policy_sync")
     live = read_policy_from_peft(trainer.actor)
     trained = TrainedPolicy(version=policy.version + 1, base_digest=policy.base_digest, arch=policy.arch,
                             lora=policy.lora, live=live)
@@ -404,7 +482,7 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
             "engine_sleep": engine or {"status": "not_applicable", "reason": "no engine sleep in this run"},
             "complete_cycle_s": complete, "rollout_tokens_per_s": tokens / rollout_s if rollout_s > 0 else None,
             "full_cycle_tokens_per_s": tokens / complete if complete > 0 else None,
-            "memory": peaks, "loss": update["loss"], "grad_norm": update["grad_norm"],
+            "memory": peaks, "memory_by_process": by_process, "loss": update["loss"], "grad_norm": update["grad_norm"],
             "trainable_parameters": update["trainable_parameters"],
             "optimizer_state_bytes": trainer.optimizer_state_bytes(),
             "mean_reward": baseline if algorithm == "pg_k1" else None,
@@ -412,6 +490,19 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
             "mismatch": mismatch, "next_policy_identity": trained.identity, "served_identity": served,
             "sync_exact": served == trained.identity,
             "served_bf16_identity": getattr(backend, "served_bf16_identity", None), "_next_policy": trained}
+
+
+def _empty_cache(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _timed(action, *args) -> float:
+    started = time.perf_counter()
+    action(*args)
+    return time.perf_counter() - started
 
 
 def _mismatch(rollout_lp: list, actor_lp: list) -> dict[str, Any]:

@@ -2,9 +2,14 @@
 one optimizer step on the NF4 + LoRA actor, and the trained policy that a backend then serves.
 
 Scoring is teacher-forced and batched in micro-batches of rows; only the response positions go
-through the LM head (a [tokens, vocab] float32 block per row, never [rows, length, vocab]), so the
-peak stays bounded at 151,936-token vocabularies. Rows are right-padded: under causal attention the
-padding after a row's last token cannot change its log-probabilities.
+through the LM head, `LOGPROB_CHUNK_TOKENS` positions at a time (a [chunk, vocab] float32 block,
+never [rows, length, vocab]; under autograd each chunk is checkpointed, so no [tokens, vocab] block
+is kept for the backward pass), and the actor's decoder layers are checkpointed while it trains
+(`GRADIENT_CHECKPOINTING`: only each layer's input is kept, the layer is recomputed in the backward
+pass). Lease 11 (H200): without both, one micro-batch of two 1,024-token rows held > 4.6 GiB of
+activations and logits, and the hf_cached p512-r512 cycle died of CUDA OOM under the 16 GiB budget.
+Rows are right-padded: under causal attention the padding after a row's last token cannot change
+its log-probabilities.
 
 Losses (per token, averaged over every response token of the batch; micro-batch gradients add up to
 the gradient of that mean):
@@ -33,6 +38,19 @@ if TYPE_CHECKING:
     from rollout_lib.study.prereg import LoraSpec
 
 
+# How the training half keeps its memory bounded (recorded in each cycle run's header). Chunking
+# the positions does not change a log-probability (each position's softmax is its own); the chunk is
+# small enough that its [chunk, vocab] float32 blocks (logits, log-softmax, gradient) stay < 0.3 GiB.
+LOGPROB_CHUNK_TOKENS = 128
+GRADIENT_CHECKPOINTING = True
+
+
+def training_memory_strategy() -> dict[str, Any]:
+    return {"logprob_chunk_tokens": LOGPROB_CHUNK_TOKENS, "gradient_checkpointing": GRADIENT_CHECKPOINTING,
+            "checkpointing": "torch.utils.checkpoint, non-reentrant: the actor's decoder layers (transformers "
+                             "gradient_checkpointing_enable) and each LM-head chunk"}
+
+
 def _lm_parts(model: Any) -> tuple[Any, Any]:
     """(the decoder that returns hidden states, the LM head) of a transformers or peft causal LM."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -40,11 +58,13 @@ def _lm_parts(model: Any) -> tuple[Any, Any]:
 
 
 def token_logprobs(model: Any, rows: list[tuple[tuple[int, ...], tuple[int, ...]]], device: Any, pad_id: int,
-                   micro_batch_rows: int, grad: bool = False, on_micro_batch: Any = None) -> list[torch.Tensor]:
+                   micro_batch_rows: int, grad: bool = False, on_micro_batch: Any = None,
+                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS, checkpoint_head: bool = True) -> list[torch.Tensor]:
     """Per-token log-probabilities (float32, one tensor per row) of each (prompt, response) row,
     teacher-forced. With `grad`, `on_micro_batch(indices, logprobs)` is called per micro-batch (it
     returns the loss to backpropagate then and there, so activations of one micro-batch are live at
-    a time) and the returned tensors are detached."""
+    a time) and the returned tensors are detached; `checkpoint_head` then recomputes each LM-head
+    chunk in the backward pass instead of keeping its logits."""
     import contextlib
 
     import torch
@@ -68,15 +88,39 @@ def token_logprobs(model: Any, rows: list[tuple[tuple[int, ...], tuple[int, ...]
                     batch.append(torch.zeros(0, device=device))
                     continue
                 positions = hidden[k, len(prompt) - 1: len(prompt) - 1 + len(response)]
-                logits = head(positions).float()
                 target = torch.tensor(response, dtype=torch.long, device=device)
-                batch.append(torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0])
+                batch.append(response_logprobs(head, positions, target, chunk_tokens,
+                                               checkpointed=grad and checkpoint_head))
             if grad and on_micro_batch is not None:
                 loss = on_micro_batch(indices, batch)
                 loss.backward()
         for k, i in enumerate(indices):
             out[i] = batch[k].detach().float().cpu()
     return out  # type: ignore[return-value]
+
+
+def _chunk_logprobs(head: Any, positions: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    logits = head(positions).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0]
+
+
+def response_logprobs(head: Any, positions: torch.Tensor, target: torch.Tensor, chunk_tokens: int,
+                      checkpointed: bool = False) -> torch.Tensor:
+    """log p(target_t | position_t) through the LM head, `chunk_tokens` positions at a time; with
+    `checkpointed` each chunk is recomputed in the backward pass instead of keeping its logits."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, not {chunk_tokens}")
+    parts = []
+    for start in range(0, len(target), chunk_tokens):
+        chunk = (positions[start:start + chunk_tokens], target[start:start + chunk_tokens])
+        parts.append(checkpoint(_chunk_logprobs, head, *chunk, use_reentrant=False) if checkpointed
+                     else _chunk_logprobs(head, *chunk))
+    return torch.cat(parts) if parts else positions.new_zeros(0, dtype=torch.float32)
 
 
 def token_scores(seed: int, vocab_size: int) -> list[float]:
@@ -116,6 +160,8 @@ class ActorTrainer:
         import torch
 
         self.actor, self.spec = actor, spec
+        if GRADIENT_CHECKPOINTING:  # active in train() only: scoring and generation are unaffected
+            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.params = lora_parameters(actor)
         for param in self.params:
             param.requires_grad_(True)

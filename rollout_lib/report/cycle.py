@@ -39,8 +39,33 @@ def _gate_text(gate: dict[str, Any]) -> str:
     return f"{gate['status'].upper()}: {reason}"
 
 
-def cycle_table(aggregate: dict[str, Any]):
-    """One row per run, every value formatted for a reader (units in the headers, no bare values)."""
+def _source_commit(output_dir: Path | None, raw_file: str) -> str:
+    """The commit that measured a run, from its raw header (runs of one table may differ)."""
+    if output_dir is None:
+        return "—"
+    try:
+        with (Path(output_dir) / raw_file).open() as handle:
+            header = json.loads(handle.readline())
+    except (OSError, ValueError):
+        return "unreadable"
+    source = (header.get("environment") or {}).get("source") or {}
+    commit = source.get("source_commit")
+    return (commit[:7] + ("+dirty" if source.get("source_dirty") else "")) if commit else source.get("status", "—")
+
+
+def runs_not_counted(aggregate: dict[str, Any]):
+    """Raw files the calculator did not take, each with why: excluded (e.g. a run that died before
+    its first cycle, with the failure its file records) or superseded by a newer run of its key."""
+    import pandas as pd
+
+    rows = [{"raw file": e["path"], "why": e["reason"]} for e in aggregate.get("excluded", [])]
+    rows += [{"raw file": e["path"], "why": f"superseded by {e['by']}"} for e in aggregate.get("superseded", [])]
+    return pd.DataFrame(rows, columns=["raw file", "why"]) if rows else None
+
+
+def cycle_table(aggregate: dict[str, Any], output_dir: Path | None = None):
+    """One row per run, every value formatted for a reader (units in the headers, no bare values);
+    with `output_dir`, the commit that measured each run (from its raw header)."""
     import pandas as pd
 
     from rollout_lib.report.summary import text
@@ -69,7 +94,8 @@ def cycle_table(aggregate: dict[str, Any]):
                      "sync exact": text(row["sync_exact"]),
                      "engine sleep / wake s": (f"{sleep['sleep_median_s']:.3f} / {sleep['wake_median_s']:.3f}"
                                                if sleep["status"] == "measured" else sleep["status"]),
-                     "freed by sleep GiB": _gib(sleep.get("freed_median_bytes"))})
+                     "freed by sleep GiB": _gib(sleep.get("freed_median_bytes")),
+                     "source commit": _source_commit(output_dir, row["raw_file"])})
     return pd.DataFrame(rows)
 
 
