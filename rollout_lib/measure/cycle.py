@@ -382,7 +382,10 @@ def process_memory(device) -> dict[str, Any]:
         from rollout_lib.measure.memory import nvml_handle, process_tree
 
         pynvml.nvmlInit()
-        running = pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_handle(device.index or 0))
+        try:
+            running = pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_handle(device.index or 0))
+        finally:
+            pynvml.nvmlShutdown()  # NVML counts its inits: the sampler's stays
     except Exception as exc:  # no NVML: say so
         return {"status": "not_measured", "reason": f"NVML unavailable: {type(exc).__name__}: {exc}"}
     tree, me = process_tree(), os.getpid()
