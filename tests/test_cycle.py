@@ -407,3 +407,17 @@ def _utc(stamp: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(stamp).timestamp()
+
+
+def test_the_cycle_memory_probe_runs_both_settings_with_the_same_gradient(tmp_path):
+    """The device probe of the update's memory (tools/device/cycle_memory_probe.py), on CPU with the
+    tiny study: both settings run, and they compute the same gradient (only memory and time differ)."""
+    from tools.device import cycle_memory_probe
+
+    out = tmp_path / "probe.json"
+    assert cycle_memory_probe.main(["--params", str(SMOKE_CYCLE), "--cell", "p16-r24-n2-stochastic", "--device", "cpu",
+                                    "--repeats", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    before, after = result["settings"]["before"][0], result["settings"]["after"][0]
+    assert before["grad_norm"] > 0 and after["grad_norm"] == pytest.approx(before["grad_norm"], rel=1e-4)
+    assert result["environment"]["model_digests"]["actor"]

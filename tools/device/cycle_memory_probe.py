@@ -7,7 +7,7 @@ per setting, each setting after one warmup step (excluded). Measures the torch p
 the resident set (weights, LoRA, gradients) and the step's wall seconds (synchronized). Settings:
 `before` (every activation kept, the LM head's [tokens, vocab] blocks kept: the code of lease 11),
 `after` (checkpointed decoder layers and checkpointed LM-head chunks: the trainer's strategy now).
-Writes one JSON file (`--out`).
+Writes one JSON file (`--out`). `--device cpu` runs it on the tiny study in the CPU tests.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--params", default="params/rollout-runtime-v2-cycle.yaml")
     parser.add_argument("--cell", default="p512-r512-n4-stochastic")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda:0", help="cpu: the CPU test's run (no memory figures)")
+    parser.add_argument("--cache-dir", default=None, help="the synthetic snapshot cache (default: the project's)")
     parser.add_argument("--out", required=True)
     return parser
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rollout_lib.core import canonical_json_bytes
@@ -37,14 +39,15 @@ def main() -> int:
     from rollout_lib.study.cycle import load
     from rollout_lib.study.workload import Workload
 
-    args = build_parser().parse_args()
+    args = build_parser().parse_args(argv)
 
     study = load(args.params)
     rollout = study.rollout
     cell = Workload(rollout).cell(args.cell)
-    device = torch.device("cuda:0")
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
     spec = rollout.actor
-    snapshot = resolve_model_snapshot(spec, study_path=rollout.source_path)
+    snapshot = resolve_model_snapshot(spec, cache_dir=args.cache_dir, study_path=rollout.source_path)
     actor = add_lora(load_nf4_base(snapshot.path, spec.quantization, torch_dtype(spec.quantization.compute_dtype),
                                    str(device)), spec.lora)
     params = lora_parameters(actor)
@@ -64,9 +67,10 @@ def main() -> int:
             actor.gradient_checkpointing_disable()
         for param in params:
             param.grad = None
-        torch.cuda.synchronize(device)
-        resident = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        if on_gpu:
+            torch.cuda.synchronize(device)
+            resident = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
         actor.train()
         try:
@@ -76,15 +80,20 @@ def main() -> int:
                            checkpoint_head=checkpointed)
         finally:
             actor.eval()
+        if not on_gpu:
+            return {"wall_s": time.perf_counter() - started, "memory": "not_applicable (CPU run)",
+                    "grad_norm": float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))}
         torch.cuda.synchronize(device)
         return {"wall_s": time.perf_counter() - started,
                 "peak_above_resident_bytes": int(torch.cuda.max_memory_allocated(device) - resident),
-                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+                "grad_norm": float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))}
 
     results = {}
     for name, checkpointed in (("before", False), ("after", True)):
         step(checkpointed)  # warmup (kernels, allocator), excluded
-        torch.cuda.empty_cache()
+        if on_gpu:
+            torch.cuda.empty_cache()
         results[name] = [step(checkpointed) for _ in range(args.repeats)]
     out = {"kind": "cycle_memory_probe", "cell_id": args.cell, "micro_batch_rows": len(rows),
            "logprob_chunk_tokens": LOGPROB_CHUNK_TOKENS, "settings": results,
@@ -93,7 +102,8 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_bytes(canonical_json_bytes(out))
     for name, runs in results.items():
-        print(name, " ".join(f"{r['peak_above_resident_bytes'] / 2**30:.2f} GiB {r['wall_s']:.3f} s" for r in runs))
+        print(name, " ".join(f"{r.get('peak_above_resident_bytes', 0) / 2**30:.2f} GiB {r['wall_s']:.3f} s"
+                             for r in runs))
     return 0
 
 
