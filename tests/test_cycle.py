@@ -344,6 +344,7 @@ def test_report_full_cycle_section(cycle_study, tiny, tmp_path):
     with_source = cycle_report.cycle_table(aggregate, tmp_path)
     assert with_source.loc[0, "source commit"].startswith(commit[:7] if commit else header["environment"]["source"]
                                                           ["status"])
+    assert with_source.loc[0, "trainer memory"] == f"checkpointed layers, head chunks of {LOGPROB_CHUNK_TOKENS}"
     run_cycles(cycle_study, "hf_cached", "pg_k1", "p16-r24-n2-stochastic", "cyc", run_id="r2", output_dir=tmp_path,
                device="cpu", cache_dir=tiny["cache"], cycles=1)
     publish_cycles(cycle_study, "cyc", tmp_path)
@@ -421,3 +422,15 @@ def test_the_cycle_memory_probe_runs_both_settings_with_the_same_gradient(tmp_pa
     before, after = result["settings"]["before"][0], result["settings"]["after"][0]
     assert before["grad_norm"] > 0 and after["grad_norm"] == pytest.approx(before["grad_norm"], rel=1e-4)
     assert result["environment"]["model_digests"]["actor"]
+
+
+def test_the_report_names_a_run_measured_before_the_memory_strategy(tmp_path):
+    """A header without `training_memory` (lease 11's runs) reads as every activation kept, so a table
+    that mixes trainers says so per row."""
+    from rollout_lib.report.cycle import _header_facts
+
+    (tmp_path / "old.jsonl").write_text(json.dumps({"record": "header", "environment": {"source": {
+        "source_commit": "965c53016ff7c5b139cffb2aa6fd508ba6fe4b7d", "source_dirty": False}}}) + "\n")
+    assert _header_facts(tmp_path, "old.jsonl") == {
+        "source commit": "965c530", "trainer memory": "every activation kept (before the memory strategy)"}
+    assert _header_facts(tmp_path, "absent.jsonl")["trainer memory"] == "unreadable"

@@ -39,18 +39,27 @@ def _gate_text(gate: dict[str, Any]) -> str:
     return f"{gate['status'].upper()}: {reason}"
 
 
-def _source_commit(output_dir: Path | None, raw_file: str) -> str:
-    """The commit that measured a run, from its raw header (runs of one table may differ)."""
+def _header_facts(output_dir: Path | None, raw_file: str) -> dict[str, str]:
+    """From a run's raw header: the commit that measured it and how its trainer bounded memory
+    (runs of one table may differ in both; lease 11's runs kept every activation)."""
     if output_dir is None:
-        return "—"
+        return {"source commit": "—", "trainer memory": "—"}
     try:
         with (Path(output_dir) / raw_file).open() as handle:
             header = json.loads(handle.readline())
     except (OSError, ValueError):
-        return "unreadable"
+        return {"source commit": "unreadable", "trainer memory": "unreadable"}
     source = (header.get("environment") or {}).get("source") or {}
     commit = source.get("source_commit")
-    return (commit[:7] + ("+dirty" if source.get("source_dirty") else "")) if commit else source.get("status", "—")
+    strategy = header.get("training_memory")
+    if strategy is None:
+        trainer = "every activation kept (before the memory strategy)"
+    else:
+        parts = (["checkpointed layers"] if strategy.get("gradient_checkpointing") else []) + [
+            f"head chunks of {strategy.get('logprob_chunk_tokens')}"]
+        trainer = ", ".join(parts)
+    return {"source commit": (commit[:7] + ("+dirty" if source.get("source_dirty") else "")) if commit
+            else source.get("status", "—"), "trainer memory": trainer}
 
 
 def runs_not_counted(aggregate: dict[str, Any]):
@@ -65,7 +74,8 @@ def runs_not_counted(aggregate: dict[str, Any]):
 
 def cycle_table(aggregate: dict[str, Any], output_dir: Path | None = None):
     """One row per run, every value formatted for a reader (units in the headers, no bare values);
-    with `output_dir`, the commit that measured each run (from its raw header)."""
+    with `output_dir`, the commit that measured each run and its trainer's memory strategy (from its
+    raw header)."""
     import pandas as pd
 
     from rollout_lib.report.summary import text
@@ -95,7 +105,7 @@ def cycle_table(aggregate: dict[str, Any], output_dir: Path | None = None):
                      "engine sleep / wake s": (f"{sleep['sleep_median_s']:.3f} / {sleep['wake_median_s']:.3f}"
                                                if sleep["status"] == "measured" else sleep["status"]),
                      "freed by sleep GiB": _gib(sleep.get("freed_median_bytes")),
-                     "source commit": _source_commit(output_dir, row["raw_file"])})
+                     **_header_facts(output_dir, row["raw_file"])})
     return pd.DataFrame(rows)
 
 
