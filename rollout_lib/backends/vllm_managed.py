@@ -301,9 +301,9 @@ class VLLMManagedBackend(Backend):
                              "(1 = one streamed event per token, as preregistered)")
         self.stream_interval = interval
         server_env = options.get("server_env") or {}
-        bad = [k for k, v in server_env.items() if not (isinstance(k, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", k)
-                                                       and isinstance(v, str))] if isinstance(server_env, dict) \
-            else [server_env]
+        entries = server_env.items() if isinstance(server_env, dict) else [(server_env, None)]
+        bad = [k for k, v in entries
+               if not (isinstance(k, str) and re.fullmatch(r"[A-Z][A-Z0-9_]*", k) and isinstance(v, str))]
         if bad:
             raise ValueError(f"vllm: server_env entry {bad[0]!r} is not allowed; allowed: a mapping of upper-case "
                              "environment variable names to string values")

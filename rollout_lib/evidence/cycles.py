@@ -16,6 +16,7 @@ import yaml
 
 from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT, canonical_json_bytes, sha256_file, write_json_atomic
 from rollout_lib.evidence.publish import CalculatorHashMismatch, EvidenceRefused, read_sealed_raw
+from rollout_lib.measure.cycle import failure_where
 from rollout_lib.study.cycle import CycleStudy
 
 
@@ -65,9 +66,7 @@ def ended_before_first_cycle(records: list[dict[str, Any]]) -> str:
     kinds = {r.get("record"): r for r in records}
     if "failure" in kinds:
         failure = kinds["failure"]
-        where = (f"cycle {failure['cycle']}'s {failure.get('phase')}" if failure.get("cycle") is not None
-                 else str(failure.get("phase")))
-        return f"failed in {where}: {failure.get('error')}"
+        return f"failed in {failure_where(failure)}: {failure.get('error')}"
     if "sealed_without_teardown" in kinds:
         sealed = kinds["sealed_without_teardown"]
         return f"sealed without teardown ({sealed.get('ended')}): {sealed.get('reason')}"

@@ -249,12 +249,13 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
             backend.teardown()
         writer.close()
         if failure is not None:  # the file says how the run ended; it is never continued
-            seal_abandoned(path, reason=f"failed in {_where(failure)}: {failure['error']}")
+            seal_abandoned(path, reason=f"failed in {failure_where(failure)}: {failure['error']}")
     seal_file(path, seal_folder, ended="teardown")
     return path
 
 
-def _where(failure: dict[str, Any]) -> str:
+def failure_where(failure: dict[str, Any]) -> str:
+    """Where a `failure` record says its run stopped: "cycle 0's actor_update", or the phase alone."""
     cycle = failure.get("cycle")
     return f"cycle {cycle}'s {failure.get('phase')}" if cycle is not None else str(failure.get("phase"))
 

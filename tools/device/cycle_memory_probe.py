@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     study = load(args.params)
     rollout = study.rollout
-    cell = Workload(rollout).cell(args.cell)
+    workload = Workload(rollout)
+    cell = workload.cell(args.cell)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     spec = rollout.actor
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     for param in params:
         param.requires_grad_(True)
     generator = torch.Generator().manual_seed(15)
-    vocab = Workload(rollout).arch.vocab_size
+    vocab = workload.arch.vocab_size
     rows = [(tuple(torch.randint(0, vocab, (cell.prompt_tokens,), generator=generator).tolist()),
              tuple(torch.randint(0, vocab, (cell.response_tokens,), generator=generator).tolist()))
             for _ in range(study.optimizer.micro_batch_rows)]
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         actor.train()
         try:
-            token_logprobs(actor, rows, device, Workload(rollout).arch.bos_token_id, len(rows), grad=True,
+            token_logprobs(actor, rows, device, workload.arch.bos_token_id, len(rows), grad=True,
                            on_micro_batch=lambda _i, lp: sum(x.sum() for x in lp) / tokens,
                            chunk_tokens=LOGPROB_CHUNK_TOKENS if checkpointed else 10**9,
                            checkpoint_head=checkpointed)
