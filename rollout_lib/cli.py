@@ -379,15 +379,17 @@ def cmd_cycle(args: argparse.Namespace) -> int:
 
 def _cycle_deadline_refusal(args: argparse.Namespace, cycles_required: int) -> str | None:
     """Why this cycle run is not started before `--deadline-s`, or None when it fits or has no estimate."""
-    from rollout_lib.measure.cycle import estimated_run_s
+    from rollout_lib.measure.cycle import estimated_run_s, rollout_lower_bound_s
     from rollout_lib.measure.runner import DEADLINE_MARGIN_S, DEADLINE_SAFETY
 
     if args.deadline_s <= 0:
         raise CommandError(f"deadline-s: {args.deadline_s} is not allowed; a positive number of seconds")
     found = estimated_run_s(Path(args.output_dir), args.campaign, args.backend, args.algorithm, args.cell,
-                            cycles_required, args.vllm_memory_mode)
+                            cycles_required, args.vllm_memory_mode) or rollout_lower_bound_s(
+        Path(args.output_dir), args.campaign, args.backend, args.cell, cycles_required)
     if found is None:
-        print("cycle: no earlier complete run of this kind on this GPU model; starting without an estimate")
+        print("cycle: no earlier complete run of this kind on this GPU model and no rollout of its cell to bound "
+              "it; starting without an estimate")
         return None
     seconds, source = found  # a full run's: with --cycles (a probe) it over-estimates, on the safe side
     needed = seconds * DEADLINE_SAFETY + DEADLINE_MARGIN_S

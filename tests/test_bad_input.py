@@ -181,6 +181,17 @@ def bad_device(c: Ctx) -> None:
                             output_dir=str(c.out))
 
 
+def engine_flag_takeover(c: Ctx) -> None:
+    """`--backend-option extra_server_args=[...]` naming a flag the backend owns (`--host 0.0.0.0` would
+    bind every interface: vLLM's argparse keeps the last value) is refused before any raw file exists."""
+    out = cli("cycle", "--params", str(REPO / "params" / "profiles" / "smoke-cycle.yaml"), "--campaign", "pub",
+              "--backend", "vllm", "--algorithm", "pg_k1", "--cell", "p16-r24-n2-stochastic",
+              "--vllm-memory-mode", "small_kv", "--output-dir", str(c.out),
+              "--backend-option", 'extra_server_args=["--host", "0.0.0.0"]')
+    refused_one_line(out, 2, "extra_server_args '--host' is not allowed", "bound to 127.0.0.1")
+    assert not (c.out / "cycles").exists()
+
+
 def params_is_directory(c: Ctx) -> None:
     with pytest.raises(ParameterError, match=r"params: .* is not a file"):
         validate_parameters(backend="hf_cached", params=str(c.tmp), campaign="pub", output_dir=str(c.out))
@@ -452,6 +463,8 @@ CASES = [
          campaign_escapes),
     Case("measure-run-id-escape", "measure: `--run-id ../../r`", "refused: the allowed pattern", run_id_escapes),
     Case("measure-bad-device", "measure: `--device gpu`", "refused: the allowed devices", bad_device),
+    Case("engine-flag-takeover", "vLLM engine option `extra_server_args=[\"--host\", \"0.0.0.0\"]`",
+         "refused: the backend's own flags named (127.0.0.1 only, no remote code); no raw file", engine_flag_takeover),
     Case("measure-params-directory", "measure: a directory as `params`", "refused: not a file", params_is_directory),
     Case("raw-resume-sealed", "resume a run that ended (sealed)", "refused: 'use a new run id'; file untouched",
          resume_sealed_run),

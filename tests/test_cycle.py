@@ -221,6 +221,7 @@ def test_a_cycle_run_records_every_phase_and_seals_its_raw_file(cycle_study, tin
     header = records[0]
     assert header["cycle_study_sha256"] == cycle_study.sha256 and header["algorithm"] == "pg_k1"
     assert sum(header["memory_plan_bytes"].values()) <= header["budget_bytes"]
+    assert header["backend_options"] == {}, "the study's own setting: no options beyond it"
     policies = []
     for cycle in records[2:4]:
         assert set(cycle["phases"]) == set(PHASES)
@@ -426,11 +427,121 @@ def test_the_cycle_memory_probe_runs_both_settings_with_the_same_gradient(tmp_pa
 
 def test_the_report_names_a_run_measured_before_the_memory_strategy(tmp_path):
     """A header without `training_memory` (lease 11's runs) reads as every activation kept, so a table
-    that mixes trainers says so per row."""
-    from rollout_lib.report.cycle import _header_facts
+    that mixes trainers says so per row; a file whose cycles list no processes has no memory split."""
+    from rollout_lib.report.cycle import _raw_facts
 
     (tmp_path / "old.jsonl").write_text(json.dumps({"record": "header", "environment": {"source": {
         "source_commit": "965c53016ff7c5b139cffb2aa6fd508ba6fe4b7d", "source_dirty": False}}}) + "\n")
-    assert _header_facts(tmp_path, "old.jsonl") == {
-        "source commit": "965c530", "trainer memory": "every activation kept (before the memory strategy)"}
-    assert _header_facts(tmp_path, "absent.jsonl")["trainer memory"] == "unreadable"
+    assert _raw_facts(tmp_path, "old.jsonl") == {
+        "source commit": "965c530", "trainer memory": "every activation kept (before the memory strategy)",
+        "trainer / engine GiB at rollout end": "—"}
+    assert _raw_facts(tmp_path, "absent.jsonl")["trainer memory"] == "unreadable"
+
+
+def test_the_report_splits_trainer_and_engine_memory_and_names_engine_options(tmp_path):
+    """The cycle table says what a process-tree peak is made of (trainer vs the engine's processes at
+    the rollout's end, the largest over cycles) and which runs had engine options beyond the study's."""
+    from rollout_lib.report.cycle import _raw_facts, cycle_table
+
+    gib = 2**30
+
+    def cycle(trainer, engine):
+        processes = [{"role": "this process", "used_bytes": trainer}] + (
+            [{"role": "child", "used_bytes": engine}] if engine else [])
+        return {"record": "cycle", "memory_by_process": {"rollout_end": {"status": "measured",
+                                                                         "processes": processes}}}
+
+    header = {"record": "header", "environment": {"source": {"source_commit": "a" * 40, "source_dirty": False}},
+              "training_memory": {"gradient_checkpointing": True, "logprob_chunk_tokens": 128}}
+    lines = [header | {"backend_options": {"extra_server_args": ["--max-num-seqs", "256"]}},
+             cycle(7 * gib, 8 * gib), cycle(int(7.5 * gib), 6 * gib)]
+    (tmp_path / "engine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "local.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
+                                                  [header | {"backend_options": {}}, cycle(12 * gib, 0)]))
+    facts = _raw_facts(tmp_path, "engine.jsonl")
+    assert facts["trainer / engine GiB at rollout end"] == "7.50 / 8.00"
+    assert facts["backend options"] == '{"extra_server_args": ["--max-num-seqs", "256"]}'
+    local = _raw_facts(tmp_path, "local.jsonl")
+    assert local["trainer / engine GiB at rollout end"] == "12.00 / not_applicable"
+    assert "backend options" not in local
+
+    def row(raw_file):
+        phase = {"status": "measured", "median_s": 1.0}
+        return {"backend": "vllm", "vllm_memory_mode": "small_kv", "algorithm": "pg_k1", "cell_id": "c",
+                "cycles": 8, "complete": True, "phases": {name: phase for name in
+                                                          ("rollout", "teacher_scoring", "actor_scoring",
+                                                           "actor_update", "policy_sync")},
+                "complete_cycle_median_s": 5.0, "rollout_tokens_per_s_median": 1.0,
+                "full_cycle_tokens_per_s_median": 1.0, "memory_gate": {"status": "pass",
+                                                                       "peak_process_tree_bytes": gib},
+                "mismatch": {"status": "not_measured"}, "sync_exact": True, "raw_file": raw_file}
+
+    table = cycle_table({"rows": [row("engine.jsonl"), row("local.jsonl")], "cycles_required": 8}, tmp_path)
+    assert list(table["backend options"]) == ['{"extra_server_args": ["--max-num-seqs", "256"]}', "none"]
+
+
+def test_cycle_memory_split_reads_the_processes_and_refuses_other_files(tmp_path, capsys):
+    """tools/cycle_memory_split.py: trainer vs engine at the rollout's and the update's end (largest over
+    cycles), the tree's peak and the options a run had; a file that is not a cycle run is named, exit 2."""
+    from tools import cycle_memory_split
+
+    gib = 2**30
+
+    def cycle(engine_awake, engine_asleep, peak, rate):
+        def at(engine):
+            return {"status": "measured", "processes": [{"role": "this process", "used_bytes": 7 * gib},
+                                                        {"role": "child", "used_bytes": engine}]}
+        return {"record": "cycle", "rollout_tokens_per_s": rate,
+                "memory_by_process": {"rollout_end": at(engine_awake), "actor_update_end": at(engine_asleep)},
+                "memory": {"rollout": {"nvml": {"status": "measured", "peak_process_tree_bytes": peak}},
+                           "actor_update": {"nvml": {"status": "not_measured"}}}}
+
+    header = {"record": "header", "kind": "rl_cycle", "backend": "vllm", "vllm_memory_mode": "sleep",
+              "backend_options": {"extra_server_args": ["--max-num-seqs", "256"]}}
+    run = tmp_path / "run.jsonl"
+    run.write_text("".join(json.dumps(r) + "\n" for r in [header, cycle(8 * gib, 2 * gib, 15 * gib, 100.0),
+                                                           cycle(6 * gib, gib, 14 * gib, 300.0)]))
+    row = cycle_memory_split.summarize(run)
+    assert (row["trainer_rollout_end_gib"], row["engine_rollout_end_gib"], row["engine_actor_update_end_gib"]) == (
+        7.0, 8.0, 2.0)
+    assert row["peak_process_tree_gib"] == 15.0 and row["rollout_tokens_per_s_median"] == 200.0
+    assert row["backend_options"] == header["backend_options"] and row["cycles"] == 2
+    assert cycle_memory_split.main([str(run)]) == 0
+    assert "run.jsonl\tsleep\t" in capsys.readouterr().out
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"record": "header", "kind": "rollout"}) + "\n")
+    assert cycle_memory_split.main([str(run), str(other)]) == 2
+    assert "other.jsonl: not an RL-cycle raw file" in capsys.readouterr().err
+
+
+def test_a_first_cycle_run_is_bounded_by_its_rollouts_in_the_rollout_campaign(cycle_study, tmp_path, capsys):
+    """With no earlier cycle run of its kind (the oracle's first), `--deadline-s` still refuses a run whose
+    rollouts alone, each as fast as the cell's fastest repetition in the rollout campaign on this GPU
+    model, would not fit: the oracle's eight p128-r256 rollouts outlast a machine hold."""
+    from rollout_lib.cli import main
+    from rollout_lib.measure.cycle import rollout_lower_bound_s
+    from rollout_lib.measure.identity import gpu_identity
+
+    cell, full = "p16-r24-n2-stochastic", cycle_study.cycles
+    assert rollout_lower_bound_s(tmp_path, "cyc", "hf_reference", cell, full) is None
+    folder = tmp_path / "raw" / "cyc" / "hf_reference"
+    folder.mkdir(parents=True)
+
+    def rep(cell_id, wall_s, **extra):
+        return {"record": "repetition", "cell_id": cell_id, "wall_s": wall_s, **extra}
+
+    lines = [{"record": "header", "environment": {"gpu": gpu_identity()}},
+             rep(cell, 90.0, excluded_by="INV-WARMUP"), rep(cell, 120.0), rep(cell, 100.0), rep("other", 1.0)]
+    (folder / "r1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    elsewhere = [{"record": "header", "environment": {"gpu": {"status": "measured", "name": "NVIDIA H200",
+                                                              "driver": "580"}}}, rep(cell, 1.0)]
+    (folder / "r2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in elsewhere))  # another GPU: ignored
+    seconds, source = rollout_lower_bound_s(tmp_path, "cyc", "hf_reference", cell, full)
+    assert seconds == 90.0 * full and "fastest of 3 repetitions" in source
+
+    args = ["cycle", "--params", str(SMOKE_CYCLE), "--backend", "hf_reference", "--algorithm", "pg_k1", "--cell", cell,
+            "--campaign", "cyc", "--output-dir", str(tmp_path), "--device", "cpu"]
+    assert main([*args, "--deadline-s", str(90.0 * full)]) == 0  # x1.15 + 20 s does not fit
+    out = capsys.readouterr().out
+    assert "cycle: skipped (deadline)" in out and f"lower bound: {full} rollouts x 90.0 s" in out
+    assert not (tmp_path / "cycles").exists(), "no raw file written"

@@ -68,6 +68,14 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
             if value:
                 unknown = set(str(value).split(",")) - known_cells
                 assert not unknown, f"{where}: unknown cells {sorted(unknown)}"
+        if getattr(args, "backend_option", None) and getattr(args, "backend", None):
+            # KEY=VALUE pairs as the command reads them, accepted by the backend itself (an unknown key,
+            # a reserved engine flag such as --host, a malformed list fails here, not on the GPU)
+            from rollout_lib.backends import create_backend
+            from rollout_lib.cli import _backend_options
+
+            create_backend(args.backend, load(REPO_ROOT / "params" / "rollout-runtime-v2.yaml"),
+                           **_backend_options(args.backend_option))
         if getattr(args, "rungs", None):  # a setting the comparison does not have fails before the lease
             from rollout_lib.checks.vllm_compare import chosen_rungs
 

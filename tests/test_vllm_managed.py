@@ -567,6 +567,32 @@ def test_diagnostic_reports_the_non_streamed_setting_beside_the_preregistered_on
     assert "managed_non_streamed" in report
 
 
+@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--host=0.0.0.0"], ["--port", "80"],
+                                  ["--trust-remote-code"], ["--model", "/elsewhere"]])
+def test_extra_server_args_cannot_take_over_what_the_backend_owns(smoke_study, args):
+    """A flag passed after the backend's own wins in vLLM's argparse: `--host 0.0.0.0` would bind every
+    interface. The backend's own flags are refused, each named."""
+    with pytest.raises(ValueError, match=rf"vllm: extra_server_args '{args[0]}' is not allowed: the backend sets"):
+        create_backend("vllm", smoke_study, extra_server_args=args)
+
+
+@pytest.mark.parametrize("value", ["--max-num-seqs 256", [256], {"--max-num-seqs": "256"}])
+def test_extra_server_args_must_be_a_list_of_strings(smoke_study, value):
+    with pytest.raises(ValueError, match=r"vllm: extra_server_args .* is not allowed; allowed: a list of strings"):
+        create_backend("vllm", smoke_study, extra_server_args=value)
+
+
+def test_extra_server_args_reach_the_command_and_the_environment(smoke_study, tmp_path):
+    """A run with extra engine flags (the scheduler-sizing diagnostic) says so in its raw file."""
+    extra = ["--max-num-seqs", "256", "--max-num-batched-tokens", "2048"]
+    backend = create_backend("vllm", smoke_study, extra_server_args=extra, cache_dir=str(tmp_path / "cache"))
+    argv = backend._command(str(tmp_path))(4321)
+    assert argv[argv.index("--max-num-seqs"):][:4] == extra
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[-2:] == ["--port", "4321"]
+    assert backend.environment()["extra_server_args"] == extra
+    assert create_backend("vllm", smoke_study).environment()["extra_server_args"] == []
+
+
 @pytest.mark.parametrize("value", [{"triton_f32_default": "ieee"}, {"TRITON_F32_DEFAULT": 1}, ["X=1"]])
 def test_a_bad_server_env_is_refused(smoke_study, value):
     with pytest.raises(ValueError, match=r"vllm: server_env entry .* is not allowed; allowed: a mapping of upper"):

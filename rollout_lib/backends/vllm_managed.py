@@ -63,6 +63,9 @@ DEFAULT_KV_CACHE_FRACTION = 0.25  # of the emulated card's budget (recorded as k
 _NOT_EXPOSED = "the engine's /metrics could not be read for this batch"
 REFRESH_PATHS = ("adapter", "merged")
 SERVING_DTYPES = ("bfloat16", "float32")
+# server flags the backend owns: the bind address and port (127.0.0.1 only, a free port it proves closed
+# at teardown), the model it built, and remote code (never run)
+RESERVED_SERVER_FLAGS = ("--host", "--port", "--uds", "--model", "--served-model-name", "--trust-remote-code")
 
 
 class EngineRequestError(RuntimeError):
@@ -308,6 +311,14 @@ class VLLMManagedBackend(Backend):
             raise ValueError(f"vllm: server_env entry {bad[0]!r} is not allowed; allowed: a mapping of upper-case "
                              "environment variable names to string values")
         self.server_env = dict(server_env)
+        extra = options.get("extra_server_args") or []
+        if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+            raise ValueError(f"vllm: extra_server_args {extra!r} is not allowed; allowed: a list of strings "
+                             "(server flags and their values)")
+        reserved = [a for a in extra if a.split("=", 1)[0] in RESERVED_SERVER_FLAGS]
+        if reserved:
+            raise ValueError(f"vllm: extra_server_args {reserved[0]!r} is not allowed: the backend sets "
+                             f"{', '.join(RESERVED_SERVER_FLAGS)} itself (bound to 127.0.0.1, no remote code)")
         streaming = options.get("streaming")
         streaming = True if streaming is None else streaming
         if not isinstance(streaming, bool):
@@ -687,7 +698,7 @@ class VLLMManagedBackend(Backend):
                                 else "on (no --enforce-eager)"),
                 "server_python": self.server_python, "refresh": self.refresh, "dtype": self.serving_dtype,
                 "sleep_mode": self.sleep_mode, "stream_interval": self.stream_interval,
-                "server_env": dict(self.server_env),
+                "server_env": dict(self.server_env), "extra_server_args": self.extra_server_args,
                 "streaming": self.streaming,
                 "lora_refresh": ("runtime load_lora_adapter (peft files)" if self.refresh == "adapter" else
                                  "merged W + s*B@A reloaded in place (collective_rpc reload_weights), "

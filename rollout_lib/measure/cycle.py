@@ -179,6 +179,16 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
     mode = f"-{vllm_memory_mode}" if vllm_memory_mode else ""
     path = seal_folder / backend_name / f"{algorithm}-{cell_id}{mode}-{stamp}.jsonl"
     digests = {"actor": rollout.actor.payload_digest, "teacher": rollout.teacher.payload_digest}
+    options = {"cache_dir": cache_dir} if cache_dir and backend_name != "vllm" else {}
+    if device and backend_name != "vllm":
+        options["device"] = device
+    if vllm_memory_mode == "sleep":
+        options["sleep_mode"] = True
+    elif vllm_memory_mode == "small_kv":
+        options["kv_cache_fraction_of_budget"] = study.memory.vllm_small_kv_fraction_of_budget
+    # constructed (options checked, nothing started) before the raw file exists: a refused option
+    # leaves no file behind
+    backend = create_backend(backend_name, rollout, **(options | (backend_options or {})))
     writer = RawWriter(path, seal_folder=seal_folder)
     header = {"record": "header", "kind": "rl_cycle", "campaign": campaign, "backend": backend_name,
               "algorithm": algorithm, "cell_id": cell_id, "cycles": count, "run_id": stamp,
@@ -188,19 +198,13 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
               "budget_bytes": study.memory.budget_bytes, "gate_peak_total_bytes": study.memory.gate_peak_total_bytes,
               "algorithm_spec": _spec_json(getattr(study.algorithms, algorithm)),
               "optimizer": _spec_json(study.optimizer), "training_memory": training_memory_strategy(),
+              # options beyond the study's setting (e.g. engine flags of a diagnostic run): the report shows them
+              "backend_options": dict(backend_options or {}),
               "environment": environment_identity(model_digests=digests, preregistration_sha256=rollout.sha256)}
     writer.open(header)
-    backend, failure = None, None
+    failure = None
     progress: dict[str, Any] = {"cycle": None, "phase": "cold_start"}
     try:
-        options = {"cache_dir": cache_dir} if cache_dir and backend_name != "vllm" else {}
-        if device and backend_name != "vllm":
-            options["device"] = device
-        if vllm_memory_mode == "sleep":
-            options["sleep_mode"] = True
-        elif vllm_memory_mode == "small_kv":
-            options["kv_cache_fraction_of_budget"] = study.memory.vllm_small_kv_fraction_of_budget
-        backend = create_backend(backend_name, rollout, **(options | (backend_options or {})))
         cold = {"backend": backend.cold_start().to_json()}
         torch_device = backend.device  # the teacher and the trainer live where the backend serves
         started = time.perf_counter()
@@ -308,6 +312,33 @@ def estimated_run_s(output_dir: Path, campaign: str, backend_name: str, algorith
             best[same] = (header["utc"], seconds, path.name)
     chosen = best.get(True) or best.get(False)
     return (chosen[1], chosen[2]) if chosen else None
+
+
+def rollout_lower_bound_s(output_dir: Path, campaign: str, backend_name: str, cell_id: str, cycles_required: int,
+                          gpu: dict[str, Any] | None = None) -> tuple[float, str] | None:
+    """(seconds, source): a lower bound for a cycle run with no earlier run of its kind: `cycles_required`
+    rollouts, each as short as the fastest repetition (warmups included) of this backend's cell in the
+    rollout campaign of the same name on the same GPU model; None without one. Each cycle rolls out once,
+    so the run takes at least this (scoring, the update and the cold start come on top).
+
+    The oracle's cycle is the case it is for: its first run has no earlier run to go by, and eight of its
+    rollouts alone outlast a 30-minute machine hold (p128-r256-n4-stochastic: 219 s each on the H200)."""
+    gpu = gpu_key({"gpu": gpu_identity()} if gpu is None else {"gpu": gpu})
+    walls: list[float] = []
+    for path in sorted((Path(output_dir) / "raw" / campaign / backend_name).glob("*.jsonl")):
+        try:
+            records, _ = read_raw(path)
+        except (OSError, ValueError):
+            continue  # a damaged or foreign file bounds nothing
+        if not records or records[0].get("record") != "header" or gpu_key(records[0].get("environment", {})) != gpu:
+            continue
+        walls += [float(r["wall_s"]) for r in records if r.get("record") == "repetition"
+                  and r.get("cell_id") == cell_id and isinstance(r.get("wall_s"), (int, float))]
+    if not walls:
+        return None
+    fastest = min(walls)
+    return (fastest * cycles_required, f"lower bound: {cycles_required} rollouts x {fastest:.1f} s, the fastest of "
+            f"{len(walls)} repetitions of {cell_id} in raw/{campaign}/{backend_name}")
 
 
 def _utc_seconds(stamp: str) -> float:

@@ -39,15 +39,19 @@ def _gate_text(gate: dict[str, Any]) -> str:
     return f"{gate['status'].upper()}: {reason}"
 
 
-def _header_facts(output_dir: Path | None, raw_file: str) -> dict[str, str]:
-    """From a run's raw header: the commit that measured it and how its trainer bounded memory
-    (runs of one table may differ in both; lease 11's runs kept every activation)."""
+def _raw_facts(output_dir: Path | None, raw_file: str) -> dict[str, str]:
+    """From a run's raw file: the commit that measured it, how its trainer bounded memory (runs of one
+    table may differ in both; lease 11's runs kept every activation), the engine options it was given
+    beyond the preregistered setting (key `backend options`, only where a header records some), and the
+    GPU memory of the trainer and of the engine at the rollout's end, the largest over its cycles (what
+    the process-tree peak is made of: the vLLM engine is the server's process tree)."""
     if output_dir is None:
         return {"source commit": "—", "trainer memory": "—"}
     try:
         with (Path(output_dir) / raw_file).open() as handle:
-            header = json.loads(handle.readline())
-    except (OSError, ValueError):
+            records = [json.loads(line) for line in handle if line.strip()]
+        header = records[0]
+    except (OSError, ValueError, IndexError):
         return {"source commit": "unreadable", "trainer memory": "unreadable"}
     source = (header.get("environment") or {}).get("source") or {}
     commit = source.get("source_commit")
@@ -58,8 +62,29 @@ def _header_facts(output_dir: Path | None, raw_file: str) -> dict[str, str]:
         parts = (["checkpointed layers"] if strategy.get("gradient_checkpointing") else []) + [
             f"head chunks of {strategy.get('logprob_chunk_tokens')}"]
         trainer = ", ".join(parts)
-    return {"source commit": (commit[:7] + ("+dirty" if source.get("source_dirty") else "")) if commit
-            else source.get("status", "—"), "trainer memory": trainer}
+    facts = {"source commit": (commit[:7] + ("+dirty" if source.get("source_dirty") else "")) if commit
+             else source.get("status", "—"), "trainer memory": trainer,
+             "trainer / engine GiB at rollout end": _process_split(records)}
+    if header.get("backend_options"):
+        facts["backend options"] = json.dumps(header["backend_options"], sort_keys=True)
+    return facts
+
+
+def _process_split(records: list[dict[str, Any]]) -> str:
+    """`trainer / engine` GiB at the rollout's end (max over cycles); `—` where no cycle lists its
+    processes (files before lease 12); the engine is `not_applicable` for an in-process backend."""
+    trainer, engine = [], []
+    for record in records:
+        snapshot = ((record.get("memory_by_process") or {}).get("rollout_end") or {}) \
+            if record.get("record") == "cycle" else {}
+        if snapshot.get("status") != "measured":
+            continue
+        processes = snapshot.get("processes", [])
+        trainer.append(sum(p["used_bytes"] for p in processes if p.get("role") == "this process"))
+        engine.append(sum(p["used_bytes"] for p in processes if p.get("role") != "this process"))
+    if not trainer:
+        return "—"
+    return f"{_gib(max(trainer))} / {_gib(max(engine)) if any(engine) else 'not_applicable'}"
 
 
 def runs_not_counted(aggregate: dict[str, Any]):
@@ -74,8 +99,8 @@ def runs_not_counted(aggregate: dict[str, Any]):
 
 def cycle_table(aggregate: dict[str, Any], output_dir: Path | None = None):
     """One row per run, every value formatted for a reader (units in the headers, no bare values);
-    with `output_dir`, the commit that measured each run and its trainer's memory strategy (from its
-    raw header)."""
+    with `output_dir`, facts from each run's raw file (`_raw_facts`: its commit, its trainer's memory
+    strategy, engine options if any, trainer and engine memory at the rollout's end)."""
     import pandas as pd
 
     from rollout_lib.report.summary import text
@@ -105,7 +130,10 @@ def cycle_table(aggregate: dict[str, Any], output_dir: Path | None = None):
                      "engine sleep / wake s": (f"{sleep['sleep_median_s']:.3f} / {sleep['wake_median_s']:.3f}"
                                                if sleep["status"] == "measured" else sleep["status"]),
                      "freed by sleep GiB": _gib(sleep.get("freed_median_bytes")),
-                     **_header_facts(output_dir, row["raw_file"])})
+                     **_raw_facts(output_dir, row["raw_file"])})
+    if any("backend options" in r for r in rows):  # one column for all runs once any run had options
+        for r in rows:
+            r.setdefault("backend options", "none")
     return pd.DataFrame(rows)
 
 
