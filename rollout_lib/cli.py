@@ -481,9 +481,11 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         raise CommandError(f"deadline-s: {args.deadline_s} is not allowed; a positive number of seconds")
     cells = [c.strip() for c in args.cells.split(",") if c.strip()] or None
     if args.campaign_command == "plan":
-        gpus = args.gpus or max(1, len(driver.visible_gpus()))
+        visible = driver.visible_gpus()
+        gpus = args.gpus or max(1, len(visible))
+        identity = driver.own_identity(study, args.backend, str(visible[0]) if visible else None)
         the_plan, calibration = driver.make_plan(study, args.campaign, args.backend, output_dir, gpus,
-                                                 args.deadline_s, cells)
+                                                 args.deadline_s, cells, identity)
         print(driver.format_plan(the_plan, calibration))
         return 0
     if args.detach:

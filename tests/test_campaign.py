@@ -197,6 +197,58 @@ def test_a_segment_from_other_measurement_code_is_not_continued(three_reps, tmp_
     assert "continues" not in start
 
 
+def test_the_plan_continues_under_this_machines_identity_and_names_stranded_segments(three_reps, tmp_path, clock):
+    """Lease 10's oracle ran with vLLM staged (`packages.vllm` 0.26.0 in the identity), the earlier leases
+    without: a cut cell's repetitions wait under one identity and a worker with the other measures the
+    cell afresh. The plan costs a cell's continuation only under this machine's identity (the probe's)
+    and names every cell whose repetitions wait under another, with what differs."""
+    from rollout_lib.campaign import driver
+    from rollout_lib.measure.identity import identity_sha256
+
+    study, params = three_reps
+    out = tmp_path / "out"
+    _, first = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
+                        estimates_s={CELL: 0.25})  # 2 of 3 measured repetitions, suspended
+    lines = first.path.read_text().splitlines()
+    header = json.loads(lines[0])
+    mine = {"sha256": header["measurement_identity_sha256"], "key": header["measurement_identity"],
+            "source": "this machine's (identity probe)"}
+    staged = json.loads(json.dumps(header["measurement_identity"]))
+    staged["packages"]["vllm"] = "0.26.0"
+    other = {"sha256": identity_sha256(staged), "key": staged, "source": "this machine's (identity probe)"}
+
+    the_plan, info = driver.make_plan(study, "seg", "hf_cached", out, 1, 600, [CELL], identity=mine)
+    assert the_plan.costs[CELL].repetitions_left == 2 and info["stranded"] == []  # warmup + the third
+    the_plan, info = driver.make_plan(study, "seg", "hf_cached", out, 1, 600, [CELL], identity=other)
+    assert the_plan.costs[CELL].repetitions_left == 4, "another identity cannot continue: warmup + 3"
+    (entry,) = info["stranded"]
+    assert entry["cell_id"] == CELL and entry["measured_repetitions"] == 2
+    assert entry["differs"] == [f"packages.vllm: {header['measurement_identity']['packages']['vllm']} -> 0.26.0"]
+    text = driver.format_plan(the_plan, info)
+    assert f"continuations: measurement identity {other['sha256'][:10]}, this machine's" in text
+    assert "WARNING: measured repetitions wait under another measurement identity" in text and CELL in text
+    # no probe (or a failed one): the newest raw file's identity stands in, and the plan says so
+    _, info = driver.make_plan(study, "seg", "hf_cached", out, 1, 600, [CELL],
+                               identity={"sha256": None, "source": "identity probe exited 1: boom"})
+    assert info["identity"] == {"sha256": mine["sha256"],
+                                "source": "the newest raw file's (identity probe exited 1: boom)"}
+
+
+def test_the_identity_probe_is_the_runners_identity(tmp_path):
+    """`rollout_lib.campaign.identity_probe` computes what a measuring process writes in its header (a real
+    backend on CPU), in a subprocess as the driver runs it."""
+    from rollout_lib.campaign import driver
+
+    spec, study, workload = validate_parameters(backend="hf_reference", params=str(SMOKE), campaign="probe",
+                                                cells=["p16-r8-n1-greedy"], output_dir=str(tmp_path), run_id="a",
+                                                device="cpu")
+    list(run(spec, study, workload))
+    header = read_raw(spec.path)[0][0]
+    probed = driver.own_identity(study, "hf_reference")
+    assert probed["sha256"] == header["measurement_identity_sha256"] and probed["key"] == header["measurement_identity"]
+    assert driver.own_identity(study, "no_such_backend")["sha256"] is None
+
+
 def test_the_code_digest_covers_the_backends_imports_not_the_report():
     oracle = measurement_code(("rollout_lib.measure.runner", "rollout_lib.backends.hf_reference"))
     files = set(oracle["files"])

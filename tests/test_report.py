@@ -341,3 +341,13 @@ def test_lora_tax_table_shows_the_non_streamed_setting_when_measured(tmp_path):
     assert tables["new.json"].loc[0, "non-streamed / in-process"] == "0.990"
     assert tables["new.json"].loc[0, "managed, non-streamed tok/s"] == "990.0"
     assert "non-streamed / in-process" not in tables["old.json"].columns
+
+
+def test_a_wrapped_caveat_reaches_the_report_whole():
+    """A notes bullet wrapped over indented lines (as markdown writes a long list item) is one caveat,
+    not its first line: lease 12's cycle caveats were cut at their first line break."""
+    from rollout_lib.report.figures import notes_caveats
+
+    notes = ("# Notes\n- not a caveat\n\n## Caveats\n- one line.\n- wrapped over\n  two lines,\n\tand a tab.\n"
+             "plain text ends it\n  - an indented line after it is not joined\n- last\n\n## Next\n- elsewhere\n")
+    assert notes_caveats(notes) == ["one line.", "wrapped over two lines, and a tab.", "last"]

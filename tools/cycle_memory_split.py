@@ -19,16 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollout_lib.report.cycle import memory_split
+
 GIB = 2**30
-
-
-def _split(record: dict[str, Any], when: str) -> tuple[int, int] | None:
-    snapshot = (record.get("memory_by_process") or {}).get(when) or {}
-    if snapshot.get("status") != "measured":
-        return None
-    processes = snapshot.get("processes", [])
-    trainer = sum(p["used_bytes"] for p in processes if p.get("role") == "this process")
-    return trainer, sum(p["used_bytes"] for p in processes if p.get("role") != "this process")
 
 
 def summarize(path: Path) -> dict[str, Any]:
@@ -42,7 +35,7 @@ def summarize(path: Path) -> dict[str, Any]:
                            "algorithm": header.get("algorithm"), "cycles": len(cycles),
                            "backend_options": header.get("backend_options", "not recorded")}
     for when in ("rollout_end", "actor_update_end"):
-        splits = [s for s in (_split(c, when) for c in cycles) if s is not None]
+        splits = [s for s in (memory_split(c, when) for c in cycles) if s is not None]
         out[f"trainer_{when}_gib"] = max(s[0] for s in splits) / GIB if splits else None
         out[f"engine_{when}_gib"] = max(s[1] for s in splits) / GIB if splits else None
     peaks = [m["nvml"]["peak_process_tree_bytes"] for c in cycles for m in c.get("memory", {}).values()

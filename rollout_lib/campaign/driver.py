@@ -131,24 +131,98 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
                    "calibration_gpu": gpu_name, "calibration_files": sorted(sources)}
 
 
+def own_identity(study: Preregistration, backend: str, gpu: str | None = None,
+                 timeout_s: float = 300) -> dict[str, Any]:
+    """{"sha256", "key", "source"}: the measurement identity a worker on this machine will have, from
+    `rollout_lib.campaign.identity_probe` in a subprocess (on `gpu` via CUDA_VISIBLE_DEVICES; it exits
+    before any worker starts, so this process never holds a CUDA context); sha256 None and why if it
+    fails."""
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
+    command = [sys.executable, "-m", "rollout_lib.campaign.identity_probe", "--params", study.source_path,
+               "--backend", backend]
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"sha256": None, "source": f"identity probe exited {done.returncode}: {tail}"}
+        found = json.loads(done.stdout)
+        return {"sha256": found["measurement_identity_sha256"], "key": found["measurement_identity"],
+                "source": "this machine's (identity probe)"}
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+        return {"sha256": None, "source": f"identity probe failed: {type(exc).__name__}: {exc}"}
+
+
 def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int,
-              deadline_s: float, cells: list[str] | None = None) -> tuple[Plan, dict[str, Any]]:
+              deadline_s: float, cells: list[str] | None = None,
+              identity: dict[str, Any] | None = None) -> tuple[Plan, dict[str, Any]]:
+    """The schedule of the cells still to measure. A cell cut off earlier costs only its remaining
+    repetitions (plus a warmup) when its segments share the measurement identity a worker here will have:
+    `identity` (`own_identity`: sha256, key and where it came from); without one the newest raw
+    file's stands in for it (the worker decides exactly at run time)."""
     todo = cells if cells is not None else campaign_cells(study, campaign, output_dir)[backend]["to_measure"]
     backend_dir = Path(output_dir) / "raw" / campaign / backend
     files = [records for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
     costs, calibration = estimate_costs(study, backend, todo, files)
-    # a cell cut off earlier costs only its remaining repetitions (plus a warmup); the identity is the
-    # latest file's (the driver cannot compute its own without CUDA; the worker decides exactly)
     headers = [records[0] for records in files]
-    identity = headers[-1].get("measurement_identity_sha256") if headers else None
-    if identity:
-        partial = find_continuations(backend_dir, identity, todo)
+    if identity is None or not identity.get("sha256"):
+        newest = headers[-1] if headers else {}
+        identity = {"sha256": newest.get("measurement_identity_sha256"),
+                    "key": newest.get("measurement_identity") or {},
+                    "source": "the newest raw file's" + (f" ({identity['source']})" if identity else "")}
+    calibration["identity"] = {"sha256": identity["sha256"], "source": identity["source"]}
+    calibration["stranded"] = []
+    if identity["sha256"]:
+        partial = find_continuations(backend_dir, identity["sha256"], todo)
         warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
         costs = [CellCost(c.cell_id, c.repetition_s, warmups + measured - len(partial[c.cell_id].done))
                  if c.cell_id in partial else c for c in costs]
+        calibration["stranded"] = segments_under_other_identities(backend_dir, identity, headers, todo)
     cold = COLD_START_S.get(backend, DEFAULT_COLD_START_S)
     return plan(costs, gpus=gpus, budget_s=deadline_s, cold_start_s=cold,
                 warmups=study.protocol.warmup_repetitions), calibration
+
+
+def segments_under_other_identities(backend_dir: Path, identity: dict[str, Any], headers: list[dict[str, Any]],
+                                    todo: list[str]) -> list[dict[str, Any]]:
+    """Measured repetitions of to-do cells that wait under a measurement identity other than `identity`
+    (`{"sha256", "key"}`: the one the plan takes for this machine's), with what differs: a worker with
+    `identity` cannot continue them and measures those cells afresh. Lease 10's oracle ran with vLLM
+    staged (`packages.vllm` 0.26.0, earlier leases: absent), which stranded three cut cells' repetitions."""
+    identities: dict[str, dict[str, Any]] = {}
+    for header in headers:  # oldest first: the newest header of each identity wins
+        if header.get("measurement_identity_sha256"):
+            identities[header["measurement_identity_sha256"]] = header.get("measurement_identity") or {}
+    mine = identity.get("key") or {}
+    out = []
+    for other, theirs in sorted(identities.items()):
+        if other == identity["sha256"]:
+            continue
+        for cell_id, continuation in sorted(find_continuations(backend_dir, other, todo).items()):
+            if continuation.done:
+                out.append({"cell_id": cell_id, "measured_repetitions": len(continuation.done),
+                            "identity_sha256": other, "differs": identity_differences(theirs, mine)})
+    return out
+
+
+def identity_differences(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """`key: theirs -> mine` for each leaf of two measurement identities that differs (`absent` where one
+    lacks it)."""
+    def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(value, dict):
+            return {prefix: value}
+        return {k: v for key, sub in value.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
+
+    a = {k.rstrip("."): v for k, v in leaves(theirs).items()}
+    b = {k.rstrip("."): v for k, v in leaves(mine).items()}
+    return [f"{key}: {a.get(key, 'absent')} -> {b.get(key, 'absent')}" for key in sorted(set(a) | set(b))
+            if a.get(key, "absent") != b.get(key, "absent")]
+
+
+def _short(differences: list[str], most: int = 3) -> str:
+    if not differences:
+        return "no field differs"
+    more = len(differences) - most
+    return "; ".join(differences[:most]) + (f"; and {more} more" if more > 0 else "")
 
 
 def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
@@ -165,6 +239,16 @@ def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
                          f"{cost.total_s:8.1f} s{note}")
     if the_plan.unscheduled:
         lines.append(f"not this lease ({len(the_plan.unscheduled)}): {', '.join(the_plan.unscheduled)}")
+    chosen = calibration.get("identity") or {}
+    if chosen.get("sha256"):
+        lines.append(f"continuations: measurement identity {chosen['sha256'][:10]}, {chosen['source']}")
+    stranded = calibration.get("stranded") or []
+    if stranded:
+        lines.append("WARNING: measured repetitions wait under another measurement identity; a worker with the "
+                     "one above cannot continue them and measures these cells afresh:")
+        for entry in stranded:
+            lines.append(f"  {entry['cell_id']:28s} {entry['measured_repetitions']} measured rep(s) under "
+                         f"{entry['identity_sha256'][:10]}: {_short(entry['differs'])}")
     return "\n".join(lines)
 
 
@@ -190,7 +274,8 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
         raise ValueError(f"gpus: {count} requested, {len(visible)} visible ({visible})")
     started = time.time()
     deadline_unix = started + deadline_s
-    the_plan, calibration = make_plan(study, campaign, backend, output_dir, count, deadline_s, cells)
+    identity = own_identity(study, backend, str(visible[0]) if visible else None)
+    the_plan, calibration = make_plan(study, campaign, backend, output_dir, count, deadline_s, cells, identity)
     print(format_plan(the_plan, calibration), flush=True)
     folder = campaign_dir(output_dir, campaign)
     (folder / "logs").mkdir(parents=True, exist_ok=True)

@@ -70,21 +70,26 @@ def _raw_facts(output_dir: Path | None, raw_file: str) -> dict[str, str]:
     return facts
 
 
+def memory_split(cycle: dict[str, Any], when: str) -> tuple[int, int] | None:
+    """(trainer, engine) GPU bytes of one cycle record's `memory_by_process` snapshot `when`
+    (`rollout_end` or `actor_update_end`): this process, and every other process of the tree (vLLM's API
+    server and engine core); None where the snapshot was not measured (CPU runs, files before lease 12)."""
+    snapshot = (cycle.get("memory_by_process") or {}).get(when) or {}
+    if snapshot.get("status") != "measured":
+        return None
+    processes = snapshot.get("processes", [])
+    return (sum(p["used_bytes"] for p in processes if p.get("role") == "this process"),
+            sum(p["used_bytes"] for p in processes if p.get("role") != "this process"))
+
+
 def _process_split(records: list[dict[str, Any]]) -> str:
     """`trainer / engine` GiB at the rollout's end (max over cycles); `—` where no cycle lists its
     processes (files before lease 12); the engine is `not_applicable` for an in-process backend."""
-    trainer, engine = [], []
-    for record in records:
-        snapshot = ((record.get("memory_by_process") or {}).get("rollout_end") or {}) \
-            if record.get("record") == "cycle" else {}
-        if snapshot.get("status") != "measured":
-            continue
-        processes = snapshot.get("processes", [])
-        trainer.append(sum(p["used_bytes"] for p in processes if p.get("role") == "this process"))
-        engine.append(sum(p["used_bytes"] for p in processes if p.get("role") != "this process"))
-    if not trainer:
+    splits = [s for s in (memory_split(r, "rollout_end") for r in records if r.get("record") == "cycle") if s]
+    if not splits:
         return "—"
-    return f"{_gib(max(trainer))} / {_gib(max(engine)) if any(engine) else 'not_applicable'}"
+    engine = max(s[1] for s in splits)
+    return f"{_gib(max(s[0] for s in splits))} / {_gib(engine) if engine else 'not_applicable'}"
 
 
 def runs_not_counted(aggregate: dict[str, Any]):

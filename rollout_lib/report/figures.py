@@ -121,6 +121,22 @@ def caveats(aggregate: dict[str, Any], study, notes: str | None) -> list[str]:
     if missing:
         out.append(f"{missing} backend-cells still missing: gates that need them read INCOMPLETE.")
     if notes and "## Caveats" in notes:
-        section = notes.split("## Caveats", 1)[1].split("\n## ", 1)[0]
-        out += [line[2:].strip() for line in section.splitlines() if line.startswith("- ")]
+        out += notes_caveats(notes)
     return out
+
+
+def notes_caveats(notes: str) -> list[str]:
+    """The `- ` items of the notes' `## Caveats` section, each whole: an item's wrapped lines (indented,
+    as markdown continues a list item) are joined to it; any other line ends it."""
+    section = notes.split("## Caveats", 1)[1].split("\n## ", 1)[0]
+    items: list[str] = []
+    open_item = False
+    for line in section.splitlines():
+        if line.startswith("- "):
+            items.append(line[2:].strip())
+            open_item = True
+        elif open_item and line[:1] in (" ", "\t") and line.strip():
+            items[-1] += " " + line.strip()
+        elif line.strip():
+            open_item = False
+    return items
