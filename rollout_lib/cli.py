@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -479,11 +480,15 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         raise CommandError(f"backend: {args.backend!r} is not allowed; allowed: hf_reference, hf_cached, vllm")
     if args.deadline_s <= 0:
         raise CommandError(f"deadline-s: {args.deadline_s} is not allowed; a positive number of seconds")
-    cells = [c.strip() for c in args.cells.split(",") if c.strip()] or None
+    cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
+    if args.expect_identity is not None and not re.fullmatch(r"[0-9a-f]{8,64}", args.expect_identity):
+        raise CommandError(f"expect-identity: {args.expect_identity!r} is not allowed; a lower-case hex prefix "
+                           "of a measurement identity's SHA-256, 8 to 64 digits (e.g. 9988ac85)")
     if args.campaign_command == "plan":
         visible = driver.visible_gpus()
         gpus = args.gpus or max(1, len(visible))
         identity = driver.own_identity(study, args.backend, str(visible[0]) if visible else None)
+        driver.require_identity(identity, args.expect_identity)
         the_plan, calibration = driver.make_plan(study, args.campaign, args.backend, output_dir, gpus,
                                                  args.deadline_s, cells, identity)
         print(driver.format_plan(the_plan, calibration))
@@ -493,12 +498,34 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         argv = ["campaign", "run", "--campaign", args.campaign, "--backend", args.backend, "--params", args.params,
                 "--output-dir", str(output_dir), "--deadline-s", repr(args.deadline_s)]
         argv += (["--gpus", str(args.gpus)] if args.gpus else []) + (["--cells", args.cells] if args.cells else [])
+        argv += ["--exclude-cells", args.exclude_cells] if args.exclude_cells else []
+        argv += ["--expect-identity", args.expect_identity] if args.expect_identity else []
         pid = driver.detach(argv, log)
         print(f"campaign driver started detached: pid {pid}; log {log}; "
               f"poll with: rollout campaign status --campaign {args.campaign}")
         return 0
     return driver.run_campaign(study, args.campaign, args.backend, output_dir, gpus=args.gpus,
-                               deadline_s=args.deadline_s, cells=cells)
+                               deadline_s=args.deadline_s, cells=cells, expect_identity=args.expect_identity)
+
+
+def _campaign_cells_option(study, campaign: str, backend: str, output_dir: Path, cells_text: str,
+                           exclude_text: str) -> list[str] | None:
+    """`--cells` (default: every cell still to measure) less `--exclude-cells`; None: the driver's default.
+    An unknown cell id in either is refused with the allowed ones."""
+    from rollout_lib.evidence.publish import campaign_cells
+    from rollout_lib.study.workload import Workload
+
+    known = Workload(study).cell_ids()
+    chosen = [c.strip() for c in cells_text.split(",") if c.strip()]
+    excluded = [c.strip() for c in exclude_text.split(",") if c.strip()]
+    for option, ids in (("cells", chosen), ("exclude-cells", excluded)):
+        unknown = [c for c in ids if c not in known]
+        if unknown:
+            raise CommandError(f"{option}: {', '.join(unknown)} not in the workload; allowed: {', '.join(known)}")
+    if not excluded:
+        return chosen or None
+    base = chosen or campaign_cells(study, campaign, output_dir).get(backend, {}).get("to_measure", [])
+    return [c for c in base if c not in set(excluded)]
 
 
 def cmd_source_stamp(args: argparse.Namespace) -> int:
@@ -636,6 +663,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--deadline-s", type=float, default=1500.0,
                            help="seconds from now after which no repetition may end (default 1500)")
             p.add_argument("--cells", default="", help="restrict to these cell ids (default: all to measure)")
+            p.add_argument("--exclude-cells", default="",
+                           help="leave these cell ids out (e.g. cells another job continues under another "
+                                "measurement identity)")
+            p.add_argument("--expect-identity", default=None, metavar="SHA256_PREFIX",
+                           help="refuse to plan or measure unless this machine's measurement identity starts "
+                                "with this hex prefix (at least 8 digits): a job meant to continue cut cells "
+                                "under a known identity must not start them afresh under another one")
         if action == "run":
             p.add_argument("--detach", action="store_true", help="run in its own process session and return")
         p.set_defaults(func=cmd_campaign)
@@ -714,6 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from rollout_lib.backends.base import UnknownBackendError
+    from rollout_lib.campaign.driver import IdentityMismatch
     from rollout_lib.core import CanonicalJSONError
     from rollout_lib.measure.campaign_files import CampaignGPUMismatch
     from rollout_lib.measure.rawfile import RawFileError, RawSealed, SealError, WriterBusy
@@ -726,7 +761,7 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     return (CommandError, StrictLoadError, ParameterError, UnknownBackendError, UnknownCellError,
             UnknownArchitectureError, DigestMismatchError, CanonicalJSONError, FileNotFoundError, FileExistsError,
             IsADirectoryError, UnicodeDecodeError, RawFileError, RawSealed, SealError, WriterBusy,
-            CampaignGPUMismatch)
+            CampaignGPUMismatch, IdentityMismatch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -249,6 +249,58 @@ def test_the_identity_probe_is_the_runners_identity(tmp_path):
     assert driver.own_identity(study, "no_such_backend")["sha256"] is None
 
 
+def test_a_job_told_which_identity_to_continue_under_refuses_another(tmp_path, capsys):
+    """`campaign plan|run --expect-identity PREFIX`: the oracle's cut cells of lease 10 wait under the identity
+    with vLLM staged; a job meant to continue them must stop before anything starts on a machine whose identity
+    differs (it would measure them afresh and split them again), and says both identities."""
+    from rollout_lib.campaign import driver
+    from rollout_lib.cli import main
+    from rollout_lib.study.prereg import load
+
+    study = load(SMOKE)
+    mine = driver.own_identity(study, "hf_reference")["sha256"]
+    assert mine
+    other = ("0" if mine[0] != "0" else "1") + mine[1:10]
+    out = tmp_path / "out"
+    common = ["--params", str(SMOKE), "--campaign", "expect", "--backend", "hf_reference", "--output-dir", str(out),
+              "--deadline-s", "60"]
+    assert main(["campaign", "run", *common, "--expect-identity", other]) == 2
+    err = capsys.readouterr().err
+    assert f"expect-identity: {other} required, this machine's measurement identity is {mine[:10]}" in err
+    assert "nothing was started" in err and not out.exists(), "a refused job writes nothing"
+    assert main(["campaign", "plan", *common, "--expect-identity", "9988AC85"]) == 2
+    assert "a lower-case hex prefix" in capsys.readouterr().err
+    assert main(["campaign", "plan", *common, "--expect-identity", mine[:8]]) == 0
+    assert f"continuations: measurement identity {mine[:10]}" in capsys.readouterr().out
+    with pytest.raises(driver.IdentityMismatch, match="identity is unknown"):
+        driver.require_identity({"sha256": None, "source": "identity probe exited 1: boom"}, mine[:8])
+    driver.require_identity({"sha256": None}, None)  # no prefix: no requirement
+
+
+def test_a_job_can_leave_out_the_cells_another_job_continues(tmp_path, capsys):
+    """`--exclude-cells`: the oracle's filler job must not start afresh (under its identity) the cells another
+    job of the same lease continues under another one; an unknown id in `--cells` or `--exclude-cells` is
+    refused with the allowed ones."""
+    from rollout_lib.cli import main
+    from rollout_lib.study.prereg import load
+    from rollout_lib.study.workload import Workload
+
+    cells = Workload(load(SMOKE)).cell_ids()
+    left_out = cells[:2]
+    common = ["--params", str(SMOKE), "--campaign", "exclude", "--backend", "hf_reference", "--output-dir",
+              str(tmp_path / "out"), "--deadline-s", "100000"]
+    assert main(["campaign", "plan", *common, "--exclude-cells", ",".join(left_out)]) == 0
+    planned = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert planned == set(cells) - set(left_out)
+    assert main(["campaign", "plan", *common, "--cells", ",".join(cells[:3]), "--exclude-cells", cells[0]]) == 0
+    planned = {line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert planned == set(cells[1:3])
+    for option in ("--cells", "--exclude-cells"):
+        assert main(["campaign", "run", *common, option, "p1-r1-n1-greedy"]) == 2
+        err = capsys.readouterr().err
+        assert f"{option[2:]}: p1-r1-n1-greedy not in the workload; allowed: {cells[0]}" in err
+
+
 def test_the_code_digest_covers_the_backends_imports_not_the_report():
     oracle = measurement_code(("rollout_lib.measure.runner", "rollout_lib.backends.hf_reference"))
     files = set(oracle["files"])

@@ -63,7 +63,7 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
     words = [w for w in words if not re.fullmatch(r"[A-Z_]+=.*", w)]
     if words[:3] == ["python3", "-m", "rollout_lib.cli"]:
         args = parser.parse_args(words[3:])  # SystemExit (a failed test) on an unknown option
-        for attribute in ("cells", "cell"):
+        for attribute in ("cells", "cell", "exclude_cells"):
             value = getattr(args, attribute, None)
             if value:
                 unknown = set(str(value).split(",")) - known_cells

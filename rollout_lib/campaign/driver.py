@@ -152,6 +152,26 @@ def own_identity(study: Preregistration, backend: str, gpu: str | None = None,
         return {"sha256": None, "source": f"identity probe failed: {type(exc).__name__}: {exc}"}
 
 
+class IdentityMismatch(ValueError):
+    """This machine's measurement identity is not the one a campaign job was told to continue under."""
+
+
+def require_identity(identity: dict[str, Any], expected_prefix: str | None) -> None:
+    """Refuse (`IdentityMismatch`, nothing started) unless `identity` (`own_identity`'s) has a SHA-256 that
+    starts with `expected_prefix`; no-op without a prefix. A job meant to continue cut cells under a known
+    identity (the oracle's repetitions of lease 10 wait under the one with vLLM staged) would otherwise
+    measure them afresh under another one and split them a second time."""
+    if expected_prefix is None:
+        return
+    found = identity.get("sha256")
+    if not found:
+        raise IdentityMismatch(f"expect-identity: {expected_prefix} required, but this machine's measurement "
+                               f"identity is unknown ({identity.get('source')}); nothing was started")
+    if not found.startswith(expected_prefix):
+        raise IdentityMismatch(f"expect-identity: {expected_prefix} required, this machine's measurement identity "
+                               f"is {found[:10]} ({identity.get('source')}); nothing was started")
+
+
 def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int,
               deadline_s: float, cells: list[str] | None = None,
               identity: dict[str, Any] | None = None) -> tuple[Plan, dict[str, Any]]:
@@ -265,8 +285,12 @@ def _worker_command(study_path: str, campaign: str, backend: str, output_dir: Pa
 
 
 def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir: Path, *, gpus: int | None,
-                 deadline_s: float, cells: list[str] | None = None, progress: bool = True) -> int:
-    """Plan, start one worker per GPU, wait for them; returns 0 when every worker exited 0."""
+                 deadline_s: float, cells: list[str] | None = None, progress: bool = True,
+                 expect_identity: str | None = None) -> int:
+    """Plan, start one worker per GPU, wait for them; returns 0 when every worker exited 0.
+
+    `expect_identity` (a hex prefix): refuse before anything starts unless this machine's measurement
+    identity begins with it (`require_identity`)."""
     output_dir = Path(output_dir)
     visible = visible_gpus()
     count = gpus or max(1, len(visible))
@@ -275,6 +299,7 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
     started = time.time()
     deadline_unix = started + deadline_s
     identity = own_identity(study, backend, str(visible[0]) if visible else None)
+    require_identity(identity, expect_identity)
     the_plan, calibration = make_plan(study, campaign, backend, output_dir, count, deadline_s, cells, identity)
     print(format_plan(the_plan, calibration), flush=True)
     folder = campaign_dir(output_dir, campaign)
