@@ -192,6 +192,17 @@ def engine_flag_takeover(c: Ctx) -> None:
     assert not (c.out / "cycles").exists()
 
 
+def campaign_other_identity(c: Ctx) -> None:
+    """A campaign job told to continue cut cells under a known measurement identity (`--expect-identity`),
+    on a machine whose identity is another one: it would measure them afresh and split them again."""
+    before = c.snapshot()
+    out = cli("campaign", "run", "--params", str(c.params), "--campaign", "pub", "--backend", "hf_cached",
+              "--output-dir", str(c.out), "--deadline-s", "60", "--expect-identity", "00000000")
+    refused_one_line(out, 2, "expect-identity: 00000000 required, this machine's measurement identity is",
+                     "nothing was started")
+    assert c.snapshot() == before and not (c.out / "campaigns").exists()
+
+
 def params_is_directory(c: Ctx) -> None:
     with pytest.raises(ParameterError, match=r"params: .* is not a file"):
         validate_parameters(backend="hf_cached", params=str(c.tmp), campaign="pub", output_dir=str(c.out))
@@ -465,6 +476,9 @@ CASES = [
     Case("measure-bad-device", "measure: `--device gpu`", "refused: the allowed devices", bad_device),
     Case("engine-flag-takeover", "vLLM engine option `extra_server_args=[\"--host\", \"0.0.0.0\"]`",
          "refused: the backend's own flags named (127.0.0.1 only, no remote code); no raw file", engine_flag_takeover),
+    Case("campaign-other-identity", "`campaign run --expect-identity` on a machine whose measurement identity "
+         "is another one", "refused before any worker starts: both identities named (exit 2)",
+         campaign_other_identity),
     Case("measure-params-directory", "measure: a directory as `params`", "refused: not a file", params_is_directory),
     Case("raw-resume-sealed", "resume a run that ended (sealed)", "refused: 'use a new run id'; file untouched",
          resume_sealed_run),
