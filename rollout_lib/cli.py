@@ -480,17 +480,13 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         raise CommandError(f"backend: {args.backend!r} is not allowed; allowed: hf_reference, hf_cached, vllm")
     if args.deadline_s <= 0:
         raise CommandError(f"deadline-s: {args.deadline_s} is not allowed; a positive number of seconds")
-    cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.expect_identity is not None and not re.fullmatch(r"[0-9a-f]{8,64}", args.expect_identity):
         raise CommandError(f"expect-identity: {args.expect_identity!r} is not allowed; a lower-case hex prefix "
                            "of a measurement identity's SHA-256, 8 to 64 digits (e.g. 9988ac85)")
+    cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.campaign_command == "plan":
-        visible = driver.visible_gpus()
-        gpus = args.gpus or max(1, len(visible))
-        identity = driver.own_identity(study, args.backend, str(visible[0]) if visible else None)
-        driver.require_identity(identity, args.expect_identity)
-        the_plan, calibration = driver.make_plan(study, args.campaign, args.backend, output_dir, gpus,
-                                                 args.deadline_s, cells, identity)
+        the_plan, calibration = driver.plan_on_this_machine(study, args.campaign, args.backend, output_dir, args.gpus,
+                                                            args.deadline_s, cells, args.expect_identity)
         print(driver.format_plan(the_plan, calibration))
         return 0
     if args.detach:

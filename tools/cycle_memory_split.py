@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.report.cycle import memory_split
+from rollout_lib.report.cycle import largest_memory_split
 
 GIB = 2**30
 
@@ -35,9 +35,9 @@ def summarize(path: Path) -> dict[str, Any]:
                            "algorithm": header.get("algorithm"), "cycles": len(cycles),
                            "backend_options": header.get("backend_options", "not recorded")}
     for when in ("rollout_end", "actor_update_end"):
-        splits = [s for s in (memory_split(c, when) for c in cycles) if s is not None]
-        out[f"trainer_{when}_gib"] = max(s[0] for s in splits) / GIB if splits else None
-        out[f"engine_{when}_gib"] = max(s[1] for s in splits) / GIB if splits else None
+        split = largest_memory_split(cycles, when)
+        out[f"trainer_{when}_gib"] = split[0] / GIB if split else None
+        out[f"engine_{when}_gib"] = split[1] / GIB if split else None
     peaks = [m["nvml"]["peak_process_tree_bytes"] for c in cycles for m in c.get("memory", {}).values()
              if (m.get("nvml") or {}).get("status") == "measured"]
     out["peak_process_tree_gib"] = max(peaks) / GIB if peaks else None

@@ -202,6 +202,19 @@ def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: P
                 warmups=study.protocol.warmup_repetitions), calibration
 
 
+def plan_on_this_machine(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int | None,
+                         deadline_s: float, cells: list[str] | None = None, expect_identity: str | None = None,
+                         visible: list[int] | None = None) -> tuple[Plan, dict[str, Any]]:
+    """`make_plan` for `gpus` (default: every visible one) under the identity a worker here will have
+    (`own_identity`, probed on the first visible GPU), refused first (`require_identity`) unless it
+    begins with `expect_identity`. What `campaign plan` prints and `campaign run` starts."""
+    visible = visible_gpus() if visible is None else visible
+    identity = own_identity(study, backend, str(visible[0]) if visible else None)
+    require_identity(identity, expect_identity)
+    return make_plan(study, campaign, backend, output_dir, gpus or max(1, len(visible)), deadline_s, cells,
+                     identity)
+
+
 def segments_under_other_identities(backend_dir: Path, identity: dict[str, Any], headers: list[dict[str, Any]],
                                     todo: list[str]) -> list[dict[str, Any]]:
     """Measured repetitions of to-do cells that wait under a measurement identity other than `identity`
@@ -298,9 +311,8 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
         raise ValueError(f"gpus: {count} requested, {len(visible)} visible ({visible})")
     started = time.time()
     deadline_unix = started + deadline_s
-    identity = own_identity(study, backend, str(visible[0]) if visible else None)
-    require_identity(identity, expect_identity)
-    the_plan, calibration = make_plan(study, campaign, backend, output_dir, count, deadline_s, cells, identity)
+    the_plan, calibration = plan_on_this_machine(study, campaign, backend, output_dir, count, deadline_s, cells,
+                                                 expect_identity, visible)
     print(format_plan(the_plan, calibration), flush=True)
     folder = campaign_dir(output_dir, campaign)
     (folder / "logs").mkdir(parents=True, exist_ok=True)

@@ -82,14 +82,21 @@ def memory_split(cycle: dict[str, Any], when: str) -> tuple[int, int] | None:
             sum(p["used_bytes"] for p in processes if p.get("role") != "this process"))
 
 
+def largest_memory_split(records: list[dict[str, Any]], when: str) -> tuple[int, int] | None:
+    """(trainer, engine) bytes, each the largest `memory_split(cycle, when)` over a run's cycle records;
+    None where no cycle lists its processes."""
+    splits = [s for s in (memory_split(r, when) for r in records if r.get("record") == "cycle") if s]
+    return (max(s[0] for s in splits), max(s[1] for s in splits)) if splits else None
+
+
 def _process_split(records: list[dict[str, Any]]) -> str:
     """`trainer / engine` GiB at the rollout's end (max over cycles); `—` where no cycle lists its
     processes (files before lease 12); the engine is `not_applicable` for an in-process backend."""
-    splits = [s for s in (memory_split(r, "rollout_end") for r in records if r.get("record") == "cycle") if s]
-    if not splits:
+    split = largest_memory_split(records, "rollout_end")
+    if split is None:
         return "—"
-    engine = max(s[1] for s in splits)
-    return f"{_gib(max(s[0] for s in splits))} / {_gib(engine) if engine else 'not_applicable'}"
+    trainer, engine = split
+    return f"{_gib(trainer)} / {_gib(engine) if engine else 'not_applicable'}"
 
 
 def runs_not_counted(aggregate: dict[str, Any]):
