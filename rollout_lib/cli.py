@@ -480,14 +480,33 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         raise CommandError(f"backend: {args.backend!r} is not allowed; allowed: hf_reference, hf_cached, vllm")
     if args.deadline_s <= 0:
         raise CommandError(f"deadline-s: {args.deadline_s} is not allowed; a positive number of seconds")
+    if args.lease_s is not None and args.lease_s < args.deadline_s:
+        raise CommandError(f"lease-s: {args.lease_s} is not allowed; at least --deadline-s ({args.deadline_s}): "
+                           "a job's deadline lies within one lease")
     if args.expect_identity is not None and not re.fullmatch(r"[0-9a-f]{8,64}", args.expect_identity):
         raise CommandError(f"expect-identity: {args.expect_identity!r} is not allowed; a lower-case hex prefix "
                            "of a measurement identity's SHA-256, 8 to 64 digits (e.g. 9988ac85)")
     cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.campaign_command == "plan":
-        the_plan, calibration = driver.plan_on_this_machine(study, args.campaign, args.backend, output_dir, args.gpus,
-                                                            args.deadline_s, cells, args.expect_identity)
+        if args.as_identity is not None:
+            if not re.fullmatch(r"[0-9a-f]{8,64}", args.as_identity):
+                raise CommandError(f"as-identity: {args.as_identity!r} is not allowed; a lower-case hex prefix of "
+                                   "a measurement identity's SHA-256, 8 to 64 digits (e.g. 9988ac85)")
+            try:
+                identity = driver.identity_of_raw_files(output_dir, args.campaign, args.backend, args.as_identity)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
+            the_plan, calibration = driver.make_plan(study, args.campaign, args.backend, output_dir, args.gpus or 1,
+                                                     args.deadline_s, cells, identity, args.lease_s)
+        else:
+            the_plan, calibration = driver.plan_on_this_machine(study, args.campaign, args.backend, output_dir,
+                                                                args.gpus, args.deadline_s, cells,
+                                                                args.expect_identity, lease_s=args.lease_s)
         print(driver.format_plan(the_plan, calibration))
+        if args.forecast:
+            lease_s = args.lease_s or args.deadline_s
+            plans, never = driver.forecast_plans(the_plan, study.protocol.warmup_repetitions, lease_s)
+            print(driver.format_forecast(plans, never, lease_s))
         return 0
     if args.detach:
         log = driver.campaign_dir(output_dir, args.campaign) / "logs" / f"{args.backend}-driver-{_utc_stamp()}.log"
@@ -496,12 +515,14 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         argv += (["--gpus", str(args.gpus)] if args.gpus else []) + (["--cells", args.cells] if args.cells else [])
         argv += ["--exclude-cells", args.exclude_cells] if args.exclude_cells else []
         argv += ["--expect-identity", args.expect_identity] if args.expect_identity else []
+        argv += ["--lease-s", repr(args.lease_s)] if args.lease_s is not None else []
         pid = driver.detach(argv, log)
         print(f"campaign driver started detached: pid {pid}; log {log}; "
               f"poll with: rollout campaign status --campaign {args.campaign}")
         return 0
     return driver.run_campaign(study, args.campaign, args.backend, output_dir, gpus=args.gpus,
-                               deadline_s=args.deadline_s, cells=cells, expect_identity=args.expect_identity)
+                               deadline_s=args.deadline_s, cells=cells, expect_identity=args.expect_identity,
+                               lease_s=args.lease_s)
 
 
 def _campaign_cells_option(study, campaign: str, backend: str, output_dir: Path, cells_text: str,
@@ -658,6 +679,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 1 on a CPU)")
             p.add_argument("--deadline-s", type=float, default=1500.0,
                            help="seconds from now after which no repetition may end (default 1500)")
+            p.add_argument("--lease-s", type=float, default=None,
+                           help="the longest deadline one lease gives a job (default: --deadline-s): a cell that "
+                                "fits it is not split across leases (each segment repeats the warmup) unless "
+                                "the end of this job has time no whole cell fits")
             p.add_argument("--cells", default="", help="restrict to these cell ids (default: all to measure)")
             p.add_argument("--exclude-cells", default="",
                            help="leave these cell ids out (e.g. cells another job continues under another "
@@ -668,6 +693,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 "under a known identity must not start them afresh under another one")
         if action == "run":
             p.add_argument("--detach", action="store_true", help="run in its own process session and return")
+        if action == "plan":
+            p.add_argument("--as-identity", default=None, metavar="SHA256_PREFIX",
+                           help="cost cut cells' continuations under this measurement identity of the campaign's "
+                                "raw files instead of probing this machine's (plan a GPU lease from a CPU)")
+            p.add_argument("--forecast", action="store_true",
+                           help="then plan successive leases of --lease-s until every cell is planned, if the "
+                                "estimates hold: how many leases, and which segments are cut")
         p.set_defaults(func=cmd_campaign)
 
     p = sub.add_parser("vllm-diagnostic", help="managed vLLM vs the in-process engine (with and without the "

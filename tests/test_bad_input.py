@@ -203,6 +203,15 @@ def campaign_other_identity(c: Ctx) -> None:
     assert c.snapshot() == before and not (c.out / "campaigns").exists()
 
 
+def campaign_lease_below_deadline(c: Ctx) -> None:
+    """`--lease-s` shorter than the job's own `--deadline-s`: a job's deadline lies within one lease."""
+    before = c.snapshot()
+    out = cli("campaign", "plan", "--params", str(c.params), "--campaign", "pub", "--backend", "hf_cached",
+              "--output-dir", str(c.out), "--deadline-s", "600", "--lease-s", "300")
+    refused_one_line(out, 2, "lease-s: 300.0 is not allowed; at least --deadline-s (600.0)")
+    assert c.snapshot() == before and not (c.out / "campaigns").exists()
+
+
 def params_is_directory(c: Ctx) -> None:
     with pytest.raises(ParameterError, match=r"params: .* is not a file"):
         validate_parameters(backend="hf_cached", params=str(c.tmp), campaign="pub", output_dir=str(c.out))
@@ -479,6 +488,8 @@ CASES = [
     Case("campaign-other-identity", "`campaign run --expect-identity` on a machine whose measurement identity "
          "is another one", "refused before any worker starts: both identities named (exit 2)",
          campaign_other_identity),
+    Case("campaign-lease-below-deadline", "`campaign plan --lease-s` shorter than `--deadline-s`",
+         "refused: both named (exit 2); nothing written", campaign_lease_below_deadline),
     Case("measure-params-directory", "measure: a directory as `params`", "refused: not a file", params_is_directory),
     Case("raw-resume-sealed", "resume a run that ended (sealed)", "refused: 'use a new run id'; file untouched",
          resume_sealed_run),

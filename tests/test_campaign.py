@@ -146,6 +146,73 @@ def test_scheduler_plans_only_what_the_runner_admits():
     assert result.assignments[0].partial == {"p512-r512-n4-stochastic": 1}
 
 
+def test_scheduler_keeps_a_cell_a_whole_lease_holds_for_one_lease():
+    """Lease 14's last job (244 s left of a ~1,560 s lease) split a 4-repetition cell a whole lease holds
+    (warmup + 1 now, warmup + 2 later: one warmup more). With the lease's length known, whole cells use
+    the job's time first; such a cell is not split when they do."""
+    costs = [CellCost("g", 124, 4), CellCost("i", 55, 4), CellCost("e", 62, 3), CellCost("f", 16, 2)]
+    old = plan(costs, gpus=1, budget_s=400, cold_start_s=40, warmups=1, **EXACT_ADMISSION)
+    assert old.assignments[0].cells == ["g", "f"] and old.assignments[0].partial == {"g": 1}
+    new = plan(costs, gpus=1, budget_s=400, cold_start_s=40, warmups=1, lease_s=1560, **EXACT_ADMISSION)
+    (assignment,) = new.assignments
+    assert assignment.cells == ["i", "f"] and assignment.partial == {} and assignment.fillers == []
+    assert new.unscheduled == ["g", "e"] and assignment.planned_s == 40 + 220 + 32
+    assert new.to_json()["lease_s"] == 1560
+    # a cell longer than the whole lease is still split: it can never be measured in one segment
+    longer = plan([CellCost("big", 500, 4), CellCost("f", 16, 2)], gpus=1, budget_s=1100, cold_start_s=40,
+                  warmups=1, lease_s=1560, **EXACT_ADMISSION)
+    assert longer.assignments[0].cells == ["big", "f"] and longer.assignments[0].partial == {"big": 1}
+    assert longer.assignments[0].fillers == []
+    with pytest.raises(ValueError, match="lease-s: 300 is not allowed; at least the budget"):
+        plan(costs, gpus=1, budget_s=400, cold_start_s=40, warmups=1, lease_s=300)
+
+
+def test_scheduler_fills_the_end_of_a_job_with_the_most_measured_seconds():
+    """Time no whole cell fits would idle: a waiting cell fills it with the repetitions the runner admits,
+    the one that measures the most seconds first (its warmup is repeated by the next segment)."""
+    from rollout_lib.campaign import driver
+    costs = [CellCost("g", 124, 4), CellCost("h", 100, 4)]
+    result = plan(costs, gpus=1, budget_s=340, cold_start_s=40, warmups=1, lease_s=1560, **EXACT_ADMISSION)
+    (assignment,) = result.assignments
+    # g would measure 1 x 124 s in the 300 s (warmup + 1), h 2 x 100 s (warmup + 2): h fills
+    assert assignment.cells == ["h"] and assignment.partial == {"h": 2} and assignment.fillers == ["h"]
+    assert result.unscheduled == ["g"] and assignment.planned_s == 340
+    text = driver.format_plan(result, {"calibration_gpu": None, "calibration_ratio": 1.0,
+                                       "calibration_repetitions": 0})
+    assert "a whole lease 1560 s" in text
+    (line,) = [row for row in text.splitlines() if row.startswith("  h ")]
+    assert line.endswith("(partial: 2 measured rep(s) fit; fills the job's end, a whole lease would hold it)")
+    # on two GPUs each fills its own end: the larger filler goes first, the other GPU takes the next
+    two = plan([*costs, CellCost("w", 60, 4)], gpus=2, budget_s=340, cold_start_s=40, warmups=1, lease_s=1560,
+               **EXACT_ADMISSION)
+    by_gpu = {a.gpu: a for a in two.assignments}
+    assert by_gpu[0].cells == ["w"] and by_gpu[0].partial == {}  # w (240 s) whole on GPU 0
+    assert by_gpu[1].cells == ["h"] and by_gpu[1].fillers == ["h"]  # h: 2 x 100 s measured in GPU 1's 300 s
+    assert two.unscheduled == ["g"]  # 60 s left on GPU 0: not even g's warmup
+
+
+def test_forecast_plans_lease_after_lease_until_every_cell_is_planned():
+    """`campaign plan --forecast`: successive leases from the same rules, a cut cell costing its warmup again
+    in the next; a cell that not even a whole lease can start is named, not planned forever."""
+    from rollout_lib.campaign import driver
+    from rollout_lib.campaign.schedule import forecast
+
+    costs = [CellCost("big", 100, 4), CellCost("huge", 300, 2)]
+    plans, never = forecast(costs, gpus=1, lease_s=250, cold_start_s=10, warmups=1, **EXACT_ADMISSION)
+    assert never == ["huge"]  # warmup + 1 measured = 600 s > 240 s
+    # big: warmup + 1 measured per lease while 3 remain (300 s > 240 s), then warmup + the last (200 s)
+    assert [(p.assignments[0].cells, p.assignments[0].partial) for p in plans] == [
+        (["big"], {"big": 1}), (["big"], {"big": 1}), (["big"], {})]
+    # a first lease with less time plans nothing and the whole leases follow
+    plans, never = forecast(costs, gpus=1, lease_s=250, cold_start_s=10, warmups=1, first_budget_s=100,
+                            **EXACT_ADMISSION)
+    assert len(plans) == 4 and plans[0].assignments[0].cells == [] and plans[0].budget_s == 100
+    text = driver.format_forecast(plans, never, 250)
+    assert text.splitlines()[0] == "forecast, if the estimates hold: 4 lease(s), this one and then 250 s each"
+    assert "  lease 1 GPU 0: 10 s: nothing" in text and "  lease 2 GPU 0: 210 s: big (1 measured, cut)" in text
+    assert "each repeats its warm-up in the next): 2" in text and "never fits a lease" in text and "huge" in text
+
+
 # ------------------------------------------------------------------------------------------
 # Deadline, segments, continuation
 # ------------------------------------------------------------------------------------------
@@ -197,7 +264,8 @@ def test_a_segment_from_other_measurement_code_is_not_continued(three_reps, tmp_
     assert "continues" not in start
 
 
-def test_the_plan_continues_under_this_machines_identity_and_names_stranded_segments(three_reps, tmp_path, clock):
+def test_the_plan_continues_under_this_machines_identity_and_names_stranded_segments(three_reps, tmp_path, clock,
+                                                                                     capsys):
     """Lease 10's oracle ran with vLLM staged (`packages.vllm` 0.26.0 in the identity), the earlier leases
     without: a cut cell's repetitions wait under one identity and a worker with the other measures the
     cell afresh. The plan costs a cell's continuation only under this machine's identity (the probe's)
@@ -232,6 +300,21 @@ def test_the_plan_continues_under_this_machines_identity_and_names_stranded_segm
                                identity={"sha256": None, "source": "identity probe exited 1: boom"})
     assert info["identity"] == {"sha256": mine["sha256"],
                                 "source": "the newest raw file's (identity probe exited 1: boom)"}
+    # `campaign plan --as-identity`: a raw file's identity, named by a prefix, instead of this machine's
+    named = driver.identity_of_raw_files(out, "seg", "hf_cached", mine["sha256"][:8])
+    assert named == {**mine, "source": "--as-identity (a raw file's)"}
+    with pytest.raises(ValueError, match=rf"as-identity: 00000000 matches no .* allowed: {mine['sha256'][:10]}"):
+        driver.identity_of_raw_files(out, "seg", "hf_cached", "00000000")
+    from rollout_lib.cli import main
+
+    common = ["campaign", "plan", "--params", str(params), "--campaign", "seg", "--backend", "hf_cached",
+              "--output-dir", str(out), "--cells", CELL, "--deadline-s", "600"]
+    assert main([*common, "--as-identity", mine["sha256"][:8], "--forecast"]) == 0
+    printed = capsys.readouterr().out
+    assert f"continuations: measurement identity {mine['sha256'][:10]}, --as-identity" in printed
+    assert "x 2 =" in printed and "forecast, if the estimates hold: 1 lease(s)" in printed  # warmup + the third
+    assert main([*common, "--as-identity", "ABCDEF12"]) == 2
+    assert "as-identity: 'ABCDEF12' is not allowed; a lower-case hex prefix" in capsys.readouterr().err
 
 
 def test_the_identity_probe_is_the_runners_identity(tmp_path):

@@ -38,6 +38,7 @@ def _shell_words(command: str) -> list[str]:
     and redirections dropped (what argparse would see)."""
     command = re.sub(r"\$\(\(.*?\)\)", "600", command)
     command = re.sub(r"\$\{?JOB_DEADLINE_S\}?", "600", command)
+    command = re.sub(r"\$\{?QUEUE_LEASE_S\}?", "1560", command)
     command = re.sub(r"\$\([^()]*\)", "20261201T000000Z", command)
     words = shlex.split(command)
     out, skip = [], False
@@ -91,6 +92,8 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
 
         args = cycle_memory_probe.build_parser().parse_args(words[2:])
         assert args.cell in known_cells, f"{where}: unknown cell {args.cell}"
+    elif len(words) == 5 and words[0] == "[" and words[4] == "]" and words[2] in ("-ge", "-gt"):
+        assert words[1].isdigit() and words[3].isdigit(), f"{where}: a guard on seconds left: {command}"
     elif words == ["bash", "/tmp/stage/install-extras.sh"]:
         pass  # the staged installer of ../shared/device/extras (copied to /tmp/stage by the first call)
     elif words[:4] == ["python3", "-m", "pytest", "-q"]:
@@ -140,12 +143,14 @@ def test_campaign_jobs_take_their_deadline_from_the_lease(path):
     for name, _, command in _jobs(path):
         if "rollout_lib.cli campaign run" in command:
             assert "--deadline-s $JOB_DEADLINE_S" in command, f"{path.name}/{name}: --deadline-s is not $JOB_DEADLINE_S"
+            if "--lease-s" in command:  # a fixed figure could fall below a longer lease's deadline (refused)
+                assert "--lease-s $QUEUE_LEASE_S" in command, f"{path.name}/{name}: --lease-s is not $QUEUE_LEASE_S"
 
 
 def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
     """queue.sh itself, run on CPU in a throwaway checkout: a job gets JOB_DEADLINE_S = min(lease left,
-    timeout - JOB_MARGIN_S); a job reached with less than MIN_JOB_S of the lease left is skipped and
-    reported, and the queue still packs what ran."""
+    timeout - JOB_MARGIN_S) and QUEUE_LEASE_S (LEASE_S); a job reached with less than MIN_JOB_S of the
+    lease left is skipped and reported, and the queue still packs what ran."""
     import os
     import shutil
     import subprocess
@@ -154,7 +159,7 @@ def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
     (checkout / "tools" / "device").mkdir(parents=True)
     for script in ("queue.sh", "work_copy.sh"):
         shutil.copy(REPO_ROOT / "tools" / "device" / script, checkout / "tools" / "device" / script)
-    write = "mkdir -p outputs/perf && echo $JOB_DEADLINE_S > outputs/perf/{}.txt"
+    write = "mkdir -p outputs/perf && echo $JOB_DEADLINE_S $QUEUE_LEASE_S > outputs/perf/{}.txt"
     (checkout / "q.tsv").write_text(
         "# name\ttimeout_s\tcommand\n"
         f"own-timeout\t30\t{write.format('own-timeout')}\n"
@@ -170,7 +175,8 @@ def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
     assert re.search(r"too-late\s+skipped: \d+ s of the lease left", result.stdout), result.stdout
     assert re.search(r"long\s+exit 0 after", result.stdout), result.stdout
     perf = tmp_path / "work" / "src" / "outputs" / "perf"
-    assert (perf / "own-timeout.txt").read_text().strip() == "20"  # 30 s timeout less the 10 s margin
-    assert 60 <= int((perf / "lease-left.txt").read_text()) <= 70  # the lease's remainder, under 200 - 10
+    assert (perf / "own-timeout.txt").read_text().split() == ["20", "70"]  # 30 s timeout less the 10 s margin
+    deadline_s, lease_s = map(int, (perf / "lease-left.txt").read_text().split())
+    assert 60 <= deadline_s <= 70 and lease_s == 70  # the lease's remainder, under 200 - 10; the whole lease
     assert not (perf / "too-late.txt").exists()
     assert (tmp_path / "out" / "queue.tgz").stat().st_size > 0

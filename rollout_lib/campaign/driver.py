@@ -38,6 +38,7 @@ from rollout_lib.campaign.schedule import (
     CellCost,
     Plan,
     calibration_ratio,
+    forecast,
     model_repetition_s,
     plan,
 )
@@ -174,11 +175,11 @@ def require_identity(identity: dict[str, Any], expected_prefix: str | None) -> N
 
 def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int,
               deadline_s: float, cells: list[str] | None = None,
-              identity: dict[str, Any] | None = None) -> tuple[Plan, dict[str, Any]]:
+              identity: dict[str, Any] | None = None, lease_s: float | None = None) -> tuple[Plan, dict[str, Any]]:
     """The schedule of the cells still to measure. A cell cut off earlier costs only its remaining
     repetitions (plus a warmup) when its segments share the measurement identity a worker here will have:
     `identity` (`own_identity`: sha256, key and where it came from); without one the newest raw
-    file's stands in for it (the worker decides exactly at run time)."""
+    file's stands in for it (the worker decides exactly at run time). `lease_s`: see `schedule.plan`."""
     todo = cells if cells is not None else campaign_cells(study, campaign, output_dir)[backend]["to_measure"]
     backend_dir = Path(output_dir) / "raw" / campaign / backend
     files = [records for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
@@ -199,12 +200,12 @@ def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: P
         calibration["stranded"] = segments_under_other_identities(backend_dir, identity, headers, todo)
     cold = COLD_START_S.get(backend, DEFAULT_COLD_START_S)
     return plan(costs, gpus=gpus, budget_s=deadline_s, cold_start_s=cold,
-                warmups=study.protocol.warmup_repetitions), calibration
+                warmups=study.protocol.warmup_repetitions, lease_s=lease_s), calibration
 
 
 def plan_on_this_machine(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int | None,
                          deadline_s: float, cells: list[str] | None = None, expect_identity: str | None = None,
-                         visible: list[int] | None = None) -> tuple[Plan, dict[str, Any]]:
+                         visible: list[int] | None = None, lease_s: float | None = None) -> tuple[Plan, dict[str, Any]]:
     """`make_plan` for `gpus` (default: every visible one) under the identity a worker here will have
     (`own_identity`, probed on the first visible GPU), refused first (`require_identity`) unless it
     begins with `expect_identity`. What `campaign plan` prints and `campaign run` starts."""
@@ -212,7 +213,45 @@ def plan_on_this_machine(study: Preregistration, campaign: str, backend: str, ou
     identity = own_identity(study, backend, str(visible[0]) if visible else None)
     require_identity(identity, expect_identity)
     return make_plan(study, campaign, backend, output_dir, gpus or max(1, len(visible)), deadline_s, cells,
-                     identity)
+                     identity, lease_s)
+
+
+def identity_of_raw_files(output_dir: Path, campaign: str, backend: str, prefix: str) -> dict[str, Any]:
+    """The measurement identity (`own_identity`'s shape) of this backend's raw files whose SHA-256 begins with
+    `prefix`: `campaign plan --as-identity` costs continuations as a worker with it would (a machine that
+    cannot have it, a CPU, can still plan a lease). ValueError naming the identities found otherwise."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted((Path(output_dir) / "raw" / campaign / backend).glob("*.jsonl")):
+        records = _raw_records(path)
+        if records and records[0].get("measurement_identity_sha256"):
+            found[records[0]["measurement_identity_sha256"]] = records[0].get("measurement_identity") or {}
+    matching = [sha for sha in found if sha.startswith(prefix)]
+    if len(matching) != 1:
+        known = ", ".join(sha[:10] for sha in sorted(found)) or "none"
+        raise ValueError(f"as-identity: {prefix} {'matches no' if not matching else 'matches more than one'} "
+                         f"measurement identity of {campaign}/{backend}'s raw files; allowed: {known}")
+    return {"sha256": matching[0], "key": found[matching[0]], "source": "--as-identity (a raw file's)"}
+
+
+def forecast_plans(the_plan: Plan, warmups: int, lease_s: float) -> tuple[list[Plan], list[str]]:
+    """`schedule.forecast` from a plan's costs (this lease's budget first, then whole leases of `lease_s`)."""
+    return forecast(list(the_plan.costs.values()), gpus=len(the_plan.assignments), lease_s=lease_s,
+                    cold_start_s=the_plan.cold_start_s, warmups=warmups, first_budget_s=the_plan.budget_s)
+
+
+def format_forecast(plans: list[Plan], never: list[str], lease_s: float) -> str:
+    """One line per lease: what each GPU measures (a cut cell with its measured repetitions)."""
+    lines = [f"forecast, if the estimates hold: {len(plans)} lease(s), this one and then {lease_s:.0f} s each"]
+    warmups_repeated = 0
+    for number, lease in enumerate(plans, 1):
+        for a in lease.assignments:
+            cells = [f"{c} ({a.partial[c]} measured, cut)" if c in a.partial else c for c in a.cells]
+            warmups_repeated += len(a.partial)
+            lines.append(f"  lease {number} GPU {a.gpu}: {a.planned_s:.0f} s: {', '.join(cells) or 'nothing'}")
+    lines.append(f"  segments cut at a lease's end (each repeats its warm-up in the next): {warmups_repeated}")
+    if never:
+        lines.append(f"  never fits a lease (not even a warm-up + one measured repetition): {', '.join(never)}")
+    return "\n".join(lines)
 
 
 def segments_under_other_identities(backend_dir: Path, identity: dict[str, Any], headers: list[dict[str, Any]],
@@ -262,12 +301,14 @@ def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
     gpu = calibration["calibration_gpu"] or "this machine"
     lines = [f"estimates: prior x {calibration['calibration_ratio']:.3f} (median observed/prior over "
              f"{calibration['calibration_repetitions']} repetitions of this campaign; GPU {gpu})",
-             f"budget {the_plan.budget_s:.0f} s per GPU, cold start {the_plan.cold_start_s:.0f} s"]
+             f"budget {the_plan.budget_s:.0f} s per GPU, cold start {the_plan.cold_start_s:.0f} s"
+             + (f", a whole lease {the_plan.lease_s:.0f} s" if the_plan.lease_s is not None else "")]
     for a in the_plan.assignments:
         lines.append(f"GPU {a.gpu}: {len(a.cells)} cell(s), planned {a.planned_s:.0f} s")
         for cell_id in a.cells:
             cost = the_plan.costs[cell_id]
             note = f" (partial: {a.partial[cell_id]} measured rep(s) fit)" if cell_id in a.partial else ""
+            note = note[:-1] + "; fills the job's end, a whole lease would hold it)" if cell_id in a.fillers else note
             lines.append(f"  {cell_id:28s} {cost.repetition_s:8.1f} s/rep x {cost.repetitions_left} = "
                          f"{cost.total_s:8.1f} s{note}")
     if the_plan.unscheduled:
@@ -299,7 +340,7 @@ def _worker_command(study_path: str, campaign: str, backend: str, output_dir: Pa
 
 def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir: Path, *, gpus: int | None,
                  deadline_s: float, cells: list[str] | None = None, progress: bool = True,
-                 expect_identity: str | None = None) -> int:
+                 expect_identity: str | None = None, lease_s: float | None = None) -> int:
     """Plan, start one worker per GPU, wait for them; returns 0 when every worker exited 0.
 
     `expect_identity` (a hex prefix): refuse before anything starts unless this machine's measurement
@@ -312,7 +353,7 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
     started = time.time()
     deadline_unix = started + deadline_s
     the_plan, calibration = plan_on_this_machine(study, campaign, backend, output_dir, count, deadline_s, cells,
-                                                 expect_identity, visible)
+                                                 expect_identity, visible, lease_s)
     print(format_plan(the_plan, calibration), flush=True)
     folder = campaign_dir(output_dir, campaign)
     (folder / "logs").mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,10 @@
 Pure functions (no processes, no clock): `driver.py` feeds them what is left to measure and the
 time to the deadline, and they say which cell goes to which GPU, in which order, and which do not
 fit this lease. A unit is a cell's cold-start share, its warmup and its remaining measured
-repetitions; a cell too long for the lease is planned with the repetitions that fit (at least one
-measured after the warmup), and the next lease continues it as a new segment.
+repetitions; a cell too long for a whole lease is planned with the repetitions that fit (at least one
+measured after the warmup), and the next lease continues it as a new segment. Every segment repeats
+the warmup (480-760 s for the oracle's largest cells), so a cell that one lease can hold is split only
+to fill time at the end of a job that no whole cell fits.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Assignment:
     cells: list[str] = field(default_factory=list)
     planned_s: float = 0.0
     partial: dict[str, int] = field(default_factory=dict)  # cell -> measured repetitions that fit
+    fillers: list[str] = field(default_factory=list)  # partial cells a whole lease could hold: end-of-job fill
 
 
 @dataclass
@@ -71,11 +74,13 @@ class Plan:
     costs: dict[str, CellCost]
     budget_s: float
     cold_start_s: float
+    lease_s: float | None = None  # the longest budget one lease gives a job; None: budget_s
 
     def to_json(self) -> dict[str, Any]:
-        return {"budget_s": self.budget_s, "cold_start_s": self.cold_start_s, "unscheduled": self.unscheduled,
+        return {"budget_s": self.budget_s, "cold_start_s": self.cold_start_s, "lease_s": self.lease_s,
+                "unscheduled": self.unscheduled,
                 "assignments": [{"gpu": a.gpu, "cells": a.cells, "planned_s": round(a.planned_s, 1),
-                                 "partial": a.partial} for a in self.assignments],
+                                 "partial": a.partial, "fillers": a.fillers} for a in self.assignments],
                 "estimates_s": {c: round(cost.repetition_s, 2) for c, cost in self.costs.items()}}
 
 
@@ -98,33 +103,73 @@ def repetitions_admitted(room_s: float, repetition_s: float, warmups: int, *,
 
 
 def plan(costs: list[CellCost], *, gpus: int, budget_s: float, cold_start_s: float, warmups: int,
-         safety: float = DEADLINE_SAFETY, margin_s: float = DEADLINE_MARGIN_S) -> Plan:
-    """Longest-first onto the least-loaded GPU. A cell that fits a lease is a unit: it is started only
+         lease_s: float | None = None, safety: float = DEADLINE_SAFETY, margin_s: float = DEADLINE_MARGIN_S) -> Plan:
+    """Longest-first onto the least-loaded GPU. A cell that fits the budget is a unit: it is started only
     where the runner's admission rule lets it finish before the deadline (else a shorter one fills the
-    gap). A cell longer than a whole lease can never finish in one: it gets the repetitions the runner
-    will admit (its warmups + at least one measured), and the next lease continues it."""
+    gap). A cell longer than a whole lease (`lease_s`, default `budget_s`) can never finish in one: it
+    gets the repetitions the runner will admit (its warmups + at least one measured), and the next lease
+    continues it. A cell a whole lease could hold but this budget cannot waits for one, unless time is
+    left on a GPU after every whole unit is placed: then the waiting cell whose admitted repetitions
+    measure the most seconds fills it (its warmup is repeated next lease; the time would idle otherwise)."""
     if gpus < 1:
         raise ValueError(f"gpus: {gpus} is not allowed; at least 1")
+    if lease_s is not None and lease_s < budget_s:
+        raise ValueError(f"lease-s: {lease_s} is not allowed; at least the budget ({budget_s} s)")
     assignments = [Assignment(gpu=i, planned_s=cold_start_s) for i in range(gpus)]
-    unscheduled = []
+    waiting = []
 
     def admitted(room_s: float, cost: CellCost) -> int:
         return repetitions_admitted(room_s, cost.repetition_s, warmups, safety=safety, margin_s=margin_s)
 
+    def add(target: Assignment, cost: CellCost, repetitions: int) -> None:
+        target.cells.append(cost.cell_id)
+        target.planned_s += repetitions * cost.repetition_s
+        if repetitions < cost.repetitions_left:
+            target.partial[cost.cell_id] = repetitions - warmups
+
     for cost in sorted(costs, key=lambda c: (-c.total_s, c.cell_id)):
         target = min(assignments, key=lambda a: (a.planned_s, a.gpu))
-        room = budget_s - target.planned_s
-        fitting_total = admitted(room, cost)
-        if fitting_total >= cost.repetitions_left:
-            target.cells.append(cost.cell_id)
-            target.planned_s += cost.total_s
-            continue
-        longer_than_a_lease = admitted(budget_s - cold_start_s, cost) < cost.repetitions_left
-        fitting = fitting_total - warmups
-        if longer_than_a_lease and fitting >= 1:
-            target.cells.append(cost.cell_id)
-            target.partial[cost.cell_id] = fitting
-            target.planned_s += (warmups + fitting) * cost.repetition_s
+        fitting_total = admitted(budget_s - target.planned_s, cost)
+        longer_than_a_lease = admitted((lease_s or budget_s) - cold_start_s, cost) < cost.repetitions_left
+        if fitting_total >= cost.repetitions_left or (longer_than_a_lease and fitting_total > warmups):
+            add(target, cost, min(fitting_total, cost.repetitions_left))
         else:
-            unscheduled.append(cost.cell_id)
-    return Plan(assignments, unscheduled, {c.cell_id: c for c in costs}, budget_s, cold_start_s)
+            waiting.append(cost)
+    while waiting:  # end-of-job fill: the most measured seconds first
+        options = [(min(admitted(budget_s - a.planned_s, cost), cost.repetitions_left), cost, a)
+                   for cost in waiting for a in assignments]
+        options = [(total, cost, a) for total, cost, a in options if total > warmups]
+        if not options:
+            break
+        total, cost, target = max(options, key=lambda o: ((o[0] - warmups) * o[1].repetition_s, -o[2].gpu))
+        add(target, cost, total)
+        if cost.cell_id in target.partial:
+            target.fillers.append(cost.cell_id)
+        waiting.remove(cost)
+    return Plan(assignments, [c.cell_id for c in waiting], {c.cell_id: c for c in costs}, budget_s, cold_start_s,
+                lease_s)
+
+
+def forecast(costs: list[CellCost], *, gpus: int, lease_s: float, cold_start_s: float, warmups: int,
+             first_budget_s: float | None = None, safety: float = DEADLINE_SAFETY,
+             margin_s: float = DEADLINE_MARGIN_S, most_leases: int = 100) -> tuple[list[Plan], list[str]]:
+    """The plans of successive leases until every cell is planned, if the estimates hold: the first lease
+    with `first_budget_s` (default `lease_s`), each later one with `lease_s`; a cell cut in one lease costs
+    its warmups + the rest in the next. Returns the plans and the cells no lease can start (not even a
+    warmup + one measured repetition fits `lease_s`)."""
+    plans: list[Plan] = []
+    left = list(costs)
+    never: list[str] = []
+    while left and len(plans) < most_leases:
+        budget = first_budget_s if not plans and first_budget_s is not None else lease_s
+        the_plan = plan(left, gpus=gpus, budget_s=budget, cold_start_s=cold_start_s, warmups=warmups,
+                        lease_s=lease_s, safety=safety, margin_s=margin_s)
+        planned = {cell for a in the_plan.assignments for cell in a.cells}
+        if not planned and budget == lease_s:
+            never = [c.cell_id for c in left]
+            break
+        plans.append(the_plan)
+        cut = {cell: measured for a in the_plan.assignments for cell, measured in a.partial.items()}
+        left = [CellCost(c.cell_id, c.repetition_s, c.repetitions_left - cut[c.cell_id]) if c.cell_id in cut else c
+                for c in left if c.cell_id not in planned or c.cell_id in cut]
+    return plans, never

@@ -12,7 +12,9 @@
 # `#` lines are comments). A job that exceeds its timeout is killed and the queue goes on. Jobs see
 # QUEUE_ENDS_AT (epoch seconds, LEASE_S after the start) and JOB_DEADLINE_S (seconds this job may
 # plan for: the lease's remainder or its own timeout less JOB_MARGIN_S, whichever is less), so a
-# campaign run passes `--deadline-s $JOB_DEADLINE_S` and starts no unit that the lease cuts off. A job
+# campaign run passes `--deadline-s $JOB_DEADLINE_S` and starts no unit that the lease cuts off, and
+# QUEUE_LEASE_S (LEASE_S: the most any job of this lease can get), which it passes as `--lease-s` so a
+# later job with little time left does not cut a cell that a whole lease could hold. A job
 # reached with less than MIN_JOB_S of the lease left is skipped (recorded), not started: lease 7's
 # last job began after the lease's end and left a header-only raw file behind.
 set -u
@@ -33,7 +35,8 @@ if [ "${1:-poll}" = start ]; then
   # when the lease's last poll must have packed everything: the loop below derives each job's
   # JOB_DEADLINE_S from it and skips a job it reaches too late (LEASE_S: seconds from this start;
   # default for a start ~1 min into a 30-minute lease, leaving the last poll ~2 minutes)
-  export QUEUE_ENDS_AT=$(( started + ${LEASE_S:-1560} ))
+  export QUEUE_LEASE_S=${LEASE_S:-1560}
+  export QUEUE_ENDS_AT=$(( started + QUEUE_LEASE_S ))
   echo "$QUEUE_ENDS_AT" > "$WORK/state/ends_at"
   setsid nohup bash -c '
     echo $$ > '"$WORK"'/state/running
