@@ -489,6 +489,9 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.campaign_command == "plan":
         if args.as_identity is not None:
+            if args.expect_identity is not None:
+                raise CommandError("as-identity: not allowed with --expect-identity (the plan would not be this "
+                                   "machine's); use one of them")
             if not re.fullmatch(r"[0-9a-f]{8,64}", args.as_identity):
                 raise CommandError(f"as-identity: {args.as_identity!r} is not allowed; a lower-case hex prefix of "
                                    "a measurement identity's SHA-256, 8 to 64 digits (e.g. 9988ac85)")

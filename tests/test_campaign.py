@@ -211,6 +211,9 @@ def test_forecast_plans_lease_after_lease_until_every_cell_is_planned():
     assert text.splitlines()[0] == "forecast, if the estimates hold: 4 lease(s), this one and then 250 s each"
     assert "  lease 1 GPU 0: 10 s: nothing" in text and "  lease 2 GPU 0: 210 s: big (1 measured, cut)" in text
     assert "each repeats its warm-up in the next): 2" in text and "never fits a lease" in text and "huge" in text
+    with pytest.raises(ValueError, match=r"forecast: 1 cell\(s\) still unplanned after 2 leases"):
+        forecast([CellCost("big", 100, 4)], gpus=1, lease_s=250, cold_start_s=10, warmups=1, most_leases=2,
+                 **EXACT_ADMISSION)
 
 
 # ------------------------------------------------------------------------------------------
@@ -315,6 +318,8 @@ def test_the_plan_continues_under_this_machines_identity_and_names_stranded_segm
     assert "x 2 =" in printed and "forecast, if the estimates hold: 1 lease(s)" in printed  # warmup + the third
     assert main([*common, "--as-identity", "ABCDEF12"]) == 2
     assert "as-identity: 'ABCDEF12' is not allowed; a lower-case hex prefix" in capsys.readouterr().err
+    assert main([*common, "--as-identity", mine["sha256"][:8], "--expect-identity", mine["sha256"][:8]]) == 2
+    assert "as-identity: not allowed with --expect-identity" in capsys.readouterr().err
 
 
 def test_the_identity_probe_is_the_runners_identity(tmp_path):

@@ -307,8 +307,8 @@ def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
         lines.append(f"GPU {a.gpu}: {len(a.cells)} cell(s), planned {a.planned_s:.0f} s")
         for cell_id in a.cells:
             cost = the_plan.costs[cell_id]
-            note = f" (partial: {a.partial[cell_id]} measured rep(s) fit)" if cell_id in a.partial else ""
-            note = note[:-1] + "; fills the job's end, a whole lease would hold it)" if cell_id in a.fillers else note
+            fill = "; fills the job's end, a whole lease would hold it" if cell_id in a.fillers else ""
+            note = f" (partial: {a.partial[cell_id]} measured rep(s) fit{fill})" if cell_id in a.partial else ""
             lines.append(f"  {cell_id:28s} {cost.repetition_s:8.1f} s/rep x {cost.repetitions_left} = "
                          f"{cost.total_s:8.1f} s{note}")
     if the_plan.unscheduled:

@@ -156,7 +156,7 @@ def forecast(costs: list[CellCost], *, gpus: int, lease_s: float, cold_start_s: 
     """The plans of successive leases until every cell is planned, if the estimates hold: the first lease
     with `first_budget_s` (default `lease_s`), each later one with `lease_s`; a cell cut in one lease costs
     its warmups + the rest in the next. Returns the plans and the cells no lease can start (not even a
-    warmup + one measured repetition fits `lease_s`)."""
+    warmup + one measured repetition fits `lease_s`); ValueError past `most_leases`."""
     plans: list[Plan] = []
     left = list(costs)
     never: list[str] = []
@@ -172,4 +172,6 @@ def forecast(costs: list[CellCost], *, gpus: int, lease_s: float, cold_start_s: 
         cut = {cell: measured for a in the_plan.assignments for cell, measured in a.partial.items()}
         left = [CellCost(c.cell_id, c.repetition_s, c.repetitions_left - cut[c.cell_id]) if c.cell_id in cut else c
                 for c in left if c.cell_id not in planned or c.cell_id in cut]
+    if left and not never:
+        raise ValueError(f"forecast: {len(left)} cell(s) still unplanned after {most_leases} leases")
     return plans, never
