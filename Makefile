@@ -46,13 +46,14 @@ measure: setup  ## one backend through notebooks/measure.ipynb (papermill); a ne
 GPUS ?=
 DEADLINE_S ?= 1500
 CAMPAIGN_ARGS = --campaign $(CAMPAIGN) --backend $(BACKEND) --params $(PARAMS) --output-dir $(OUTPUT_DIR) \
-  --deadline-s $(DEADLINE_S) $(if $(GPUS),--gpus $(GPUS)) $(if $(CELLS),--cells "$(CELLS)")
+  --deadline-s $(DEADLINE_S) $(if $(GPUS),--gpus $(GPUS)) $(if $(CELLS),--cells "$(CELLS)") \
+  $(if $(LEASE_S),--lease-s $(LEASE_S))
 
 campaign: setup  ## measure what is missing of CAMPAIGN for BACKEND over GPUS until DEADLINE_S (DETACH=1: background)
 	$(ROLLOUT) campaign run $(CAMPAIGN_ARGS) $(if $(DETACH),--detach)
 
-campaign-plan: setup  ## the longest-first schedule `make campaign` would run, with its estimates
-	$(ROLLOUT) campaign plan $(CAMPAIGN_ARGS)
+campaign-plan: setup  ## the schedule `make campaign` would run, with its estimates (FORECAST=1: lease after lease)
+	$(ROLLOUT) campaign plan $(CAMPAIGN_ARGS) $(if $(FORECAST),--forecast) $(if $(AS_IDENTITY),--as-identity $(AS_IDENTITY))
 
 campaign-status: setup  ## done / running / to-measure cells, current cell and repetition, ETA
 	$(ROLLOUT) campaign status --campaign $(CAMPAIGN) --params $(PARAMS) --output-dir $(OUTPUT_DIR)
