@@ -483,18 +483,14 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     if args.lease_s is not None and args.lease_s < args.deadline_s:
         raise CommandError(f"lease-s: {args.lease_s} is not allowed; at least --deadline-s ({args.deadline_s}): "
                            "a job's deadline lies within one lease")
-    if args.expect_identity is not None and not re.fullmatch(r"[0-9a-f]{8,64}", args.expect_identity):
-        raise CommandError(f"expect-identity: {args.expect_identity!r} is not allowed; a lower-case hex prefix "
-                           "of a measurement identity's SHA-256, 8 to 64 digits (e.g. 9988ac85)")
+    _require_identity_prefix("expect-identity", args.expect_identity)
     cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.campaign_command == "plan":
         if args.as_identity is not None:
             if args.expect_identity is not None:
                 raise CommandError("as-identity: not allowed with --expect-identity (the plan would not be this "
                                    "machine's); use one of them")
-            if not re.fullmatch(r"[0-9a-f]{8,64}", args.as_identity):
-                raise CommandError(f"as-identity: {args.as_identity!r} is not allowed; a lower-case hex prefix of "
-                                   "a measurement identity's SHA-256, 8 to 64 digits (e.g. 9988ac85)")
+            _require_identity_prefix("as-identity", args.as_identity)
             try:
                 identity = driver.identity_of_raw_files(output_dir, args.campaign, args.backend, args.as_identity)
             except ValueError as exc:
@@ -508,7 +504,10 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         print(driver.format_plan(the_plan, calibration))
         if args.forecast:
             lease_s = args.lease_s or args.deadline_s
-            plans, never = driver.forecast_plans(the_plan, study.protocol.warmup_repetitions, lease_s)
+            try:
+                plans, never = driver.forecast_plans(the_plan, study.protocol.warmup_repetitions, lease_s)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
             print(driver.format_forecast(plans, never, lease_s))
         return 0
     if args.detach:
@@ -526,6 +525,13 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     return driver.run_campaign(study, args.campaign, args.backend, output_dir, gpus=args.gpus,
                                deadline_s=args.deadline_s, cells=cells, expect_identity=args.expect_identity,
                                lease_s=args.lease_s)
+
+
+def _require_identity_prefix(option: str, value: str | None) -> None:
+    """A measurement identity named on the command line: a lower-case hex prefix of its SHA-256."""
+    if value is not None and not re.fullmatch(r"[0-9a-f]{8,64}", value):
+        raise CommandError(f"{option}: {value!r} is not allowed; a lower-case hex prefix of a measurement "
+                           "identity's SHA-256, 8 to 64 digits (e.g. 9988ac85)")
 
 
 def _campaign_cells_option(study, campaign: str, backend: str, output_dir: Path, cells_text: str,
