@@ -220,11 +220,8 @@ def identity_of_raw_files(output_dir: Path, campaign: str, backend: str, prefix:
     """The measurement identity (`own_identity`'s shape) of this backend's raw files whose SHA-256 begins with
     `prefix`: `campaign plan --as-identity` costs continuations as a worker with it would (a machine that
     cannot have it, a CPU, can still plan a lease). ValueError naming the identities found otherwise."""
-    found: dict[str, dict[str, Any]] = {}
-    for path in sorted((Path(output_dir) / "raw" / campaign / backend).glob("*.jsonl")):
-        records = _raw_records(path)
-        if records and records[0].get("measurement_identity_sha256"):
-            found[records[0]["measurement_identity_sha256"]] = records[0].get("measurement_identity") or {}
+    files = map(_raw_records, sorted((Path(output_dir) / "raw" / campaign / backend).glob("*.jsonl")))
+    found = _identities([records[0] for records in files if records])
     matching = [sha for sha in found if sha.startswith(prefix)]
     if len(matching) != 1:
         known = ", ".join(sha[:10] for sha in sorted(found)) or "none"
@@ -254,16 +251,19 @@ def format_forecast(plans: list[Plan], never: list[str], lease_s: float) -> str:
     return "\n".join(lines)
 
 
+def _identities(headers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Measurement identity SHA-256 -> its key, over raw headers oldest first (the newest of each wins)."""
+    return {h["measurement_identity_sha256"]: h.get("measurement_identity") or {}
+            for h in headers if h.get("measurement_identity_sha256")}
+
+
 def segments_under_other_identities(backend_dir: Path, identity: dict[str, Any], headers: list[dict[str, Any]],
                                     todo: list[str]) -> list[dict[str, Any]]:
     """Measured repetitions of to-do cells that wait under a measurement identity other than `identity`
     (`{"sha256", "key"}`: the one the plan takes for this machine's), with what differs: a worker with
     `identity` cannot continue them and measures those cells afresh. Lease 10's oracle ran with vLLM
     staged (`packages.vllm` 0.26.0, earlier leases: absent), which stranded three cut cells' repetitions."""
-    identities: dict[str, dict[str, Any]] = {}
-    for header in headers:  # oldest first: the newest header of each identity wins
-        if header.get("measurement_identity_sha256"):
-            identities[header["measurement_identity_sha256"]] = header.get("measurement_identity") or {}
+    identities = _identities(headers)
     mine = identity.get("key") or {}
     out = []
     for other, theirs in sorted(identities.items()):
