@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rollout_lib.campaign.schedule import CellCost, calibration_ratio, plan
+from rollout_lib.campaign.schedule import CellCost, calibration_ratio, plan, repetitions_admitted
 from rollout_lib.evidence.publish import campaign_cells, derive, publish
 from rollout_lib.measure.campaign_files import CampaignGPUMismatch, find_continuations
 from rollout_lib.measure.identity import measurement_code
@@ -37,21 +37,24 @@ class FakeClock:
 
 
 class _SlowBackend(FakeBackend):
-    """Every generate takes `delay_s`: slept, or added to a fake clock."""
+    """Every generate takes `delay_s` (or the next of `delays_s`, then `delay_s`): slept, or added to a
+    fake clock."""
 
     name = "fake_slow"
 
-    def __init__(self, study, delay_s=0.25, clock=None):
+    def __init__(self, study, delay_s=0.25, clock=None, delays_s=()):
         super().__init__(study)
         self.delay_s = delay_s
+        self.delays_s = list(delays_s)
         self.clock = clock
 
     def before_generate(self, requests) -> float:
+        delay = self.delays_s.pop(0) if self.delays_s else self.delay_s
         if self.clock is not None:
-            self.clock.now += self.delay_s
+            self.clock.now += delay
         else:
-            time.sleep(self.delay_s)
-        return self.delay_s
+            time.sleep(delay)
+        return delay
 
 
 @pytest.fixture()
@@ -63,13 +66,14 @@ def three_reps(tmp_path):
     return load(params), params
 
 
-def _measure(params, out, run_id, cells, clock=None, **spec_changes):
+def _measure(params, out, run_id, cells, clock=None, delays_s=(), **spec_changes):
     import dataclasses
 
     spec, study, workload = validate_parameters(backend="hf_cached", params=str(params), campaign="seg",
                                                 cells=cells, output_dir=str(out), run_id=run_id)
     spec = dataclasses.replace(spec, **spec_changes)
-    return list(run(spec, study, workload, backend_factory=lambda: _SlowBackend(study, clock=clock))), spec
+    return list(run(spec, study, workload,
+                    backend_factory=lambda: _SlowBackend(study, clock=clock, delays_s=delays_s))), spec
 
 
 @pytest.fixture()
@@ -146,6 +150,53 @@ def test_scheduler_plans_only_what_the_runner_admits():
     assert result.assignments[0].partial == {"p512-r512-n4-stochastic": 1}
 
 
+def test_scheduler_costs_a_warmup_longer_than_a_measured_repetition():
+    """Lease 15: a segment's warm-up ran 700 s against 585 s measured (the oracle's greedy cells: 1.2-2.4x).
+    The runner admits the repetition after it only if one as long as the warm-up fits, so a cell planned
+    "warmup + 1" from the measured estimate alone can run its warm-up and nothing else."""
+    assert repetitions_admitted(320, 100, 1, **EXACT_ADMISSION) == 3  # as if the warm-up took 100 s
+    assert repetitions_admitted(320, 100, 1, warmup_s=180, **EXACT_ADMISSION) == 1  # 180 + 180 > 320
+    assert repetitions_admitted(320, 100, 1, warmup_s=180, most=1, **EXACT_ADMISSION) == 1
+    assert repetitions_admitted(1000, 100, 1, warmup_s=180, most=4, **EXACT_ADMISSION) == 4
+    # so the plan does not start it, where it would have from the measured estimate alone
+    short = CellCost("g", 100, 4, warmup_s=180)
+    assert plan([short], gpus=1, budget_s=360, cold_start_s=40, warmups=1, lease_s=1560,
+                **EXACT_ADMISSION).unscheduled == ["g"]
+    assert plan([CellCost("g", 100, 4)], gpus=1, budget_s=360, cold_start_s=40, warmups=1, lease_s=1560,
+                **EXACT_ADMISSION).assignments[0].partial == {"g": 2}
+    # a planned cell costs its warm-up as estimated, and longest-first counts it
+    result = plan([CellCost("a", 50, 4, warmup_s=90), CellCost("b", 55, 4)], gpus=2, budget_s=1000,
+                  cold_start_s=40, warmups=1, **EXACT_ADMISSION)
+    by_gpu = {a.gpu: a for a in result.assignments}
+    assert by_gpu[0].cells == ["a"] and by_gpu[0].planned_s == 40 + 90 + 3 * 50  # 240 s before b's 220 s
+    assert result.to_json()["warmup_estimates_s"] == {"a": 90, "b": 55}
+
+
+@pytest.mark.parametrize(("warmup_s", "repetition_s", "room_s"),
+                         [(0.5, 0.25, 0.8), (0.3, 0.25, 0.9), (0.25, 0.25, 0.8), (0.6, 0.2, 2.05), (0.3, 0.25, 0.45),
+                          (0.2, 0.3, 1.15)])
+def test_the_plan_admits_what_the_runner_runs_after_a_long_warmup(three_reps, tmp_path, clock, monkeypatch,
+                                                                  warmup_s, repetition_s, room_s):
+    """The runner itself (fake clock; its own admission rule) against `repetitions_admitted`: the same
+    number of repetitions, when the warm-up is longer, as long as, or shorter than a measured one."""
+    import types
+
+    # the walls the runner reads back (its `last_wall`) on the same fake clock as its deadline checks
+    monkeypatch.setattr("rollout_lib.measure.timing.time", types.SimpleNamespace(perf_counter=clock.time))
+    study, params = three_reps
+    most = study.protocol.warmup_repetitions + study.protocol.measured_repetitions
+    expected = repetitions_admitted(room_s, repetition_s, study.protocol.warmup_repetitions, warmup_s=warmup_s,
+                                    most=most, **EXACT_ADMISSION)
+    _, spec = _measure(params, tmp_path / "out", "lease", [CELL], clock, deadline_unix=clock.now + room_s,
+                       estimates_s={CELL: repetition_s}, delays_s=[warmup_s] + [repetition_s] * most)
+    records = read_raw(spec.path)[0]
+    ran = [r for r in records if r["record"] == "repetition"]
+    assert len(ran) == expected
+    assert [r["wall_s"] for r in ran] == pytest.approx(([warmup_s] + [repetition_s] * most)[:expected])
+    if expected == 0:
+        assert any(r["record"] == "cell_skipped" for r in records)
+
+
 def test_scheduler_keeps_a_cell_a_whole_lease_holds_for_one_lease():
     """Lease 14's last job (244 s left of a ~1,560 s lease) split a 4-repetition cell a whole lease holds
     (warmup + 1 now, warmup + 2 later: one warmup more). With the lease's length known, whole cells use
@@ -181,7 +232,7 @@ def test_scheduler_fills_the_end_of_a_job_with_the_most_measured_seconds():
                                        "calibration_repetitions": 0})
     assert "a whole lease 1560 s" in text
     (line,) = [row for row in text.splitlines() if row.startswith("  h ")]
-    assert line.endswith("(partial: 2 measured rep(s) fit; fills the job's end, a whole lease would hold it)")
+    assert line.endswith(" 300.0 s (cut: 2 of 3 measured fit; fills the job's end, a whole lease would hold it)")
     # on two GPUs each fills its own end: the larger filler goes first, the other GPU takes the next
     two = plan([*costs, CellCost("w", 60, 4)], gpus=2, budget_s=340, cold_start_s=40, warmups=1, lease_s=1560,
                **EXACT_ADMISSION)
@@ -189,6 +240,45 @@ def test_scheduler_fills_the_end_of_a_job_with_the_most_measured_seconds():
     assert by_gpu[0].cells == ["w"] and by_gpu[0].partial == {}  # w (240 s) whole on GPU 0
     assert by_gpu[1].cells == ["h"] and by_gpu[1].fillers == ["h"]  # h: 2 x 100 s measured in GPU 1's 300 s
     assert two.unscheduled == ["g"]  # 60 s left on GPU 0: not even g's warmup
+
+
+def test_estimates_come_from_a_cells_own_repetitions_under_the_workers_identity(three_reps):
+    """A cell measured before (a cut segment) is estimated from its own walls under the identity the
+    workers will have, its warm-up too; any other cell from the prior x the campaign's ratio, its warm-up
+    x the median warm-up/measured ratio of the campaign's segments (lease 15: 700 s planned as 496 s)."""
+    from rollout_lib.campaign import driver
+
+    study, _ = three_reps
+    mine, other = "a" * 64, "b" * 64
+
+    def raw(identity, cell_walls):
+        records = [{"record": "header", "run_id": identity[:4], "measurement_identity_sha256": identity}]
+        for cell_id, warmup, walls in cell_walls:
+            records.append({"record": "repetition", "cell_id": cell_id, "wall_s": warmup, "warmup": True})
+            records += [{"record": "repetition", "cell_id": cell_id, "wall_s": w, "warmup": False} for w in walls]
+        return records
+
+    files = [raw(mine, [("p16-r8-n1-greedy", 9.0, [4.0, 5.0])]),  # warm-up / measured 2.0
+             raw(other, [("p48-r24-n2-stochastic", 6.0, [5.0])])]  # 1.2
+    cells = ["p16-r8-n1-greedy", "p48-r24-n2-stochastic", "p16-r24-n1-greedy"]
+    costs, info = driver.estimate_costs(study, "hf_reference", cells, files, mine)
+    by_cell = {c.cell_id: c for c in costs}
+    own = by_cell["p16-r8-n1-greedy"]
+    assert (own.repetition_s, own.warmup_s, own.repetitions_left) == (4.5, 9.0, 4)
+    assert info["cells_from_own_repetitions"] == ["p16-r8-n1-greedy"] and info["warmup_ratio"] == pytest.approx(1.6)
+    assert info["warmup_segments"] == 2
+    for cell_id in ("p48-r24-n2-stochastic", "p16-r24-n1-greedy"):  # another identity's walls: the prior
+        cost = by_cell[cell_id]
+        assert cost.warmup_s == pytest.approx(cost.repetition_s * 1.6)
+        assert cost.repetition_s != 5.0
+    # without a known identity every file counts as the workers'
+    costs, info = driver.estimate_costs(study, "hf_reference", cells, files)
+    assert {c.cell_id: c.repetition_s for c in costs}["p48-r24-n2-stochastic"] == 5.0
+    assert info["cells_from_own_repetitions"] == ["p16-r8-n1-greedy", "p48-r24-n2-stochastic"]
+    # a warm-up shorter than its measured repetitions never plans a warm-up below a measured one
+    costs, info = driver.estimate_costs(study, "hf_reference", ["p16-r24-n1-greedy"],
+                                        [raw(mine, [("p16-r8-n1-greedy", 2.0, [4.0])])], mine)
+    assert info["warmup_ratio"] == 1.0 and costs[0].warmup_s == costs[0].repetition_s
 
 
 def test_forecast_plans_lease_after_lease_until_every_cell_is_planned():
@@ -315,7 +405,9 @@ def test_the_plan_continues_under_this_machines_identity_and_names_stranded_segm
     assert main([*common, "--as-identity", mine["sha256"][:8], "--forecast"]) == 0
     printed = capsys.readouterr().out
     assert f"continuations: measurement identity {mine['sha256'][:10]}, --as-identity" in printed
-    assert "x 2 =" in printed and "forecast, if the estimates hold: 1 lease(s)" in printed  # warmup + the third
+    (line,) = [row for row in printed.splitlines() if row.startswith(f"  {CELL}* ")]  # from its own walls
+    assert " warm-up 1 x " in line and " + 1 x " in line  # warmup + the third
+    assert "forecast, if the estimates hold: 1 lease(s)" in printed
     assert main([*common, "--as-identity", "ABCDEF12"]) == 2
     assert "as-identity: 'ABCDEF12' is not allowed; a lower-case hex prefix" in capsys.readouterr().err
     assert main([*common, "--as-identity", mine["sha256"][:8], "--expect-identity", mine["sha256"][:8]]) == 2

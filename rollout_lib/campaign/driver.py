@@ -26,9 +26,11 @@ import datetime as dt
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +105,14 @@ def _raw_records(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def estimate_costs(study: Preregistration, backend: str, cells: list[str], files: list[list[dict[str, Any]]]
-                   ) -> tuple[list[CellCost], dict[str, Any]]:
-    """Per cell: seconds per repetition (prior x calibration) and the repetitions still to do;
-    `files` are the records of this campaign's raw files of this backend."""
+def estimate_costs(study: Preregistration, backend: str, cells: list[str], files: list[list[dict[str, Any]]],
+                   identity_sha256: str | None = None) -> tuple[list[CellCost], dict[str, Any]]:
+    """Per cell: seconds per measured repetition, per warmup, and the repetitions still to do; `files` are
+    the records of this campaign's raw files of this backend. A cell with measured repetitions under
+    `identity_sha256` (the one the workers will have; any, without it) is estimated from them (their
+    median; its warmups likewise, if it has any); any other cell from the backend's prior x the median
+    observed/prior ratio of this campaign's repetitions, its warmup x the median warmup/measured ratio
+    of this campaign's segments (at least 1)."""
     workload = Workload(study)
     rows = study.workload.logical_prompts
     warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
@@ -119,17 +125,41 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
     # calibrated on this campaign's own repetitions only: other campaigns (a pilot on older code)
     # may have run a different measurement path on the same GPU model
     gpu_name = local_gpu_name()
-    pairs, sources = [], set()
+    pairs, sources, warmup_ratios = [], set(), []
+    own: dict[str, dict[str, list[float]]] = {}
     known = set(workload.cell_ids())
     for records in files:
+        same_identity = identity_sha256 is None or records[0].get("measurement_identity_sha256") == identity_sha256
+        segments: dict[str, dict[str, list[float]]] = {}
         for record in records:
             if record.get("record") == "repetition" and record.get("wall_s") and record.get("cell_id") in known:
                 pairs.append((record["wall_s"], prior(record["cell_id"])))
                 sources.add(records[0].get("run_id"))
+                kind = "warmup" if record.get("warmup") else "measured"
+                segments.setdefault(record["cell_id"], {"warmup": [], "measured": []})[kind].append(record["wall_s"])
+        for cell_id, walls in segments.items():
+            if walls["warmup"] and walls["measured"]:
+                warmup_ratios.append(walls["warmup"][0] / statistics.median(walls["measured"]))
+            if same_identity:
+                mine = own.setdefault(cell_id, {"warmup": [], "measured": []})
+                mine["warmup"] += walls["warmup"]
+                mine["measured"] += walls["measured"]
     ratio = calibration_ratio(pairs)
-    costs = [CellCost(c, prior(c) * ratio, warmups + measured) for c in cells]
+    warmup_ratio = max(1.0, statistics.median(warmup_ratios)) if warmup_ratios else 1.0
+    costs, from_own = [], []
+    for cell_id in cells:
+        walls = own.get(cell_id, {"warmup": [], "measured": []})
+        if walls["measured"]:
+            from_own.append(cell_id)
+            repetition_s = statistics.median(walls["measured"])
+        else:
+            repetition_s = prior(cell_id) * ratio
+        warmup_s = statistics.median(walls["warmup"]) if walls["warmup"] else repetition_s * warmup_ratio
+        costs.append(CellCost(cell_id, repetition_s, warmups + measured, warmup_s))
     return costs, {"calibration_ratio": ratio, "calibration_repetitions": len(pairs),
-                   "calibration_gpu": gpu_name, "calibration_files": sorted(sources)}
+                   "calibration_gpu": gpu_name, "calibration_files": sorted(sources),
+                   "warmup_ratio": warmup_ratio, "warmup_segments": len(warmup_ratios),
+                   "cells_from_own_repetitions": from_own}
 
 
 def own_identity(study: Preregistration, backend: str, gpu: str | None = None,
@@ -183,19 +213,19 @@ def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: P
     todo = cells if cells is not None else campaign_cells(study, campaign, output_dir)[backend]["to_measure"]
     backend_dir = Path(output_dir) / "raw" / campaign / backend
     files = [records for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
-    costs, calibration = estimate_costs(study, backend, todo, files)
     headers = [records[0] for records in files]
     if identity is None or not identity.get("sha256"):
         newest = headers[-1] if headers else {}
         identity = {"sha256": newest.get("measurement_identity_sha256"),
                     "key": newest.get("measurement_identity") or {},
                     "source": "the newest raw file's" + (f" ({identity['source']})" if identity else "")}
+    costs, calibration = estimate_costs(study, backend, todo, files, identity["sha256"])
     calibration["identity"] = {"sha256": identity["sha256"], "source": identity["source"]}
     calibration["stranded"] = []
     if identity["sha256"]:
         partial = find_continuations(backend_dir, identity["sha256"], todo)
         warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
-        costs = [CellCost(c.cell_id, c.repetition_s, warmups + measured - len(partial[c.cell_id].done))
+        costs = [replace(c, repetitions_left=warmups + measured - len(partial[c.cell_id].done))
                  if c.cell_id in partial else c for c in costs]
         calibration["stranded"] = segments_under_other_identities(backend_dir, identity, headers, todo)
     cold = COLD_START_S.get(backend, DEFAULT_COLD_START_S)
@@ -299,18 +329,26 @@ def _short(differences: list[str], most: int = 3) -> str:
 
 def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
     gpu = calibration["calibration_gpu"] or "this machine"
+    own = calibration.get("cells_from_own_repetitions") or []
     lines = [f"estimates: prior x {calibration['calibration_ratio']:.3f} (median observed/prior over "
-             f"{calibration['calibration_repetitions']} repetitions of this campaign; GPU {gpu})",
+             f"{calibration['calibration_repetitions']} repetitions of this campaign; GPU {gpu}); "
+             f"{len(own)} cell(s) from their own measured repetitions (marked *); warm-up x "
+             f"{calibration.get('warmup_ratio', 1.0):.2f} where a cell has none (median warm-up/measured over "
+             f"{calibration.get('warmup_segments', 0)} segments)",
              f"budget {the_plan.budget_s:.0f} s per GPU, cold start {the_plan.cold_start_s:.0f} s"
              + (f", a whole lease {the_plan.lease_s:.0f} s" if the_plan.lease_s is not None else "")]
     for a in the_plan.assignments:
         lines.append(f"GPU {a.gpu}: {len(a.cells)} cell(s), planned {a.planned_s:.0f} s")
         for cell_id in a.cells:
             cost = the_plan.costs[cell_id]
+            warmups = the_plan.warmups
+            measured_left = cost.repetitions_left - warmups
+            measured_now = a.partial.get(cell_id, measured_left)
             fill = "; fills the job's end, a whole lease would hold it" if cell_id in a.fillers else ""
-            note = f" (partial: {a.partial[cell_id]} measured rep(s) fit{fill})" if cell_id in a.partial else ""
-            lines.append(f"  {cell_id:28s} {cost.repetition_s:8.1f} s/rep x {cost.repetitions_left} = "
-                         f"{cost.total_s:8.1f} s{note}")
+            note = f" (cut: {measured_now} of {measured_left} measured fit{fill})" if cell_id in a.partial else ""
+            mark = "*" if cell_id in own else ""
+            lines.append(f"  {cell_id + mark:28s} warm-up {warmups} x {cost.first_s:6.1f} s + {measured_now} x "
+                         f"{cost.repetition_s:6.1f} s = {cost.seconds(warmups + measured_now, warmups):7.1f} s{note}")
     if the_plan.unscheduled:
         lines.append(f"not this lease ({len(the_plan.unscheduled)}): {', '.join(the_plan.unscheduled)}")
     chosen = calibration.get("identity") or {}
@@ -479,14 +517,15 @@ def status(study: Preregistration, campaign: str, output_dir: Path, backend: str
         lines.append(f"driver {state['backend']} pid {state['driver_pid']}: "
                      f"{'running' if alive else 'finished'}; deadline in {max(0, left):.0f} s")
         estimates = state["plan"]["estimates_s"]
+        warmup_estimates = state["plan"].get("warmup_estimates_s", {})  # absent in drivers before lease 16
         for worker in state["workers"]:
             raw = Path(worker["raw_file"])
             progress = worker_progress(raw)
             running = _alive(worker["pid"]) and live_holder(raw) is not None
             finished = {c for c, _ in progress["done"]}
             remaining = [c for c in worker["cells"] if c not in finished]
-            eta = sum(estimates.get(c, 0) * (study.protocol.warmup_repetitions + study.protocol.measured_repetitions)
-                      for c in remaining)
+            eta = sum(warmup_estimates.get(c, estimates.get(c, 0)) * study.protocol.warmup_repetitions
+                      + estimates.get(c, 0) * study.protocol.measured_repetitions for c in remaining)
             eta = min(eta, max(0.0, left)) if running else 0.0
             state_word = "running" if running else f"exited {worker.get('returncode')}"
             lines.append(f"  GPU {worker['gpu']} pid {worker['pid']} {state_word}: "

@@ -6,7 +6,9 @@ fit this lease. A unit is a cell's cold-start share, its warmup and its remainin
 repetitions; a cell too long for a whole lease is planned with the repetitions that fit (at least one
 measured after the warmup), and the next lease continues it as a new segment. Every segment repeats
 the warmup (480-760 s for the oracle's largest cells), so a cell that one lease can hold is split only
-to fill time at the end of a job that no whole cell fits.
+to fill time at the end of a job that no whole cell fits. A warmup may cost more than a measured
+repetition (the oracle's greedy cells: 1.2-2.4x, first-pass allocator growth), and the runner then
+admits the next repetition only if one as long as the warmup still fits: the plan follows both.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # The runner's admission rule (measure/runner.py, frozen with the oracle): a repetition starts only when
@@ -50,12 +52,18 @@ def model_repetition_s(backend: str, prompt_tokens: int, response_tokens: int, r
 @dataclass(frozen=True)
 class CellCost:
     cell_id: str
-    repetition_s: float  # one repetition (warmup or measured)
+    repetition_s: float  # one measured repetition (the estimate the runner is given)
     repetitions_left: int  # warmups + measured repetitions still to do
+    warmup_s: float | None = None  # one warmup repetition; None: as long as a measured one
 
     @property
-    def total_s(self) -> float:
-        return self.repetition_s * self.repetitions_left
+    def first_s(self) -> float:
+        return self.repetition_s if self.warmup_s is None else self.warmup_s
+
+    def seconds(self, repetitions: int, warmups: int) -> float:
+        """The first `repetitions` of a segment, warmups first."""
+        first = min(repetitions, warmups)
+        return first * self.first_s + (repetitions - first) * self.repetition_s
 
 
 @dataclass
@@ -75,13 +83,15 @@ class Plan:
     budget_s: float
     cold_start_s: float
     lease_s: float | None = None  # the longest budget one lease gives a job; None: budget_s
+    warmups: int = 1  # warmup repetitions every segment starts with
 
     def to_json(self) -> dict[str, Any]:
         return {"budget_s": self.budget_s, "cold_start_s": self.cold_start_s, "lease_s": self.lease_s,
                 "unscheduled": self.unscheduled,
                 "assignments": [{"gpu": a.gpu, "cells": a.cells, "planned_s": round(a.planned_s, 1),
                                  "partial": a.partial, "fillers": a.fillers} for a in self.assignments],
-                "estimates_s": {c: round(cost.repetition_s, 2) for c, cost in self.costs.items()}}
+                "estimates_s": {c: round(cost.repetition_s, 2) for c, cost in self.costs.items()},
+                "warmup_estimates_s": {c: round(cost.first_s, 2) for c, cost in self.costs.items()}}
 
 
 def calibration_ratio(observed: list[tuple[float, float]]) -> float:
@@ -90,16 +100,30 @@ def calibration_ratio(observed: list[tuple[float, float]]) -> float:
     return statistics.median(ratios) if ratios else 1.0
 
 
-def repetitions_admitted(room_s: float, repetition_s: float, warmups: int, *,
-                         safety: float = DEADLINE_SAFETY, margin_s: float = DEADLINE_MARGIN_S) -> int:
-    """How many repetitions (warmups first) the runner would run of a cell started with `room_s` seconds
-    to the deadline, each taking `repetition_s`: 0 when it would not start the cell at all."""
+def repetitions_admitted(room_s: float, repetition_s: float, warmups: int, *, warmup_s: float | None = None,
+                         most: int | None = None, safety: float = DEADLINE_SAFETY,
+                         margin_s: float = DEADLINE_MARGIN_S) -> int:
+    """How many repetitions (warmups first, each `warmup_s`, default `repetition_s`; then `repetition_s`
+    each) the runner would run of a cell started with `room_s` seconds to the deadline, at most `most`:
+    0 when it would not start the cell at all. The runner is given `repetition_s` as its estimate; it
+    starts the cell if its warmups + one measured fit by that estimate, and each later repetition only if
+    one as long as the larger of the estimate and the last repetition's wall still fits."""
+    limit = sys.maxsize if most is None else most
     if repetition_s <= 0:  # no estimate of cost: as many as asked, if the margin itself fits
-        return 0 if room_s < margin_s else sys.maxsize
+        return 0 if room_s < margin_s else limit
     if (warmups + 1) * repetition_s * safety + margin_s > room_s:
         return 0
-    # repetition j starts at j x repetition_s and is admitted while it ends (with the margin) in time
-    return math.floor((room_s - margin_s - repetition_s * safety) / repetition_s) + 1
+    if warmup_s is None or warmup_s == repetition_s or warmups == 0:
+        # repetition j starts at j x repetition_s and is admitted while it ends (with the margin) in time
+        return min(limit, math.floor((room_s - margin_s - repetition_s * safety) / repetition_s) + 1)
+    elapsed, last, count = 0.0, 0.0, 0
+    while count < limit:
+        if count > 0 and elapsed + max(repetition_s, last) * safety + margin_s > room_s:
+            break
+        last = warmup_s if count < warmups else repetition_s
+        elapsed += last
+        count += 1
+    return count
 
 
 def plan(costs: list[CellCost], *, gpus: int, budget_s: float, cold_start_s: float, warmups: int,
@@ -119,15 +143,16 @@ def plan(costs: list[CellCost], *, gpus: int, budget_s: float, cold_start_s: flo
     waiting = []
 
     def admitted(room_s: float, cost: CellCost) -> int:
-        return repetitions_admitted(room_s, cost.repetition_s, warmups, safety=safety, margin_s=margin_s)
+        return repetitions_admitted(room_s, cost.repetition_s, warmups, warmup_s=cost.warmup_s,
+                                    most=cost.repetitions_left, safety=safety, margin_s=margin_s)
 
     def add(target: Assignment, cost: CellCost, repetitions: int) -> None:
         target.cells.append(cost.cell_id)
-        target.planned_s += repetitions * cost.repetition_s
+        target.planned_s += cost.seconds(repetitions, warmups)
         if repetitions < cost.repetitions_left:
             target.partial[cost.cell_id] = repetitions - warmups
 
-    for cost in sorted(costs, key=lambda c: (-c.total_s, c.cell_id)):
+    for cost in sorted(costs, key=lambda c: (-c.seconds(c.repetitions_left, warmups), c.cell_id)):
         target = min(assignments, key=lambda a: (a.planned_s, a.gpu))
         fitting_total = admitted(budget_s - target.planned_s, cost)
         longer_than_a_lease = admitted((lease_s or budget_s) - cold_start_s, cost) < cost.repetitions_left
@@ -147,7 +172,7 @@ def plan(costs: list[CellCost], *, gpus: int, budget_s: float, cold_start_s: flo
             target.fillers.append(cost.cell_id)
         waiting.remove(cost)
     return Plan(assignments, [c.cell_id for c in waiting], {c.cell_id: c for c in costs}, budget_s, cold_start_s,
-                lease_s)
+                lease_s, warmups)
 
 
 def forecast(costs: list[CellCost], *, gpus: int, lease_s: float, cold_start_s: float, warmups: int,
@@ -170,7 +195,7 @@ def forecast(costs: list[CellCost], *, gpus: int, lease_s: float, cold_start_s: 
             break
         plans.append(the_plan)
         cut = {cell: measured for a in the_plan.assignments for cell, measured in a.partial.items()}
-        left = [CellCost(c.cell_id, c.repetition_s, c.repetitions_left - cut[c.cell_id]) if c.cell_id in cut else c
+        left = [replace(c, repetitions_left=c.repetitions_left - cut[c.cell_id]) if c.cell_id in cut else c
                 for c in left if c.cell_id not in planned or c.cell_id in cut]
     if left and not never:
         raise ValueError(f"forecast: {len(left)} cell(s) still unplanned after {most_leases} leases")
