@@ -486,6 +486,7 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     _require_identity_prefix("expect-identity", args.expect_identity)
     cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.campaign_command == "plan":
+        identity = None
         if args.as_identity is not None:
             if args.expect_identity is not None:
                 raise CommandError("as-identity: not allowed with --expect-identity (the plan would not be this "
@@ -495,17 +496,14 @@ def cmd_campaign(args: argparse.Namespace) -> int:
                 identity = driver.identity_of_raw_files(output_dir, args.campaign, args.backend, args.as_identity)
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
-            the_plan, calibration = driver.make_plan(study, args.campaign, args.backend, output_dir, args.gpus or 1,
-                                                     args.deadline_s, cells, identity, args.lease_s)
-        else:
-            the_plan, calibration = driver.plan_on_this_machine(study, args.campaign, args.backend, output_dir,
-                                                                args.gpus, args.deadline_s, cells,
-                                                                args.expect_identity, lease_s=args.lease_s)
+        the_plan, calibration = driver.plan_on_this_machine(study, args.campaign, args.backend, output_dir,
+                                                            args.gpus, args.deadline_s, cells, args.expect_identity,
+                                                            lease_s=args.lease_s, as_identity=identity)
         print(driver.format_plan(the_plan, calibration))
         if args.forecast:
             lease_s = args.lease_s or args.deadline_s
             try:
-                plans, never = driver.forecast_plans(the_plan, study.protocol.warmup_repetitions, lease_s)
+                plans, never = driver.forecast_plans(the_plan, lease_s)
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
             print(driver.format_forecast(plans, never, lease_s))

@@ -235,13 +235,18 @@ def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: P
 
 def plan_on_this_machine(study: Preregistration, campaign: str, backend: str, output_dir: Path, gpus: int | None,
                          deadline_s: float, cells: list[str] | None = None, expect_identity: str | None = None,
-                         visible: list[int] | None = None, lease_s: float | None = None) -> tuple[Plan, dict[str, Any]]:
-    """`make_plan` for `gpus` (default: every visible one) under the identity a worker here will have
-    (`own_identity`, probed on the first visible GPU), refused first (`require_identity`) unless it
-    begins with `expect_identity`. What `campaign plan` prints and `campaign run` starts."""
+                         visible: list[int] | None = None, lease_s: float | None = None,
+                         as_identity: dict[str, Any] | None = None) -> tuple[Plan, dict[str, Any]]:
+    """`make_plan` for `gpus` (default: every visible one, at least 1) under the identity a worker here will
+    have (`own_identity`, probed on the first visible GPU), refused first (`require_identity`) unless it
+    begins with `expect_identity`; or under `as_identity` (`identity_of_raw_files`: `campaign plan
+    --as-identity`, no probe). What `campaign plan` prints and `campaign run` starts."""
     visible = visible_gpus() if visible is None else visible
-    identity = own_identity(study, backend, str(visible[0]) if visible else None)
-    require_identity(identity, expect_identity)
+    if as_identity is not None:
+        identity = as_identity
+    else:
+        identity = own_identity(study, backend, str(visible[0]) if visible else None)
+        require_identity(identity, expect_identity)
     return make_plan(study, campaign, backend, output_dir, gpus or max(1, len(visible)), deadline_s, cells,
                      identity, lease_s)
 
@@ -260,10 +265,10 @@ def identity_of_raw_files(output_dir: Path, campaign: str, backend: str, prefix:
     return {"sha256": matching[0], "key": found[matching[0]], "source": "--as-identity (a raw file's)"}
 
 
-def forecast_plans(the_plan: Plan, warmups: int, lease_s: float) -> tuple[list[Plan], list[str]]:
+def forecast_plans(the_plan: Plan, lease_s: float) -> tuple[list[Plan], list[str]]:
     """`schedule.forecast` from a plan's costs (this lease's budget first, then whole leases of `lease_s`)."""
     return forecast(list(the_plan.costs.values()), gpus=len(the_plan.assignments), lease_s=lease_s,
-                    cold_start_s=the_plan.cold_start_s, warmups=warmups, first_budget_s=the_plan.budget_s)
+                    cold_start_s=the_plan.cold_start_s, warmups=the_plan.warmups, first_budget_s=the_plan.budget_s)
 
 
 def format_forecast(plans: list[Plan], never: list[str], lease_s: float) -> str:
