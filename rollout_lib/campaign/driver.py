@@ -342,11 +342,11 @@ def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
              f"{calibration.get('warmup_segments', 0)} segments)",
              f"budget {the_plan.budget_s:.0f} s per GPU, cold start {the_plan.cold_start_s:.0f} s"
              + (f", a whole lease {the_plan.lease_s:.0f} s" if the_plan.lease_s is not None else "")]
+    warmups = the_plan.warmups
     for a in the_plan.assignments:
         lines.append(f"GPU {a.gpu}: {len(a.cells)} cell(s), planned {a.planned_s:.0f} s")
         for cell_id in a.cells:
             cost = the_plan.costs[cell_id]
-            warmups = the_plan.warmups
             measured_left = cost.repetitions_left - warmups
             measured_now = a.partial.get(cell_id, measured_left)
             fill = "; fills the job's end, a whole lease would hold it" if cell_id in a.fillers else ""

@@ -13,7 +13,6 @@ admits the next repetition only if one as long as the warmup still fits: the pla
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 from dataclasses import dataclass, field, replace
@@ -113,10 +112,8 @@ def repetitions_admitted(room_s: float, repetition_s: float, warmups: int, *, wa
         return 0 if room_s < margin_s else limit
     if (warmups + 1) * repetition_s * safety + margin_s > room_s:
         return 0
-    if warmup_s is None or warmup_s == repetition_s or warmups == 0:
-        # repetition j starts at j x repetition_s and is admitted while it ends (with the margin) in time
-        return min(limit, math.floor((room_s - margin_s - repetition_s * safety) / repetition_s) + 1)
-    elapsed, last, count = 0.0, 0.0, 0
+    warmup_s = repetition_s if warmup_s is None else warmup_s
+    elapsed, last, count = 0.0, 0.0, 0  # the runner's loop, walls as estimated
     while count < limit:
         if count > 0 and elapsed + max(repetition_s, last) * safety + margin_s > room_s:
             break
