@@ -336,6 +336,27 @@ def test_deadline_cut_then_continuation_loses_and_duplicates_nothing(three_reps,
     assert len(cell["warmup_wall_s"]) == 1  # this attempt's warmup; the first segment's stays in its file
 
 
+def test_status_reads_a_driver_state_merged_from_the_device_machine(three_reps, tmp_path, clock):
+    from rollout_lib.campaign.driver import state_path, status
+
+    study, params = three_reps
+    out = tmp_path / "out"
+    _, segment = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
+                          estimates_s={CELL: 0.25})
+    backend = segment.path.parent.name
+    # the driver wrote the raw file's path on the device machine; the merge put the file under `out`
+    state = {"backend": backend, "driver_pid": 2 ** 22 + 1, "deadline_unix": time.time() + 900,
+             "finished_unix": time.time(), "plan": {"estimates_s": {CELL: 0.25}},
+             "workers": [{"gpu": 0, "pid": 2 ** 22 + 2, "returncode": 0, "cells": [CELL],
+                          "raw_file": f"/tmp/rq/src/outputs/raw/seg/{backend}/{segment.path.name}"}]}
+    path = state_path(out, "seg", backend, "20261202T000000Z")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state))
+    text = status(study, "seg", out)
+    assert f"driver {backend} pid {2 ** 22 + 1}: finished\n" in text + "\n", text  # no deadline once finished
+    assert "exited 0: 1/1 cells ended (1 suspended); lease1.jsonl" in text, text
+
+
 def test_a_segment_from_other_measurement_code_is_not_continued(three_reps, tmp_path, clock, monkeypatch):
     _, params = three_reps
     out = tmp_path / "out"

@@ -492,6 +492,23 @@ def worker_progress(raw: Path) -> dict[str, Any]:
             if current else None, "done": done, "ended": any(r.get("record") == "teardown" for r in records)}
 
 
+def _worker_raw_file(worker: dict[str, Any], output_dir: Path, campaign: str, backend: str) -> Path:
+    """The worker's raw file: where the driver wrote it, or, for a driver state merged from the device
+    machine (its absolute path is that machine's), the file of that name under this output directory."""
+    written = Path(worker["raw_file"])
+    if written.exists():
+        return written
+    return output_dir / "raw" / campaign / backend / written.name
+
+
+def _count_words(words: Any) -> str:
+    """'2 completed, 1 suspended' from an iterable of words, in first-seen order."""
+    counts: dict[str, int] = {}
+    for word in words:
+        counts[word] = counts.get(word, 0) + 1
+    return ", ".join(f"{n} {word}" for word, n in counts.items())
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -520,11 +537,11 @@ def status(study: Preregistration, campaign: str, output_dir: Path, backend: str
         alive = _alive(state["driver_pid"]) and "finished_unix" not in state
         left = state["deadline_unix"] - now
         lines.append(f"driver {state['backend']} pid {state['driver_pid']}: "
-                     f"{'running' if alive else 'finished'}; deadline in {max(0, left):.0f} s")
+                     + (f"running; deadline in {max(0, left):.0f} s" if alive else "finished"))
         estimates = state["plan"]["estimates_s"]
         warmup_estimates = state["plan"].get("warmup_estimates_s", {})  # absent in drivers before lease 16
         for worker in state["workers"]:
-            raw = Path(worker["raw_file"])
+            raw = _worker_raw_file(worker, output_dir, campaign, state["backend"])
             progress = worker_progress(raw)
             running = _alive(worker["pid"]) and live_holder(raw) is not None
             finished = {c for c, _ in progress["done"]}
@@ -535,6 +552,7 @@ def status(study: Preregistration, campaign: str, output_dir: Path, backend: str
             state_word = "running" if running else f"exited {worker.get('returncode')}"
             lines.append(f"  GPU {worker['gpu']} pid {worker['pid']} {state_word}: "
                          f"{len(finished)}/{len(worker['cells'])} cells ended"
+                         + (f" ({_count_words(s.split(' (')[0] for _, s in progress['done'])})" if finished else "")
                          + (f"; now {progress['cell']} {progress['repetition']}" if progress["cell"] else "")
                          + (f"; ETA {eta:.0f} s" if running else "") + f"; {raw.name}")
     if len(lines) == 0:
