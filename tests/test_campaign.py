@@ -357,6 +357,24 @@ def test_status_reads_a_driver_state_merged_from_the_device_machine(three_reps, 
     assert "exited 0: 1/1 cells ended (1 suspended); lease1.jsonl" in text, text
 
 
+def test_missing_names_how_far_a_cut_cell_got_and_its_identity(three_reps, tmp_path, clock, capsys):
+    from rollout_lib.cli import main
+
+    study, params = three_reps
+    out = tmp_path / "out"
+    _, segment = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
+                          estimates_s={CELL: 0.25})
+    identity = read_raw(segment.path)[0][0]["measurement_identity_sha256"]
+    assert main(["missing", "--params", str(params), "--campaign", "seg", "--output-dir", str(out)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{segment.path.parent.name}:"))
+    assert f"{CELL} (2 of 3 measured, identity {identity[:10]})" in line, line
+    # once continued to the end the cell is valid and leaves the list
+    _measure(params, out, "lease2", [CELL], clock)
+    assert main(["missing", "--params", str(params), "--campaign", "seg", "--output-dir", str(out)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{segment.path.parent.name}:"))
+    assert CELL not in line and "measured, identity" not in line, line
+
+
 def test_a_segment_from_other_measurement_code_is_not_continued(three_reps, tmp_path, clock, monkeypatch):
     _, params = three_reps
     out = tmp_path / "out"

@@ -300,15 +300,30 @@ def segments_under_other_identities(backend_dir: Path, identity: dict[str, Any],
     staged (`packages.vllm` 0.26.0, earlier leases: absent), which stranded three cut cells' repetitions."""
     identities = _identities(headers)
     mine = identity.get("key") or {}
-    out = []
-    for other, theirs in sorted(identities.items()):
-        if other == identity["sha256"]:
-            continue
-        for cell_id, continuation in sorted(find_continuations(backend_dir, other, todo).items()):
-            if continuation.done:
-                out.append({"cell_id": cell_id, "measured_repetitions": len(continuation.done),
-                            "identity_sha256": other, "differs": identity_differences(theirs, mine)})
+    others = [sha for sha in sorted(identities) if sha != identity["sha256"]]
+    return [{"cell_id": cell_id, "measured_repetitions": count, "identity_sha256": other,
+             "differs": identity_differences(identities[other], mine)}
+            for other, cell_id, count in _cut_segments(backend_dir, others, todo)]
+
+
+def waiting_repetitions(output_dir: Path, campaign: str, backend: str,
+                        todo: list[str]) -> dict[str, list[tuple[str, int]]]:
+    """Per to-do cell, the measured repetitions its cut segments hold, per measurement identity (SHA-256,
+    count): what a worker under that identity continues instead of measuring again."""
+    backend_dir = Path(output_dir) / "raw" / campaign / backend
+    headers = [records[0] for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
+    out: dict[str, list[tuple[str, int]]] = {}
+    for identity_sha256, cell_id, count in _cut_segments(backend_dir, sorted(_identities(headers)), todo):
+        out.setdefault(cell_id, []).append((identity_sha256, count))
     return out
+
+
+def _cut_segments(backend_dir: Path, identities: list[str], todo: list[str]) -> list[tuple[str, str, int]]:
+    """(identity, cell, measured repetitions) of each to-do cell's continuable segments under each identity."""
+    return [(identity_sha256, cell_id, len(continuation.done))
+            for identity_sha256 in identities
+            for cell_id, continuation in sorted(find_continuations(backend_dir, identity_sha256, todo).items())
+            if continuation.done]
 
 
 def identity_differences(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
