@@ -281,6 +281,51 @@ def test_estimates_come_from_a_cells_own_repetitions_under_the_workers_identity(
     assert info["warmup_ratio"] == 1.0 and costs[0].warmup_s == costs[0].repetition_s
 
 
+def test_fresh_cells_are_calibrated_on_their_own_sampling_mode(three_reps):
+    """The prior misses the oracle's greedy and stochastic paths in opposite directions (h200-v2 after lease
+    16: x 0.86 and x 1.07): with enough repetitions of its sampling mode, a fresh cell takes that mode's
+    observed/prior ratio; a mode with too few takes the campaign's. Warm-ups keep the campaign's ratio."""
+    from rollout_lib.campaign import driver
+    from rollout_lib.study.workload import Workload
+
+    study, _ = three_reps
+    workload, rows = Workload(study), study.workload.logical_prompts
+
+    def prior(cell_id):
+        cell = workload.cell(cell_id)
+        return driver.model_repetition_s("hf_reference", cell.prompt_tokens, cell.response_tokens,
+                                         rows * cell.samples_per_prompt, cell.sampling.name)
+
+    def segment(cell_id, factor, warmup_factor):
+        wall = prior(cell_id) * factor
+        return [{"record": "repetition", "cell_id": cell_id, "wall_s": wall * warmup_factor, "warmup": True},
+                {"record": "repetition", "cell_id": cell_id, "wall_s": wall, "warmup": False}]
+
+    greedy = ["p16-r8-n1-greedy", "p16-r8-n2-greedy", "p48-r8-n1-greedy"]
+    stochastic = ["p16-r8-n1-stochastic", "p16-r8-n2-stochastic", "p48-r8-n1-stochastic"]
+    header = {"record": "header", "run_id": "past", "measurement_identity_sha256": "b" * 64}
+    files = [[header] + [r for c in greedy for r in segment(c, 0.5, 1.0)]
+             + [r for c in stochastic for r in segment(c, 2.0, 1.0)]]
+    fresh = ["p48-r24-n2-greedy", "p48-r24-n2-stochastic"]
+    costs, info = driver.estimate_costs(study, "hf_reference", fresh, files, "a" * 64)
+    by_cell = {c.cell_id: c for c in costs}
+    assert by_cell[fresh[0]].repetition_s == pytest.approx(prior(fresh[0]) * 0.5)
+    assert by_cell[fresh[1]].repetition_s == pytest.approx(prior(fresh[1]) * 2.0)
+    assert info["calibration_by_sampling"] == {"greedy": {"ratio": pytest.approx(0.5), "repetitions": 6},
+                                               "stochastic": {"ratio": pytest.approx(2.0), "repetitions": 6}}
+    text = driver.format_plan(driver.plan(costs, gpus=1, budget_s=1e6, cold_start_s=0.0, warmups=1), info)
+    assert "over 12 repetitions of this campaign; greedy x 0.500 over 6; stochastic x 2.000 over 6" in text, text
+    # one stochastic segment (2 repetitions) is too few for a ratio of its own: the campaign's stands in,
+    # and a warm-up takes the campaign's warm-up ratio whatever the mode (here 1.5)
+    files = [[header] + [r for c in greedy for r in segment(c, 0.5, 1.5)] + segment(stochastic[0], 2.0, 1.5)]
+    costs, info = driver.estimate_costs(study, "hf_reference", fresh, files, "a" * 64)
+    assert list(info["calibration_by_sampling"]) == ["greedy"] and info["warmup_ratio"] == pytest.approx(1.5)
+    stochastic_cost = {c.cell_id: c for c in costs}[fresh[1]]
+    assert info["calibration_ratio"] != pytest.approx(2.0)
+    assert stochastic_cost.repetition_s == pytest.approx(prior(fresh[1]) * info["calibration_ratio"])
+    assert stochastic_cost.warmup_s == pytest.approx(stochastic_cost.repetition_s * 1.5)
+
+
 def test_forecast_plans_lease_after_lease_until_every_cell_is_planned():
     """`campaign plan --forecast`: successive leases from the same rules, a cut cell costing its warmup again
     in the next; a cell that not even a whole lease can start is named, not planned forever."""
@@ -360,7 +405,7 @@ def test_status_reads_a_driver_state_merged_from_the_device_machine(three_reps, 
 def test_missing_names_how_far_a_cut_cell_got_and_its_identity(three_reps, tmp_path, clock, capsys):
     from rollout_lib.cli import main
 
-    study, params = three_reps
+    _, params = three_reps
     out = tmp_path / "out"
     _, segment = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
                           estimates_s={CELL: 0.25})

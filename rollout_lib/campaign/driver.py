@@ -52,6 +52,7 @@ from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
 
 POLL_S = 5.0
+MODE_CALIBRATION_MIN = 3  # repetitions of one sampling mode before it gets its own ratio
 
 
 def _utc_stamp() -> str:
@@ -112,7 +113,9 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
     `identity_sha256` (the one the workers will have; any, without it) is estimated from them (their
     median; its warmups likewise, if it has any); any other cell from the backend's prior x the median
     observed/prior ratio of this campaign's repetitions, its warmup x the median warmup/measured ratio
-    of this campaign's segments (at least 1)."""
+    of this campaign's segments (at least 1). The observed/prior ratio is taken over the cell's sampling
+    mode alone once that mode has `MODE_CALIBRATION_MIN` repetitions: the prior misses the oracle's greedy
+    and stochastic paths in opposite directions (h200-v2 after lease 16: x 0.86 and x 1.07)."""
     workload = Workload(study)
     rows = study.workload.logical_prompts
     warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
@@ -122,10 +125,15 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
         return model_repetition_s(backend, cell.prompt_tokens, cell.response_tokens,
                                   rows * cell.samples_per_prompt, cell.sampling.name)
 
+    def mode(cell_id: str) -> str:
+        return workload.cell(cell_id).sampling.name
+
     # calibrated on this campaign's own repetitions only: other campaigns (a pilot on older code)
     # may have run a different measurement path on the same GPU model
     gpu_name = local_gpu_name()
-    pairs, sources, warmup_ratios = [], set(), []
+    pairs: dict[str, list[tuple[float, float]]] = {}  # sampling mode -> (observed, prior)
+    warmup_ratios: list[float] = []  # warm-up / measured median, per segment
+    sources: set[str] = set()
     own: dict[str, dict[str, list[float]]] = {}
     known = set(workload.cell_ids())
     for records in files:
@@ -133,7 +141,7 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
         segments: dict[str, dict[str, list[float]]] = {}
         for record in records:
             if record.get("record") == "repetition" and record.get("wall_s") and record.get("cell_id") in known:
-                pairs.append((record["wall_s"], prior(record["cell_id"])))
+                pairs.setdefault(mode(record["cell_id"]), []).append((record["wall_s"], prior(record["cell_id"])))
                 sources.add(records[0].get("run_id"))
                 kind = "warmup" if record.get("warmup") else "measured"
                 segments.setdefault(record["cell_id"], {"warmup": [], "measured": []})[kind].append(record["wall_s"])
@@ -144,8 +152,11 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
                 mine = own.setdefault(cell_id, {"warmup": [], "measured": []})
                 mine["warmup"] += walls["warmup"]
                 mine["measured"] += walls["measured"]
-    ratio = calibration_ratio(pairs)
+    all_pairs = [pair for mode_pairs in pairs.values() for pair in mode_pairs]
+    ratio = calibration_ratio(all_pairs)
     warmup_ratio = max(1.0, statistics.median(warmup_ratios)) if warmup_ratios else 1.0
+    ratio_by_mode = {m: {"ratio": calibration_ratio(p), "repetitions": len(p)}
+                     for m, p in sorted(pairs.items()) if len(p) >= MODE_CALIBRATION_MIN}
     costs, from_own = [], []
     for cell_id in cells:
         walls = own.get(cell_id, {"warmup": [], "measured": []})
@@ -153,10 +164,11 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
             from_own.append(cell_id)
             repetition_s = statistics.median(walls["measured"])
         else:
-            repetition_s = prior(cell_id) * ratio
+            repetition_s = prior(cell_id) * ratio_by_mode.get(mode(cell_id), {"ratio": ratio})["ratio"]
         warmup_s = statistics.median(walls["warmup"]) if walls["warmup"] else repetition_s * warmup_ratio
         costs.append(CellCost(cell_id, repetition_s, warmups + measured, warmup_s))
-    return costs, {"calibration_ratio": ratio, "calibration_repetitions": len(pairs),
+    return costs, {"calibration_ratio": ratio, "calibration_repetitions": len(all_pairs),
+                   "calibration_by_sampling": ratio_by_mode,
                    "calibration_gpu": gpu_name, "calibration_files": sorted(sources),
                    "warmup_ratio": warmup_ratio, "warmup_segments": len(warmup_ratios),
                    "cells_from_own_repetitions": from_own}
@@ -350,8 +362,11 @@ def _short(differences: list[str], most: int = 3) -> str:
 def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
     gpu = calibration["calibration_gpu"] or "this machine"
     own = calibration.get("cells_from_own_repetitions") or []
+    by_mode = "".join(f"; {m} x {v['ratio']:.3f} over {v['repetitions']}"
+                      for m, v in (calibration.get("calibration_by_sampling") or {}).items())
     lines = [f"estimates: prior x {calibration['calibration_ratio']:.3f} (median observed/prior over "
-             f"{calibration['calibration_repetitions']} repetitions of this campaign; GPU {gpu}); "
+             f"{calibration['calibration_repetitions']} repetitions of this campaign"
+             f"{by_mode}; GPU {gpu}); "
              f"{len(own)} cell(s) from their own measured repetitions (marked *); warm-up x "
              f"{calibration.get('warmup_ratio', 1.0):.2f} where a cell has none (median warm-up/measured over "
              f"{calibration.get('warmup_segments', 0)} segments)",
