@@ -326,6 +326,37 @@ def test_fresh_cells_are_calibrated_on_their_own_sampling_mode(three_reps):
     assert stochastic_cost.warmup_s == pytest.approx(stochastic_cost.repetition_s * 1.5)
 
 
+def test_the_backtest_scores_fresh_cells_against_estimates_from_earlier_files(three_reps):
+    """tools/backtest_estimates.py: a later file's fresh cells, estimated from the earlier files only; at
+    the modes' own ratios the per-mode calibration is exact and the one ratio is not."""
+    from rollout_lib.campaign import driver
+    from rollout_lib.study.workload import Workload
+    from tools.backtest_estimates import backtest, summary
+
+    study, _ = three_reps
+    workload, rows = Workload(study), study.workload.logical_prompts
+
+    def walls(cell_id, factor):
+        cell = workload.cell(cell_id)
+        wall = factor * driver.model_repetition_s("hf_reference", cell.prompt_tokens, cell.response_tokens,
+                                                  rows * cell.samples_per_prompt, cell.sampling.name)
+        return [{"record": "repetition", "cell_id": cell_id, "wall_s": wall, "warmup": warmup}
+                for warmup in (True, False, False)]
+
+    factors = {"greedy": 0.5, "stochastic": 2.0}
+    header = {"record": "header", "run_id": "r", "measurement_identity_sha256": "b" * 64}
+    first = [header] + [r for c in ("p16-r8-n1-greedy", "p16-r8-n1-stochastic", "p16-r8-n2-greedy",
+                                    "p16-r8-n2-stochastic") for r in walls(c, factors[c.split("-")[-1]])]
+    second = [header, *walls("p48-r24-n2-greedy", 0.5), *walls("p48-r24-n2-stochastic", 2.0)]
+    second += walls("p16-r8-n1-greedy", 9.0)  # measured before: not a fresh cell, not scored
+    per_mode = backtest(study, "hf_reference", [first, second], by_sampling_mode=True)
+    one_ratio = backtest(study, "hf_reference", [first, second], by_sampling_mode=False)
+    assert len(per_mode["measured"]) == 4 and len(per_mode["warmup"]) == 2
+    assert max(per_mode["measured"] + per_mode["warmup"]) == pytest.approx(0.0, abs=1e-9)
+    assert min(one_ratio["measured"]) > 0.4  # one ratio of 1.25 (median of 0.5s and 2.0s) misses both by >= 1.6x
+    assert summary([])["median"] == "not_applicable" and summary([0.1, 0.3])["n"] == 2
+
+
 def test_forecast_plans_lease_after_lease_until_every_cell_is_planned():
     """`campaign plan --forecast`: successive leases from the same rules, a cut cell costing its warmup again
     in the next; a cell that not even a whole lease can start is named, not planned forever."""

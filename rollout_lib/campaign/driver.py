@@ -107,7 +107,8 @@ def _raw_records(path: Path) -> list[dict[str, Any]]:
 
 
 def estimate_costs(study: Preregistration, backend: str, cells: list[str], files: list[list[dict[str, Any]]],
-                   identity_sha256: str | None = None) -> tuple[list[CellCost], dict[str, Any]]:
+                   identity_sha256: str | None = None,
+                   by_sampling_mode: bool = True) -> tuple[list[CellCost], dict[str, Any]]:
     """Per cell: seconds per measured repetition, per warmup, and the repetitions still to do; `files` are
     the records of this campaign's raw files of this backend. A cell with measured repetitions under
     `identity_sha256` (the one the workers will have; any, without it) is estimated from them (their
@@ -115,7 +116,8 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
     observed/prior ratio of this campaign's repetitions, its warmup x the median warmup/measured ratio
     of this campaign's segments (at least 1). The observed/prior ratio is taken over the cell's sampling
     mode alone once that mode has `MODE_CALIBRATION_MIN` repetitions: the prior misses the oracle's greedy
-    and stochastic paths in opposite directions (h200-v2 after lease 16: x 0.86 and x 1.07)."""
+    and stochastic paths in opposite directions (h200-v2 after lease 16: x 0.86 and x 1.07).
+    `by_sampling_mode=False`: one ratio for all (tools/backtest_estimates.py compares the two)."""
     workload = Workload(study)
     rows = study.workload.logical_prompts
     warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
@@ -156,7 +158,7 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
     ratio = calibration_ratio(all_pairs)
     warmup_ratio = max(1.0, statistics.median(warmup_ratios)) if warmup_ratios else 1.0
     ratio_by_mode = {m: {"ratio": calibration_ratio(p), "repetitions": len(p)}
-                     for m, p in sorted(pairs.items()) if len(p) >= MODE_CALIBRATION_MIN}
+                     for m, p in sorted(pairs.items()) if by_sampling_mode and len(p) >= MODE_CALIBRATION_MIN}
     costs, from_own = [], []
     for cell_id in cells:
         walls = own.get(cell_id, {"warmup": [], "measured": []})
