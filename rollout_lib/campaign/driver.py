@@ -30,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -533,12 +535,9 @@ def _worker_raw_file(worker: dict[str, Any], output_dir: Path, campaign: str, ba
     return output_dir / "raw" / campaign / backend / written.name
 
 
-def _count_words(words: Any) -> str:
+def _count_words(words: Iterable[str]) -> str:
     """'2 completed, 1 suspended' from an iterable of words, in first-seen order."""
-    counts: dict[str, int] = {}
-    for word in words:
-        counts[word] = counts.get(word, 0) + 1
-    return ", ".join(f"{n} {word}" for word, n in counts.items())
+    return ", ".join(f"{n} {word}" for word, n in Counter(words).items())
 
 
 def _alive(pid: int) -> bool:
