@@ -108,6 +108,15 @@ def _raw_records(path: Path) -> list[dict[str, Any]]:
         return []
 
 
+def _backend_dir(output_dir: Path, campaign: str, backend: str) -> Path:
+    return Path(output_dir) / "raw" / campaign / backend
+
+
+def _backend_raw_files(backend_dir: Path) -> list[list[dict[str, Any]]]:
+    """The records of each readable, non-empty raw file of one backend, in name (run id) order."""
+    return [records for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
+
+
 def estimate_costs(study: Preregistration, backend: str, cells: list[str], files: list[list[dict[str, Any]]],
                    identity_sha256: str | None = None,
                    by_sampling_mode: bool = True) -> tuple[list[CellCost], dict[str, Any]]:
@@ -227,8 +236,8 @@ def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: P
     `identity` (`own_identity`: sha256, key and where it came from); without one the newest raw
     file's stands in for it (the worker decides exactly at run time). `lease_s`: see `schedule.plan`."""
     todo = cells if cells is not None else campaign_cells(study, campaign, output_dir)[backend]["to_measure"]
-    backend_dir = Path(output_dir) / "raw" / campaign / backend
-    files = [records for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
+    backend_dir = _backend_dir(output_dir, campaign, backend)
+    files = _backend_raw_files(backend_dir)
     headers = [records[0] for records in files]
     if identity is None or not identity.get("sha256"):
         newest = headers[-1] if headers else {}
@@ -271,8 +280,7 @@ def identity_of_raw_files(output_dir: Path, campaign: str, backend: str, prefix:
     """The measurement identity (`own_identity`'s shape) of this backend's raw files whose SHA-256 begins with
     `prefix`: `campaign plan --as-identity` costs continuations as a worker with it would (a machine that
     cannot have it, a CPU, can still plan a lease). ValueError naming the identities found otherwise."""
-    files = map(_raw_records, sorted((Path(output_dir) / "raw" / campaign / backend).glob("*.jsonl")))
-    found = _identities([records[0] for records in files if records])
+    found = _identities([records[0] for records in _backend_raw_files(_backend_dir(output_dir, campaign, backend))])
     matching = [sha for sha in found if sha.startswith(prefix)]
     if len(matching) != 1:
         known = ", ".join(sha[:10] for sha in sorted(found)) or "none"
@@ -326,8 +334,8 @@ def waiting_repetitions(output_dir: Path, campaign: str, backend: str,
                         todo: list[str]) -> dict[str, list[tuple[str, int]]]:
     """Per to-do cell, the measured repetitions its cut segments hold, per measurement identity (SHA-256,
     count): what a worker under that identity continues instead of measuring again."""
-    backend_dir = Path(output_dir) / "raw" / campaign / backend
-    headers = [records[0] for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
+    backend_dir = _backend_dir(output_dir, campaign, backend)
+    headers = [records[0] for records in _backend_raw_files(backend_dir)]
     out: dict[str, list[tuple[str, int]]] = {}
     for identity_sha256, cell_id, count in _cut_segments(backend_dir, sorted(_identities(headers)), todo):
         out.setdefault(cell_id, []).append((identity_sha256, count))
@@ -454,7 +462,7 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
             proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         workers.append({"gpu": assignment.gpu, "pid": proc.pid, "run_id": run_id, "cells": assignment.cells,
-                        "raw_file": str(output_dir / "raw" / campaign / backend / f"{run_id}.jsonl"),
+                        "raw_file": str(_backend_dir(output_dir, campaign, backend) / f"{run_id}.jsonl"),
                         "log": str(log), "returncode": None, "_proc": proc})
     state = {"campaign": campaign, "backend": backend, "driver_pid": os.getpid(), "started_unix": started,
              "deadline_unix": deadline_unix, "plan": the_plan.to_json(), "calibration": calibration,
@@ -532,7 +540,7 @@ def _worker_raw_file(worker: dict[str, Any], output_dir: Path, campaign: str, ba
     written = Path(worker["raw_file"])
     if written.exists():
         return written
-    return output_dir / "raw" / campaign / backend / written.name
+    return _backend_dir(output_dir, campaign, backend) / written.name
 
 
 def _count_words(words: Iterable[str]) -> str:
