@@ -281,20 +281,26 @@ def test_estimates_come_from_a_cells_own_repetitions_under_the_workers_identity(
     assert info["warmup_ratio"] == 1.0 and costs[0].warmup_s == costs[0].repetition_s
 
 
+def _oracle_prior(study, cell_id):
+    """The planner's prior (`schedule.model_repetition_s`) for one repetition of an hf_reference cell."""
+    from rollout_lib.campaign.schedule import model_repetition_s
+    from rollout_lib.study.workload import Workload
+
+    cell = Workload(study).cell(cell_id)
+    return model_repetition_s("hf_reference", cell.prompt_tokens, cell.response_tokens,
+                              study.workload.logical_prompts * cell.samples_per_prompt, cell.sampling.name)
+
+
 def test_fresh_cells_are_calibrated_on_their_own_sampling_mode(three_reps):
     """The prior misses the oracle's greedy and stochastic paths in opposite directions (h200-v2 after lease
     16: x 0.86 and x 1.07): with enough repetitions of its sampling mode, a fresh cell takes that mode's
     observed/prior ratio; a mode with too few takes the campaign's. Warm-ups keep the campaign's ratio."""
     from rollout_lib.campaign import driver
-    from rollout_lib.study.workload import Workload
 
     study, _ = three_reps
-    workload, rows = Workload(study), study.workload.logical_prompts
 
     def prior(cell_id):
-        cell = workload.cell(cell_id)
-        return driver.model_repetition_s("hf_reference", cell.prompt_tokens, cell.response_tokens,
-                                         rows * cell.samples_per_prompt, cell.sampling.name)
+        return _oracle_prior(study, cell_id)
 
     def segment(cell_id, factor, warmup_factor):
         wall = prior(cell_id) * factor
@@ -329,17 +335,12 @@ def test_fresh_cells_are_calibrated_on_their_own_sampling_mode(three_reps):
 def test_the_backtest_scores_fresh_cells_against_estimates_from_earlier_files(three_reps):
     """tools/backtest_estimates.py: a later file's fresh cells, estimated from the earlier files only; at
     the modes' own ratios the per-mode calibration is exact and the one ratio is not."""
-    from rollout_lib.campaign import driver
-    from rollout_lib.study.workload import Workload
     from tools.backtest_estimates import backtest, summary
 
     study, _ = three_reps
-    workload, rows = Workload(study), study.workload.logical_prompts
 
     def walls(cell_id, factor):
-        cell = workload.cell(cell_id)
-        wall = factor * driver.model_repetition_s("hf_reference", cell.prompt_tokens, cell.response_tokens,
-                                                  rows * cell.samples_per_prompt, cell.sampling.name)
+        wall = factor * _oracle_prior(study, cell_id)
         return [{"record": "repetition", "cell_id": cell_id, "wall_s": wall, "warmup": warmup}
                 for warmup in (True, False, False)]
 
