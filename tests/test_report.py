@@ -117,6 +117,23 @@ def test_a_gate_of_checks_shows_its_checks_not_a_missing_number():
     assert _number(speedup) == "min 0.81x (gate >= 1.2x)"
 
 
+def test_missing_cells_are_counted_apart_from_failing_ones():
+    """A gate short of cells is INCOMPLETE, and its count says 'without evidence', not 'failing'."""
+    from rollout_lib.report.summary import all_failures_html, failing_count_text, gate_outcome
+
+    missing = [{"backend": "hf_reference", "cell_id": f"p128-r512-n{n}-stochastic", "reason": "hf_reference: missing"}
+               for n in (1, 4)]
+    below = [{"cell_id": "p128-r256-n1-greedy", "reason": "ratio 0.7141 not >= 1.2"}]
+    incomplete = {"id": "hf_cached_speedup", "passed": False, "failing_cells": missing}
+    mixed = {"id": "vllm_speedup", "passed": False, "failing_cells": below + missing}
+    assert (gate_outcome(incomplete), failing_count_text(incomplete)) == ("INCOMPLETE", "2 without evidence")
+    assert (gate_outcome(mixed), failing_count_text(mixed)) == ("FAIL", "1 failing, 2 without evidence")
+    assert failing_count_text({"passed": True, "failing_cells": []}) == "none failing"
+    html = all_failures_html({"gates": [incomplete, mixed]})
+    assert "hf_cached_speedup — INCOMPLETE, 2 without evidence" in html
+    assert "vllm_speedup — FAIL, 1 failing, 2 without evidence" in html and "2 failing" not in html
+
+
 def test_the_report_references_no_external_url(smoke_html):
     from rollout_lib.report.summary import external_references
 

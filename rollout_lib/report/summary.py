@@ -254,8 +254,8 @@ def gate_table(aggregate: dict[str, Any]):
                      f"{'x' if g['unit'] == 'ratio' else ''}", "response": ", ".join(map(str, g["response_tokens"])),
                      "outcome": gate_outcome(g), "observed min": fmt(g["observed_min"]),
                      "observed max": fmt(g["observed_max"]),
-                     "failing": (f"{len(g['failing_cells'])}: " if g["failing_cells"] else "none") + failing
-                     + (f"; … {more} more (see 'All failing cells')" if more > 0 else "")})
+                     "failing": (f"{failing_count_text(g)}: " if g["failing_cells"] else "none") + failing
+                     + (f"; … {more} more (see 'Failing and missing entries, per gate')" if more > 0 else "")})
     return pd.DataFrame(rows).set_index("gate")
 
 
@@ -267,14 +267,26 @@ def _failure_text(failure: dict[str, Any]) -> str:
 INCOMPLETE_MARKERS = ("missing", "no accepted", "not_measured", "not_applicable")
 
 
+def _lacks_evidence(failure: dict[str, Any]) -> bool:
+    return any(marker in failure["reason"] for marker in INCOMPLETE_MARKERS)
+
+
 def gate_outcome(gate: dict[str, Any]) -> str:
     """PASS, FAIL (a measured value fails) or INCOMPLETE (it fails only for lack of evidence)."""
     if gate["passed"]:
         return "PASS"
-    reasons = [f["reason"] for f in gate["failing_cells"]]
-    if reasons and all(any(marker in r for marker in INCOMPLETE_MARKERS) for r in reasons):
+    if gate["failing_cells"] and all(_lacks_evidence(f) for f in gate["failing_cells"]):
         return "INCOMPLETE"
     return "FAIL"
+
+
+def failing_count_text(gate: dict[str, Any]) -> str:
+    """How many entries keep a gate from passing, split as the outcome is: `2 failing, 4 without evidence`.
+    A missing cell is not a failing one: an INCOMPLETE gate has no failing entry, only entries to measure."""
+    lacking = sum(1 for f in gate["failing_cells"] if _lacks_evidence(f))
+    failing = len(gate["failing_cells"]) - lacking
+    parts = ([f"{failing} failing"] if failing else []) + ([f"{lacking} without evidence"] if lacking else [])
+    return ", ".join(parts) or "none failing"
 
 
 def all_failures_html(aggregate: dict[str, Any]) -> str:
@@ -287,7 +299,7 @@ def all_failures_html(aggregate: dict[str, Any]) -> str:
             continue
         items = "".join(f"<li>{html.escape(_failure_text(f))}</li>" for f in g["failing_cells"])
         parts.append(f'<h4 id="failures-{g["id"]}">{g["id"]} — {gate_outcome(g)}, '
-                     f'{len(g["failing_cells"])} failing</h4><ul>{items}</ul>')
+                     f'{failing_count_text(g)}</h4><ul>{items}</ul>')
     return "".join(parts) or "<p>No gate has a failing cell.</p>"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from rollout_lib.report.summary import BACKEND_ORDER, GIB, gate_outcome
+from rollout_lib.report.summary import BACKEND_ORDER, GIB, failing_count_text, gate_outcome
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
 
@@ -73,7 +73,7 @@ def verdict_html(aggregate: dict[str, Any], study: Preregistration) -> str:
     gates = []
     for gate in aggregate["gates"]:
         outcome = gate_outcome(gate)
-        link = f' <a href="#failures-{gate["id"]}">{len(gate["failing_cells"])} failing</a>' \
+        link = f' <a href="#failures-{gate["id"]}">{failing_count_text(gate)}</a>' \
             if gate["failing_cells"] else ""
         gates.append(f'<tr><td><b style="color:{COLOURS[outcome]}">{outcome}</b></td><td>{html.escape(gate["id"])}'
                      f'</td><td>{html.escape(_number(gate))}</td><td>{html.escape(_covered(gate, cell_ids))}'
