@@ -266,7 +266,7 @@ def summary_notebook() -> nbformat.NotebookNode:
         new_markdown_cell("## Earlier and failed candidates\n\nEvery raw file stays listed: excluded files with "
                           "their reason, superseded and failed cells counted."),
         code("display(report.styled(report.candidates_table(aggregate)))"),
-        new_markdown_cell("## All failing cells"),
+        new_markdown_cell("## Failing and missing entries, per gate"),
         code("display(HTML(report.all_failures_html(aggregate)))"),
         new_markdown_cell("## Integrity"),
         code("display(report.styled(report.integrity_table(study, aggregate, stored if matches else None)))"),
