@@ -207,8 +207,8 @@ PENDING = sorted((Path(__file__).resolve().parent.parent / "docs" / "pending").g
 @pytest.mark.parametrize("patch", PENDING, ids=[p.name for p in PENDING])
 def test_the_pending_patches_still_apply(patch):
     """docs/pending/*.patch wait for the oracle's freeze to end (the issue-16 loader integration, the
-    host CPU in the environment identity); each must keep applying to main, or the work it holds is
-    lost a second time (refresh it when this fails)."""
+    host CPU in the environment identity, the post-freeze cleanup); each must keep applying to main, or
+    the work it holds is lost a second time (refresh it when this fails)."""
     import subprocess
 
     from .conftest import REPO
