@@ -290,7 +290,7 @@ def failing_count_text(gate: dict[str, Any]) -> str:
 
 
 def all_failures_html(aggregate: dict[str, Any]) -> str:
-    """Every failing cell of every gate, each gate under its own anchor."""
+    """Every failing or missing entry of every gate, each gate under its own anchor."""
     import html
 
     parts = []
