@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rollout_lib.campaign.schedule import CellCost, calibration_ratio, plan, repetitions_admitted
+from rollout_lib.campaign.schedule import CellCost, calibration_ratio, overrun_tolerance, plan, repetitions_admitted
 from rollout_lib.evidence.publish import campaign_cells, derive, publish
 from rollout_lib.measure.campaign_files import CampaignGPUMismatch, find_continuations
 from rollout_lib.measure.identity import measurement_code
@@ -95,6 +95,32 @@ def clock(monkeypatch):
 
 # the runner's admission rule without its safety factor and margin: the plan's arithmetic in whole seconds
 EXACT_ADMISSION = {"safety": 1.0, "margin_s": 0.0}
+
+
+def test_a_plan_says_how_much_overrun_its_last_repetition_absorbs():
+    """Lease 17 -> 18: a plan 58 s short of its deadline starts its last repetition only if the walls run
+    at most ~1% over their estimates (the runner's x 1.15 + 20 s rule), not the 3.6% the room suggests."""
+    from rollout_lib.campaign import driver
+
+    # one cell, warmup + 3 x 40 s after a 10 s cold start, deadline 200 s: the last repetition starts at
+    # 10 + 120 f and needs 40 f x 1.15 + 20 s (f >= 1, the last wall is the larger): f <= 170 / 166
+    result = plan([CellCost("a", 40, 4)], gpus=2, budget_s=200, cold_start_s=10, warmups=1)
+    busy, idle = sorted(result.assignments, key=lambda a: -len(a.cells))
+    assert busy.cells == ["a"] and busy.planned_s == 170 and overrun_tolerance(result, idle) is None
+    tolerance = overrun_tolerance(result, busy)
+    assert tolerance == pytest.approx(170 / 166, abs=1e-6)
+    # the bound is the runner's: just above it the fourth repetition is refused, just below it is admitted
+    for factor, expected in ((tolerance - 1e-4, 4), (tolerance + 1e-4, 3)):
+        assert repetitions_admitted(190, 40, 1, most=4, overrun=factor) == expected
+    text = driver.format_plan(result, {"calibration_gpu": None, "calibration_ratio": 1.0,
+                                       "calibration_repetitions": 0})
+    assert "GPU 0: 1 cell(s), planned 170 s; every planned repetition starts if they run at most 2.4% over" in text
+    # a plan with room to spare says so instead of a number past 100%
+    roomy = plan([CellCost("a", 10, 4)], gpus=1, budget_s=1000, cold_start_s=10, warmups=1)
+    assert overrun_tolerance(roomy, roomy.assignments[0]) == 2.0
+    assert "starts even at twice its estimate" in driver.format_plan(roomy, {"calibration_gpu": None,
+                                                                            "calibration_ratio": 1.0,
+                                                                            "calibration_repetitions": 0})
 
 
 def test_scheduler_longest_first_least_loaded_and_deadline():

@@ -44,6 +44,7 @@ from rollout_lib.campaign.schedule import (
     calibration_ratio,
     forecast,
     model_repetition_s,
+    overrun_tolerance,
     plan,
 )
 from rollout_lib.core import REPO_ROOT, write_json_atomic
@@ -386,7 +387,11 @@ def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
              + (f", a whole lease {the_plan.lease_s:.0f} s" if the_plan.lease_s is not None else "")]
     warmups = the_plan.warmups
     for a in the_plan.assignments:
-        lines.append(f"GPU {a.gpu}: {len(a.cells)} cell(s), planned {a.planned_s:.0f} s")
+        tolerance = overrun_tolerance(the_plan, a)
+        lines.append(f"GPU {a.gpu}: {len(a.cells)} cell(s), planned {a.planned_s:.0f} s" + (
+            "" if tolerance is None else
+            f"; every planned repetition starts if they run at most {tolerance - 1:.1%} over their estimates"
+            if tolerance < 2.0 else "; every planned repetition starts even at twice its estimate"))
         for cell_id in a.cells:
             cost = the_plan.costs[cell_id]
             measured_left = cost.repetitions_left - warmups
