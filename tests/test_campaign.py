@@ -95,6 +95,8 @@ def clock(monkeypatch):
 
 # the runner's admission rule without its safety factor and margin: the plan's arithmetic in whole seconds
 EXACT_ADMISSION = {"safety": 1.0, "margin_s": 0.0}
+# what format_plan reads of a calibration, for plans made from fake costs
+NO_CALIBRATION = {"calibration_gpu": None, "calibration_ratio": 1.0, "calibration_repetitions": 0}
 
 
 def test_a_plan_says_how_much_overrun_its_last_repetition_absorbs():
@@ -112,15 +114,12 @@ def test_a_plan_says_how_much_overrun_its_last_repetition_absorbs():
     # the bound is the runner's: just above it the fourth repetition is refused, just below it is admitted
     for factor, expected in ((tolerance - 1e-4, 4), (tolerance + 1e-4, 3)):
         assert repetitions_admitted(190, 40, 1, most=4, overrun=factor) == expected
-    text = driver.format_plan(result, {"calibration_gpu": None, "calibration_ratio": 1.0,
-                                       "calibration_repetitions": 0})
+    text = driver.format_plan(result, NO_CALIBRATION)
     assert "GPU 0: 1 cell(s), planned 170 s; every planned repetition starts if they run at most 2.4% over" in text
     # a plan with room to spare says so instead of a number past 100%
     roomy = plan([CellCost("a", 10, 4)], gpus=1, budget_s=1000, cold_start_s=10, warmups=1)
     assert overrun_tolerance(roomy, roomy.assignments[0]) == 2.0
-    assert "starts even at twice its estimate" in driver.format_plan(roomy, {"calibration_gpu": None,
-                                                                            "calibration_ratio": 1.0,
-                                                                            "calibration_repetitions": 0})
+    assert "starts even at twice its estimate" in driver.format_plan(roomy, NO_CALIBRATION)
 
 
 def test_scheduler_longest_first_least_loaded_and_deadline():
@@ -254,8 +253,7 @@ def test_scheduler_fills_the_end_of_a_job_with_the_most_measured_seconds():
     # g would measure 1 x 124 s in the 300 s (warmup + 1), h 2 x 100 s (warmup + 2): h fills
     assert assignment.cells == ["h"] and assignment.partial == {"h": 2} and assignment.fillers == ["h"]
     assert result.unscheduled == ["g"] and assignment.planned_s == 340
-    text = driver.format_plan(result, {"calibration_gpu": None, "calibration_ratio": 1.0,
-                                       "calibration_repetitions": 0})
+    text = driver.format_plan(result, NO_CALIBRATION)
     assert "a whole lease 1560 s" in text
     (line,) = [row for row in text.splitlines() if row.startswith("  h ")]
     assert line.endswith(" 300.0 s (cut: 2 of 3 measured fit; fills the job's end, a whole lease would hold it)")
