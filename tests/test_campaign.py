@@ -122,6 +122,62 @@ def test_a_plan_says_how_much_overrun_its_last_repetition_absorbs():
     assert "starts even at twice its estimate" in driver.format_plan(roomy, NO_CALIBRATION)
 
 
+def test_a_plan_is_replayed_at_the_overruns_its_earlier_jobs_ran(tmp_path):
+    """Lease 18 ran every wall ~1.32x its estimate and lost a planned repetition; `campaign plan` now says
+    how each GPU's plan would have fared at every earlier job's overrun, read from the driver files."""
+    from rollout_lib.campaign import driver
+    from rollout_lib.campaign.schedule import repetitions_started
+
+    folder = tmp_path / "campaigns" / "c1"
+    folder.mkdir(parents=True)
+    def state(run_id, estimates, warmups=None):
+        found = {"plan": {"estimates_s": estimates}, "workers": [{"gpu": 0, "run_id": run_id}]}
+        if warmups is not None:
+            found["plan"]["warmup_estimates_s"] = warmups
+        return json.dumps(found)
+    (folder / "hf_reference-driver-20260101T000000Z.json").write_text(state("r1", {"x": 10.0}, {"x": 20.0}))
+    (folder / "hf_reference-driver-20260102T000000Z.json").write_text(state("r2", {"x": 10.0}))  # older: no warm-up
+    (folder / "hf_reference-driver-20260103T000000Z.json").write_text('{"plan": {"estimates_s"')  # killed mid-write
+    (folder / "hf_reference-driver-20260104T000000Z.json").write_text(state("r9", {"x": 10.0}))  # no raw file
+    (folder / "vllm-driver-20260101T000000Z.json").write_text(state("r1", {"x": 1.0}))  # another backend
+
+    def rep(wall, warmup=False, cell="x"):
+        return {"record": "repetition", "cell_id": cell, "warmup": warmup, "wall_s": wall}
+    files = [[{"record": "header", "run_id": "r1"}, rep(30.0, True), rep(12.0), rep(None), rep(99.0, cell="y")],
+             [{"record": "header", "run_id": "r2"}, rep(50.0, True), rep(10.0)]]
+    jobs = driver.past_job_overruns(tmp_path, "c1", "hf_reference", files)
+    assert jobs == [{"job": "20260101T000000Z", "overrun": pytest.approx(42 / 30), "repetitions": 2},
+                    {"job": "20260102T000000Z", "overrun": pytest.approx(1.0), "repetitions": 1}]
+
+    # warmup + 3 x 40 s after a 10 s cold start, deadline 200 s (tolerance 170/166, the test above): at x 1.4
+    # the runner starts the warmup and one measured repetition, the next needs 56 x 1.15 + 20 s of 78 left
+    result = plan([CellCost("a", 40, 4)], gpus=1, budget_s=200, cold_start_s=10, warmups=1)
+    busy = result.assignments[0]
+    assert repetitions_started(result, busy, 1.0) == (4, 4)
+    assert repetitions_started(result, busy, 1.1) == (3, 4)
+    assert repetitions_started(result, busy, 1.4) == (2, 4)
+    text = driver.format_plan(result, {**NO_CALIBRATION, "past_jobs": jobs})
+    assert ("  earlier jobs ran x 1.00-1.40 their estimates (median x 1.20, 2 job(s)); at each job's factor every "
+            "planned repetition starts in 1 of 2; at x 1.40, 2 of 4 start") in text
+    assert "earlier jobs" not in driver.format_plan(result, NO_CALIBRATION)
+
+
+def test_a_declined_cell_costs_nothing_and_the_next_one_is_tried():
+    """The runner skips a cell whose warmup + one measured repetition no longer fit and tries the next
+    (lease 18's last cell started after the one before was cut): the replay does the same."""
+    from rollout_lib.campaign.schedule import repetitions_started
+
+    costs = [CellCost("a", 100, 2), CellCost("b", 60, 2), CellCost("c", 10, 2)]
+    result = plan(costs, gpus=1, budget_s=350, cold_start_s=0, warmups=1, **EXACT_ADMISSION)
+    only = result.assignments[0]
+    assert only.cells == ["a", "b", "c"] and only.planned_s == 340 and repetitions_started(result, only) == (6, 6)
+    # at x 1.2, "a" ends at 240 s; "b" needs 120 s by its estimate, 110 are left: declined, nothing spent;
+    # "c" (20 s by the estimate) still starts and runs both (12 + 12 s)
+    assert repetitions_started(result, only, 1.2) == (4, 6)
+    # at x 1.5, "a" runs its warmup and its measured one (150 + 150 s): 50 s left, "b" declined, "c" runs
+    assert repetitions_started(result, only, 1.5) == (4, 6)
+
+
 def test_scheduler_longest_first_least_loaded_and_deadline():
     costs = [CellCost("a", 10, 4), CellCost("b", 5, 4), CellCost("c", 30, 4), CellCost("d", 1, 4),
              CellCost("huge", 100, 4)]

@@ -39,6 +39,7 @@ from typing import Any
 from rollout_lib.campaign.schedule import (
     COLD_START_S,
     DEFAULT_COLD_START_S,
+    Assignment,
     CellCost,
     Plan,
     calibration_ratio,
@@ -46,6 +47,7 @@ from rollout_lib.campaign.schedule import (
     model_repetition_s,
     overrun_tolerance,
     plan,
+    repetitions_started,
 )
 from rollout_lib.core import REPO_ROOT, write_json_atomic
 from rollout_lib.evidence.publish import campaign_cells
@@ -188,6 +190,43 @@ def estimate_costs(study: Preregistration, backend: str, cells: list[str], files
                    "cells_from_own_repetitions": from_own}
 
 
+def past_job_overruns(output_dir: Path, campaign: str, backend: str,
+                      files: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per earlier `campaign run` job of this backend whose driver file keeps its plan's estimates, oldest
+    first: {"job", "overrun", "repetitions"}, overrun = the sum of its repetitions' walls over the sum of
+    the estimates it was planned with (warm-ups against the warm-up estimates where the plan recorded
+    them, measured repetitions only before that). `files`: the backend's raw files' records. The oracle's
+    jobs ran 0.81-1.32x their plans over leases 13-18 on one GPU kind, far more than one plan's safety
+    margin absorbs: `campaign plan` sets this record beside each plan's overrun tolerance."""
+    by_run = {records[0].get("run_id"): records for records in files if records}
+    jobs = []
+    for path in sorted(campaign_dir(output_dir, campaign).glob(f"{backend}-driver-*.json")):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):  # a driver killed while writing it: no plan to compare with
+            continue
+        plan_json = state.get("plan") or {}
+        estimates = plan_json.get("estimates_s") or {}
+        warmup_estimates = plan_json.get("warmup_estimates_s")
+        walls_s = estimated_s = 0.0
+        count = 0
+        for worker in state.get("workers") or []:
+            for record in by_run.get(worker.get("run_id"), []):
+                if record.get("record") != "repetition" or not record.get("wall_s"):
+                    continue
+                table = (warmup_estimates or {}) if record.get("warmup") else estimates
+                estimate = table.get(record.get("cell_id"))
+                if not estimate:
+                    continue
+                walls_s += record["wall_s"]
+                estimated_s += estimate
+                count += 1
+        if count:
+            jobs.append({"job": path.stem.removeprefix(f"{backend}-driver-"), "overrun": walls_s / estimated_s,
+                         "repetitions": count})
+    return jobs
+
+
 def own_identity(study: Preregistration, backend: str, gpu: str | None = None,
                  timeout_s: float = 300) -> dict[str, Any]:
     """{"sha256", "key", "source"}: the measurement identity a worker on this machine will have, from
@@ -248,6 +287,7 @@ def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: P
     costs, calibration = estimate_costs(study, backend, todo, files, identity["sha256"])
     calibration["identity"] = {"sha256": identity["sha256"], "source": identity["source"]}
     calibration["stranded"] = []
+    calibration["past_jobs"] = past_job_overruns(output_dir, campaign, backend, files)
     if identity["sha256"]:
         partial = find_continuations(backend_dir, identity["sha256"], todo)
         warmups, measured = study.protocol.warmup_repetitions, study.protocol.measured_repetitions
@@ -372,6 +412,20 @@ def _short(differences: list[str], most: int = 3) -> str:
     return "; ".join(differences[:most]) + (f"; and {more} more" if more > 0 else "")
 
 
+def _past_jobs_line(the_plan: Plan, assignment: Assignment, jobs: list[dict[str, Any]]) -> str | None:
+    """How this GPU's plan would have fared at each earlier job's overrun (`past_job_overruns`)."""
+    if not assignment.cells or not jobs:
+        return None
+    factors = [job["overrun"] for job in jobs]
+    whole = sum(started >= planned for started, planned in
+                (repetitions_started(the_plan, assignment, factor) for factor in factors))
+    worst = max(factors)
+    started, planned = repetitions_started(the_plan, assignment, worst)
+    return (f"  earlier jobs ran x {min(factors):.2f}-{worst:.2f} their estimates (median x "
+            f"{statistics.median(factors):.2f}, {len(jobs)} job(s)); at each job's factor every planned repetition "
+            f"starts in {whole} of {len(jobs)}; at x {worst:.2f}, {started} of {planned} start")
+
+
 def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
     gpu = calibration["calibration_gpu"] or "this machine"
     own = calibration.get("cells_from_own_repetitions") or []
@@ -392,6 +446,9 @@ def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
             "" if tolerance is None else
             f"; every planned repetition starts if they run at most {tolerance - 1:.1%} over their estimates"
             if tolerance < 2.0 else "; every planned repetition starts even at twice its estimate"))
+        history = _past_jobs_line(the_plan, a, calibration.get("past_jobs") or [])
+        if history:
+            lines.append(history)
         for cell_id in a.cells:
             cost = the_plan.costs[cell_id]
             measured_left = cost.repetitions_left - warmups

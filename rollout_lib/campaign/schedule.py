@@ -126,27 +126,36 @@ def repetitions_admitted(room_s: float, repetition_s: float, warmups: int, *, wa
     return count
 
 
+def repetitions_started(the_plan: Plan, assignment: Assignment, overrun: float = 1.0) -> tuple[int, int]:
+    """(started, planned): how many of the repetitions one GPU's job plans the runner would start if every
+    wall ran `overrun` times its estimate. The runner's loop replayed cell after cell: a cell it declines
+    costs nothing and the next one is tried, a cell it cuts costs the repetitions it ran."""
+    started = planned = 0
+    elapsed = the_plan.cold_start_s
+    for cell_id in assignment.cells:
+        cost = the_plan.costs[cell_id]
+        wanted = the_plan.warmups + assignment.partial.get(cell_id, cost.repetitions_left - the_plan.warmups)
+        ran = repetitions_admitted(the_plan.budget_s - elapsed, cost.repetition_s, the_plan.warmups,
+                                   warmup_s=cost.warmup_s, most=wanted, safety=the_plan.safety,
+                                   margin_s=the_plan.margin_s, overrun=overrun)
+        started += ran
+        planned += wanted
+        elapsed += cost.seconds(ran, the_plan.warmups) * overrun
+    return started, planned
+
+
 def overrun_tolerance(the_plan: Plan, assignment: Assignment) -> float | None:
     """The largest factor (up to 2) by which every repetition of one GPU's job may run over its estimate
     with the runner still starting each repetition the plan counts on (1.0: none to spare; None: nothing
     planned). The plan's admission rule decides, replayed: each repetition must fit, by the larger of the
     estimate and the last wall, times the safety factor, plus the margin; so the room a plan leaves before
     its deadline is not all overrun it absorbs (h200-v2 lease 18: 58 s of room, 1.1% of overrun)."""
-    safety, margin_s = the_plan.safety, the_plan.margin_s
     if not assignment.cells:
         return None
 
     def holds(factor: float) -> bool:
-        elapsed = the_plan.cold_start_s
-        for cell_id in assignment.cells:
-            cost = the_plan.costs[cell_id]
-            wanted = the_plan.warmups + assignment.partial.get(cell_id, cost.repetitions_left - the_plan.warmups)
-            if repetitions_admitted(the_plan.budget_s - elapsed, cost.repetition_s, the_plan.warmups,
-                                    warmup_s=cost.warmup_s, most=wanted, safety=safety, margin_s=margin_s,
-                                    overrun=factor) < wanted:
-                return False
-            elapsed += cost.seconds(wanted, the_plan.warmups) * factor
-        return True
+        started, planned = repetitions_started(the_plan, assignment, factor)
+        return started >= planned
 
     if not holds(1.0):
         return 1.0
