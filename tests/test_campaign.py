@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -491,6 +492,12 @@ def test_deadline_cut_then_continuation_loses_and_duplicates_nothing(three_reps,
     assert cell["valid"] and cell["measured_repetitions"] == 3 and len(cell["wall_s"]) == 3
     assert [s["run_id"] for s in cell["segments"]] == ["lease1"] and cell["raw_file"].endswith("lease2.jsonl")
     assert len(cell["warmup_wall_s"]) == 1  # this attempt's warmup; the first segment's stays in its file
+    # the report's table of continued cells attributes each wall to the process that measured it
+    from rollout_lib.report.summary import segment_table
+
+    (row,) = segment_table(aggregate).to_dict("records")
+    assert row["cell"] == CELL and re.fullmatch(r"lease1: \d+\.\d, \d+\.\d; lease2: \d+\.\d",
+                                                 row["measured walls by process (s)"])
 
 
 def test_status_reads_a_driver_state_merged_from_the_device_machine(three_reps, tmp_path, clock):

@@ -134,6 +134,36 @@ def test_missing_cells_are_counted_apart_from_failing_ones():
     assert "vllm_speedup — FAIL, 1 failing, 2 without evidence" in html and "2 failing" not in html
 
 
+def test_continued_cells_show_their_walls_per_process(smoke_html):
+    """A cell continued across processes (segments) lists each process's walls and the spread within one;
+    the summary line compares continued cells with whole ones. Synthetic aggregate: walls 35.5, 34.4 in one
+    process and 57.0 in the next (h200-v2's p128-r512-n1-greedy, leases 5 and 6)."""
+    from rollout_lib.report.summary import segment_summary, segment_table
+
+    def cell(cell_id, walls, segments=(), valid=True, backend="hf_reference"):
+        return {"backend": backend, "cell_id": cell_id, "valid": valid, "wall_s": walls,
+                "median_wall_s": sorted(walls)[len(walls) // 2], "spread_max_over_min": max(walls) / min(walls),
+                "raw_file": f"outputs/raw/c/{backend}/{cell_id}-last.jsonl",
+                **({"segments": [{"run_id": r, "measured_indices": i} for r, i in segments]} if segments else {})}
+    aggregate = {"cells": [cell("a", [35.5, 34.4, 57.0], [("r5", [0, 1])]),
+                           cell("b", [10.0, 11.0, 12.0], [("r1", [0]), ("r2", [1])]),
+                           cell("c", [20.0, 21.0, 22.0]), cell("d", [5.0, 5.5, 6.5]),
+                           cell("e", [1.0, 1.01, 1.02], backend="hf_cached")]}
+    rows = segment_table(aggregate).to_dict("records")
+    assert [(r["cell"], r["measured walls by process (s)"], r["spread max/min"], r["largest within one process"])
+            for r in rows] == [("a", "r5: 35.5, 34.4; a-last: 57.0", "1.66", "1.03"),
+                               ("b", "r1: 10.0; r2: 11.0; b-last: 12.0", "1.20", "—")]
+    assert segment_summary(aggregate) == ("hf_reference: 2 of 4 valid cells measured by more than one process, "
+                                          "repetition spread (max/min) median 1.428 against 1.200 for the 2 "
+                                          "measured by one")
+    whole = {"cells": aggregate["cells"][2:]}
+    assert segment_summary(whole) == "Every cell's measured repetitions come from one process."
+    # the smoke report (no cut cell) carries the section with that line
+    soup, _ = smoke_html
+    assert "Cells measured by more than one process" in soup.get_text()
+    assert "Every cell's measured repetitions come from one process." in soup.get_text()
+
+
 def test_the_report_references_no_external_url(smoke_html):
     from rollout_lib.report.summary import external_references
 

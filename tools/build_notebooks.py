@@ -222,6 +222,14 @@ def summary_notebook() -> nbformat.NotebookNode:
         code(FIGURE.format(call="figures.throughput_heatmap(aggregate, study)",
                            missing="'tokens/s per cell', 'no cell measured yet'")),
         code("display(report.styled(report.throughput_table(aggregate)))"),
+        new_markdown_cell("### Cells measured by more than one process\n\nA cell cut at a lease's deadline keeps "
+                          "its measured repetitions and a later process continues it (a fresh cold start and "
+                          "warmup), often in another machine hold on another host: its spread then includes the "
+                          "difference between holds. Walls per process (run id), in the calculator's order."),
+        code("display(Markdown(report.segment_summary(aggregate)))\n"
+             "table = report.segment_table(aggregate)\n"
+             "if len(table):\n"
+             "    display(report.styled(table))"),
         new_markdown_cell("## Speedups per paired cell, against the gate lines"),
         code(CAVEATS + "\n" + FIGURE.format(call="report.speedup_figure(aggregate, study)",
                                             missing="'speedups', 'no paired cell measured yet'")

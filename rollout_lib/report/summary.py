@@ -136,6 +136,67 @@ def throughput_table(aggregate: dict[str, Any]):
     return frame.map(fmt)
 
 
+def _walls_by_process(cell: dict[str, Any]) -> list[tuple[str, list[float]]]:
+    """(run id, walls) per process that measured a cell: the earlier segments in the calculator's order
+    (each holds its `measured_indices`), then the attempt that completed it (its raw file)."""
+    walls = list(cell.get("wall_s") or [])
+    parts = []
+    for segment in cell.get("segments") or []:
+        count = len(segment["measured_indices"])
+        parts.append((segment["run_id"], walls[:count]))
+        walls = walls[count:]
+    parts.append((Path(cell["raw_file"]).stem, walls))
+    return [(run_id, w) for run_id, w in parts if w]
+
+
+def _spread(walls: list[float]) -> float | None:
+    return max(walls) / min(walls) if len(walls) >= 2 and min(walls) > 0 else None
+
+
+def segment_table(aggregate: dict[str, Any]):
+    """The cells whose measured repetitions come from more than one process: a cell cut at a lease's deadline
+    is continued by a later process, often in another machine hold on another host (DESIGN.md 9). Per cell,
+    each process's walls, the cell's spread, and the largest spread within one process, so a reader sees
+    how much of a spread lies between holds (h200-v2's oracle: the same cell ran 36% slower in one lease)."""
+    import pandas as pd
+
+    rows = []
+    for cell in aggregate["cells"]:
+        parts = _walls_by_process(cell)
+        if len(parts) < 2:
+            continue
+        within = [x for x in (_spread(w) for _, w in parts) if x is not None]
+        rows.append({"backend": cell["backend"], "cell": cell["cell_id"], "valid": text(cell["valid"]),
+                     "measured walls by process (s)": "; ".join(
+                         f"{run_id}: {', '.join(f'{w:.1f}' for w in walls)}" for run_id, walls in parts),
+                     "median s": f"{cell['median_wall_s']:.1f}" if cell.get("median_wall_s") else "—",
+                     "spread max/min": (f"{cell['spread_max_over_min']:.2f}"
+                                        if cell.get("spread_max_over_min") is not None else "—"),
+                     "largest within one process": f"{max(within):.2f}" if within else "—"})
+    return pd.DataFrame(rows, columns=["backend", "cell", "valid", "measured walls by process (s)", "median s",
+                                       "spread max/min", "largest within one process"])
+
+
+def segment_summary(aggregate: dict[str, Any]) -> str:
+    """One line per backend with continued cells: how many, and their median spread against the cells one
+    process measured whole (valid cells only)."""
+    import statistics
+
+    lines = []
+    for backend in BACKEND_ORDER:
+        valid = [c for c in aggregate["cells"] if c["backend"] == backend and c["valid"]
+                 and c.get("spread_max_over_min") is not None]
+        continued = [c["spread_max_over_min"] for c in valid if len(_walls_by_process(c)) > 1]
+        whole = [c["spread_max_over_min"] for c in valid if len(_walls_by_process(c)) <= 1]
+        if not continued:
+            continue
+        lines.append(f"{backend}: {len(continued)} of {len(valid)} valid cells measured by more than one process, "
+                     f"repetition spread (max/min) median {statistics.median(continued):.3f}"
+                     + (f" against {statistics.median(whole):.3f} for the {len(whole)} measured by one"
+                        if whole else ""))
+    return "\n\n".join(lines) or "Every cell's measured repetitions come from one process."
+
+
 def speedup_figure(aggregate: dict[str, Any], study: Preregistration):
     import matplotlib.pyplot as plt
 
