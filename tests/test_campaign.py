@@ -479,6 +479,17 @@ def test_deadline_cut_then_continuation_loses_and_duplicates_nothing(three_reps,
     suspended = [r for r in records if r["record"] == "cell_suspended"]
     assert len(suspended) == 1 and suspended[0]["measured_indices_done"] == [0, 1]
     assert records[-1]["record"] == "teardown"
+    # the report's table of missing cells says how far the cut cell got and under which identity
+    from rollout_lib.campaign.driver import waiting_repetitions
+    from rollout_lib.report.summary import missing_table
+
+    cut = json.loads(derive(study, "seg", out)[0])
+    assert CELL in cut["missing_cells"]["hf_cached"]
+    waiting = {"hf_cached": waiting_repetitions(out, "seg", "hf_cached", [CELL])}
+    identity = records[0]["measurement_identity_sha256"]
+    assert missing_table(cut, waiting, 3).loc["hf_cached", "missing cells"].startswith(
+        f"{CELL} (2 of 3 measured, identity {identity[:10]}), ")
+    assert missing_table(cut).loc["hf_cached", "missing cells"].startswith(f"{CELL}, ")
     # the next lease: a new process, a fresh cold start and warmup, then repetition index 2 only
     summaries, second = _measure(params, out, "lease2", [CELL], clock)
     assert [s.status for s in summaries] == ["completed"]

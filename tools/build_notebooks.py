@@ -267,8 +267,14 @@ def summary_notebook() -> nbformat.NotebookNode:
         code("display(report.styled(report.gate_table(aggregate)))"),
         new_markdown_cell("## Backend selection (fail closed)"),
         code("display(report.styled(report.selection_table(aggregate)))"),
-        new_markdown_cell("## Cells still missing"),
-        code("display(report.styled(report.missing_table(aggregate)))"),
+        new_markdown_cell("## Cells still missing\n\nA cell cut at a lease's deadline keeps its measured "
+                          "repetitions: how many, and the measurement identity a later process must have to "
+                          "continue it (`rollout missing` prints the same)."),
+        code("from rollout_lib.campaign.driver import waiting_repetitions\n\n"
+             "waiting = {backend: waiting_repetitions(out, campaign, backend, cells)\n"
+             "           for backend, cells in aggregate['missing_cells'].items() if cells}\n"
+             "display(report.styled(report.missing_table(aggregate, waiting, "
+             "study.protocol.measured_repetitions)))"),
         new_markdown_cell("## Campaign notes"),
         code("display(Markdown(notes or 'No notes for this campaign.'))"),
         new_markdown_cell("## Earlier and failed candidates\n\nEvery raw file stays listed: excluded files with "

@@ -375,12 +375,23 @@ def selection_table(aggregate: dict[str, Any]):
     return pd.DataFrame(rows).set_index("selection for")
 
 
-def missing_table(aggregate: dict[str, Any]):
+def missing_table(aggregate: dict[str, Any], waiting: dict[str, dict[str, list[tuple[str, int]]]] | None = None,
+                  measured_repetitions: int | None = None):
+    """Per backend, the cells the calculator has no valid row for. `waiting` (per backend, per cell: (identity
+    SHA-256, measured repetitions) of its cut segments, `campaign.driver.waiting_repetitions`) says how far a
+    cell cut at a deadline got: a later process under that identity continues it."""
     import pandas as pd
 
-    rows = [{"backend": b, "missing": len(cells), "invalid": len(aggregate["invalid_cells"].get(b, [])),
-             "missing cells": ", ".join(cells) if len(cells) <= 8 else ", ".join(cells[:8]) + f", … ({len(cells)})"}
-            for b, cells in aggregate["missing_cells"].items()]
+    def named(backend: str, cell_id: str) -> str:
+        found = (waiting or {}).get(backend, {}).get(cell_id, [])
+        of = f" of {measured_repetitions}" if measured_repetitions else ""
+        return cell_id + "".join(f" ({count}{of} measured, identity {sha[:10]})" for sha, count in found)
+
+    rows = []
+    for b, cells in aggregate["missing_cells"].items():
+        shown = [named(b, c) for c in cells[:8]]
+        rows.append({"backend": b, "missing": len(cells), "invalid": len(aggregate["invalid_cells"].get(b, [])),
+                     "missing cells": ", ".join(shown) + (f", … ({len(cells)})" if len(cells) > 8 else "")})
     return pd.DataFrame(rows).set_index("backend")
 
 
