@@ -511,9 +511,12 @@ def cmd_campaign(args: argparse.Namespace) -> int:
             lease_s = args.lease_s or args.deadline_s
             try:
                 plans, never = driver.forecast_plans(the_plan, lease_s)
+                history = driver.format_forecast_at_past_overruns(the_plan, lease_s, calibration.get("past_jobs") or [])
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
             print(driver.format_forecast(plans, never, lease_s))
+            if history:
+                print(history)
         return 0
     if args.detach:
         log = driver.campaign_dir(output_dir, args.campaign) / "logs" / f"{args.backend}-driver-{_utc_stamp()}.log"

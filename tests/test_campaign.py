@@ -161,6 +161,13 @@ def test_a_plan_is_replayed_at_the_overruns_its_earlier_jobs_ran(tmp_path):
     assert ("  earlier jobs ran x 1.00-1.40 their estimates (median x 1.20, 2 job(s)); at each job's factor every "
             "planned repetition starts in 1 of 2; at x 1.40, 2 of 4 start") in text
     assert "earlier jobs" not in driver.format_plan(result, NO_CALIBRATION)
+    # the forecast at those overruns: at x 1.2 (48 s walls) the 200 s lease holds a warm-up + 2 and the third
+    # measured one moves to a second lease; at x 1.4 (56 s) a lease holds a warm-up + 1 only: three leases
+    assert driver.format_forecast_at_past_overruns(result, 200, jobs) == (
+        "  if the walls run as the 2 earlier job(s) did: at their median x 1.20, 2 lease(s), 1 segment(s) cut; "
+        "at their worst x 1.40, 3 lease(s), 2 segment(s) cut")
+    assert len(driver.forecast_plans(result, 200)[0]) == 1 and driver.format_forecast_at_past_overruns(
+        result, 200, []) is None
 
 
 def test_a_declined_cell_costs_nothing_and_the_next_one_is_tried():

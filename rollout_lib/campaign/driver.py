@@ -330,10 +330,28 @@ def identity_of_raw_files(output_dir: Path, campaign: str, backend: str, prefix:
     return {"sha256": matching[0], "key": found[matching[0]], "source": "--as-identity (a raw file's)"}
 
 
-def forecast_plans(the_plan: Plan, lease_s: float) -> tuple[list[Plan], list[str]]:
-    """`schedule.forecast` from a plan's costs (this lease's budget first, then whole leases of `lease_s`)."""
-    return forecast(list(the_plan.costs.values()), gpus=len(the_plan.assignments), lease_s=lease_s,
-                    cold_start_s=the_plan.cold_start_s, warmups=the_plan.warmups, first_budget_s=the_plan.budget_s)
+def forecast_plans(the_plan: Plan, lease_s: float, overrun: float = 1.0) -> tuple[list[Plan], list[str]]:
+    """`schedule.forecast` from a plan's costs (this lease's budget first, then whole leases of `lease_s`);
+    `overrun`: every repetition (and so every estimate) that factor longer, as if the plans knew the host."""
+    costs = [replace(c, repetition_s=c.repetition_s * overrun,
+                     warmup_s=None if c.warmup_s is None else c.warmup_s * overrun) for c in the_plan.costs.values()]
+    return forecast(costs, gpus=len(the_plan.assignments), lease_s=lease_s, cold_start_s=the_plan.cold_start_s,
+                    warmups=the_plan.warmups, first_budget_s=the_plan.budget_s)
+
+
+def format_forecast_at_past_overruns(the_plan: Plan, lease_s: float, jobs: list[dict[str, Any]]) -> str | None:
+    """How many leases the forecast needs if every repetition runs as far over its estimate as the earlier
+    jobs' median and their worst (`past_job_overruns`); None without earlier jobs."""
+    if not jobs:
+        return None
+    factors = [job["overrun"] for job in jobs]
+    parts = []
+    for label, factor in (("median", statistics.median(factors)), ("worst", max(factors))):
+        plans, never = forecast_plans(the_plan, lease_s, factor)
+        cut = sum(len(a.partial) for lease in plans for a in lease.assignments)
+        parts.append(f"at their {label} x {factor:.2f}, {len(plans)} lease(s), {cut} segment(s) cut"
+                     + (f", never fits: {', '.join(never)}" if never else ""))
+    return f"  if the walls run as the {len(jobs)} earlier job(s) did: " + "; ".join(parts)
 
 
 def format_forecast(plans: list[Plan], never: list[str], lease_s: float) -> str:
