@@ -181,6 +181,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 def cmd_missing(args: argparse.Namespace) -> int:
     from rollout_lib.campaign.driver import waiting_repetitions
     from rollout_lib.evidence.publish import campaign_cells
+    from rollout_lib.report.summary import cut_cell_text
     from rollout_lib.study.prereg import load
 
     study = load(args.params)
@@ -189,8 +190,7 @@ def cmd_missing(args: argparse.Namespace) -> int:
         todo = cells["to_measure"]
         waiting = waiting_repetitions(Path(args.output_dir), args.campaign, backend, todo) if todo else {}
         # a cut cell says how far it got and under which identity its segments continue
-        named = [cell + "".join(f" ({n} of {measured} measured, identity {sha[:10]})"
-                                for sha, n in waiting.get(cell, [])) for cell in todo]
+        named = [cut_cell_text(cell, waiting.get(cell, []), measured) for cell in todo]
         print(f"{backend}: {len(todo)} to measure ({len(cells['missing'])} missing, {len(cells['invalid'])} invalid), "
               f"{len(cells['valid'])} valid" + (f": {', '.join(named)}" if todo else ""))
     return 0

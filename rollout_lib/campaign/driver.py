@@ -435,10 +435,10 @@ def _past_jobs_line(the_plan: Plan, assignment: Assignment, jobs: list[dict[str,
     if not assignment.cells or not jobs:
         return None
     factors = [job["overrun"] for job in jobs]
-    whole = sum(started >= planned for started, planned in
-                (repetitions_started(the_plan, assignment, factor) for factor in factors))
+    replays = [repetitions_started(the_plan, assignment, factor) for factor in factors]
+    whole = sum(started >= planned for started, planned in replays)
     worst = max(factors)
-    started, planned = repetitions_started(the_plan, assignment, worst)
+    started, planned = replays[factors.index(worst)]
     return (f"  earlier jobs ran x {min(factors):.2f}-{worst:.2f} their estimates (median x "
             f"{statistics.median(factors):.2f}, {len(jobs)} job(s)); at each job's factor every planned repetition "
             f"starts in {whole} of {len(jobs)}; at x {worst:.2f}, {started} of {planned} start")

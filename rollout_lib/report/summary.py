@@ -186,8 +186,9 @@ def segment_summary(aggregate: dict[str, Any]) -> str:
     for backend in BACKEND_ORDER:
         valid = [c for c in aggregate["cells"] if c["backend"] == backend and c["valid"]
                  and c.get("spread_max_over_min") is not None]
-        continued = [c["spread_max_over_min"] for c in valid if len(_walls_by_process(c)) > 1]
-        whole = [c["spread_max_over_min"] for c in valid if len(_walls_by_process(c)) <= 1]
+        continued, whole = [], []
+        for c in valid:
+            (continued if len(_walls_by_process(c)) > 1 else whole).append(c["spread_max_over_min"])
         if not continued:
             continue
         lines.append(f"{backend}: {len(continued)} of {len(valid)} valid cells measured by more than one process, "
@@ -375,6 +376,13 @@ def selection_table(aggregate: dict[str, Any]):
     return pd.DataFrame(rows).set_index("selection for")
 
 
+def cut_cell_text(cell_id: str, segments: list[tuple[str, int]], measured_repetitions: int | None = None) -> str:
+    """A cell to measure, with how far its cut segments got per measurement identity (`(SHA-256, measured
+    repetitions)`, `campaign.driver.waiting_repetitions`): what `rollout missing` and the report print."""
+    of = f" of {measured_repetitions}" if measured_repetitions else ""
+    return cell_id + "".join(f" ({count}{of} measured, identity {sha[:10]})" for sha, count in segments)
+
+
 def missing_table(aggregate: dict[str, Any], waiting: dict[str, dict[str, list[tuple[str, int]]]] | None = None,
                   measured_repetitions: int | None = None):
     """Per backend, the cells the calculator has no valid row for. `waiting` (per backend, per cell: (identity
@@ -382,14 +390,9 @@ def missing_table(aggregate: dict[str, Any], waiting: dict[str, dict[str, list[t
     cell cut at a deadline got: a later process under that identity continues it."""
     import pandas as pd
 
-    def named(backend: str, cell_id: str) -> str:
-        found = (waiting or {}).get(backend, {}).get(cell_id, [])
-        of = f" of {measured_repetitions}" if measured_repetitions else ""
-        return cell_id + "".join(f" ({count}{of} measured, identity {sha[:10]})" for sha, count in found)
-
     rows = []
     for b, cells in aggregate["missing_cells"].items():
-        shown = [named(b, c) for c in cells[:8]]
+        shown = [cut_cell_text(c, (waiting or {}).get(b, {}).get(c, []), measured_repetitions) for c in cells[:8]]
         rows.append({"backend": b, "missing": len(cells), "invalid": len(aggregate["invalid_cells"].get(b, [])),
                      "missing cells": ", ".join(shown) + (f", … ({len(cells)})" if len(cells) > 8 else "")})
     return pd.DataFrame(rows).set_index("backend")
