@@ -150,6 +150,12 @@ def test_a_plan_is_replayed_at_the_overruns_its_earlier_jobs_ran(tmp_path):
     assert jobs == [{"job": "20260101T000000Z", "overrun": pytest.approx(42 / 30), "repetitions": 2},
                     {"job": "20260102T000000Z", "overrun": pytest.approx(1.0), "repetitions": 1}]
 
+    # the history lives in the driver files: a fresh checkout has it only if they are committed (session 19
+    # found none of leases 13-18's: outputs/campaigns/ was git-ignored, so the plan showed one job)
+    driver_file = "outputs/campaigns/h200-v2/hf_reference-driver-20260101T000000Z.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", driver_file], cwd=REPO, capture_output=True)
+    assert ignored.returncode == 1, "driver files are git-ignored: campaign plan loses the earlier jobs' plans"
+
     # warmup + 3 x 40 s after a 10 s cold start, deadline 200 s (tolerance 170/166, the test above): at x 1.4
     # the runner starts the warmup and one measured repetition, the next needs 56 x 1.15 + 20 s of 78 left
     result = plan([CellCost("a", 40, 4)], gpus=1, budget_s=200, cold_start_s=10, warmups=1)
