@@ -65,3 +65,32 @@ def test_dry_run_writes_nothing_and_unsafe_paths_are_refused(tmp_path, checkout)
     evil = _archive(tmp_path / "evil.tgz", {"../outside.txt": b"x"})
     with pytest.raises(ValueError, match="points outside the archive"):
         merge_device_outputs.merge(evil, checkout)
+
+
+def test_logs_grow_with_a_later_poll_and_another_machines_logs_conflict(tmp_path, checkout, capsys):
+    """The second poll of one queue extends its logs; a second machine of the same lease writes other
+    logs under the same names: that is a conflict (nothing written, not even its new evidence), and the
+    same archive merges into the folder the message asks for (lease 19 lost its first machine's logs)."""
+    logs = checkout / "outputs" / "perf" / "q"
+    first = _archive(tmp_path / "poll1.tgz", {"logs/job.log": b"start\n", "state/jobs": b"job running 1\n",
+                                              "state/host.json": b'{"launch": 6.6}\n'})
+    merge_device_outputs.merge(first, checkout, logs_to=logs)
+    second = _archive(tmp_path / "poll2.tgz", {"logs/job.log": b"start\nend\n",
+                                               "state/jobs": b"job running 1\njob exit 0 9\n",
+                                               "state/host.json": b'{"launch": 6.6}\n'})
+    plan = merge_device_outputs.merge(second, checkout, logs_to=logs)
+    assert not plan.conflicts
+    assert (logs / "job.log").read_bytes() == b"start\nend\n"
+    assert (logs / "jobs.txt").read_bytes() == b"job running 1\njob exit 0 9\n"
+    other = _archive(tmp_path / "machine2.tgz", {"outputs/raw/c/new.jsonl": b"header\n",
+                                                 "logs/job.log": b"another start\n",
+                                                 "state/host.json": b'{"launch": 6.1}\n'})
+    assert merge_device_outputs.main([str(other), "--repo", str(checkout), "--logs-to", str(logs)]) == 1
+    out = capsys.readouterr().out
+    assert "CONFLICT outputs/perf/q/job.log (another queue's log" in out
+    assert "CONFLICT outputs/perf/q/host.json" in out
+    assert (logs / "job.log").read_bytes() == b"start\nend\n"
+    assert not (checkout / "outputs/raw/c/new.jsonl").exists()
+    assert merge_device_outputs.main([str(other), "--repo", str(checkout), "--logs-to", str(logs / "machine-2")]) == 0
+    assert (logs / "machine-2" / "job.log").read_bytes() == b"another start\n"
+    assert (checkout / "outputs/raw/c/new.jsonl").exists()

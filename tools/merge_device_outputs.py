@@ -12,7 +12,10 @@ Every file under the archive's `outputs/` is compared with the checkout's:
 - anything else: a conflict. Nothing at all is written when there is a conflict (the checked-in bytes
   are evidence: a rerun never overwrites an earlier run), and the exit status is 1.
 Lock files are skipped. With `--logs-to DIR`, the queue's job logs, job list and host facts (`logs/`,
-`state/jobs`, `state/queue.tsv`, `state/host.json`) are copied there too.
+`state/jobs`, `state/queue.tsv`, `state/host.json`) are copied there too, by the same rule: a later poll
+of the same queue extends its logs, but another machine's queue (a second start in the same lease) writes
+different logs under the same names, a conflict (lease 19 lost its first machine's logs that way: give
+the second machine its own folder, `--logs-to outputs/perf/queue-lease19/machine-2`).
 """
 
 from __future__ import annotations
@@ -72,25 +75,43 @@ def plan_merge(returned: Path, repo: Path) -> MergePlan:
     return plan
 
 
+def _log_copies(root: Path, logs_to: Path) -> list[tuple[Path, Path]]:
+    """(returned file, destination) for the queue's logs, job list, queue file and host facts."""
+    copies = [(log, logs_to / log.name) for log in sorted((root / "logs").glob("*")) if log.is_file()] \
+        if (root / "logs").is_dir() else []
+    for name, as_name in (("jobs", "jobs.txt"), ("queue.tsv", "queue.tsv"), ("host.json", "host.json")):
+        if (root / "state" / name).is_file():
+            copies.append((root / "state" / name, logs_to / as_name))
+    return copies
+
+
 def merge(archive_path: Path, repo: Path = REPO, logs_to: Path | None = None, dry_run: bool = False) -> MergePlan:
     with tempfile.TemporaryDirectory() as scratch, tarfile.open(archive_path) as archive:
         root = Path(scratch)
         archive.extractall(root, members=_safe_members(archive), filter="data")
         plan = plan_merge(root, repo)
+        log_writes = []
+        if logs_to is not None:
+            logs_to = repo / logs_to if not logs_to.is_absolute() else logs_to
+            for source, target in _log_copies(root, logs_to):
+                where = target.relative_to(repo).as_posix() if target.is_relative_to(repo) else str(target)
+                if not target.exists():
+                    log_writes.append((source, target))
+                    continue
+                here, there = target.read_bytes(), source.read_bytes()
+                if there != here and there.startswith(here):
+                    log_writes.append((source, target))
+                elif not here.startswith(there):
+                    plan.conflicts.append(f"{where} (another queue's log: use another --logs-to folder)")
         if plan.conflicts or dry_run:
             return plan
         for relative in plan.new + plan.grown:
             target = repo / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(root / relative, target)
-        if logs_to is not None:
-            logs_to = repo / logs_to if not logs_to.is_absolute() else logs_to
-            logs_to.mkdir(parents=True, exist_ok=True)
-            for log in sorted((root / "logs").glob("*")) if (root / "logs").is_dir() else []:
-                shutil.copyfile(log, logs_to / log.name)
-            for name, as_name in (("jobs", "jobs.txt"), ("queue.tsv", "queue.tsv"), ("host.json", "host.json")):
-                if (root / "state" / name).is_file():
-                    shutil.copyfile(root / "state" / name, logs_to / as_name)
+        for source, target in log_writes:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
         return plan
 
 
