@@ -52,6 +52,18 @@ def _safe_members(archive: tarfile.TarFile) -> list[tarfile.TarInfo]:
     return members
 
 
+def _compare(source: Path, target: Path) -> str:
+    """The MergePlan list a returned file belongs to against the checkout's copy (the module docstring)."""
+    if not target.exists():
+        return "new"
+    here, there = target.read_bytes(), source.read_bytes()
+    if here == there:
+        return "same"
+    if there.startswith(here):
+        return "grown"
+    return "behind" if here.startswith(there) else "conflicts"
+
+
 def plan_merge(returned: Path, repo: Path) -> MergePlan:
     """Compare every returned file under outputs/ with the checkout's (see the module docstring)."""
     plan = MergePlan()
@@ -60,18 +72,7 @@ def plan_merge(returned: Path, repo: Path) -> MergePlan:
             continue
         relative = source.relative_to(returned).as_posix()
         target = repo / relative
-        if not target.exists():
-            plan.new.append(relative)
-            continue
-        here, there = target.read_bytes(), source.read_bytes()
-        if here == there:
-            plan.same.append(relative)
-        elif there.startswith(here):
-            plan.grown.append(relative)
-        elif here.startswith(there):
-            plan.behind.append(relative)
-        else:
-            plan.conflicts.append(relative)
+        getattr(plan, _compare(source, target)).append(relative)
     return plan
 
 
@@ -94,14 +95,11 @@ def merge(archive_path: Path, repo: Path = REPO, logs_to: Path | None = None, dr
         if logs_to is not None:
             logs_to = repo / logs_to if not logs_to.is_absolute() else logs_to
             for source, target in _log_copies(root, logs_to):
-                where = target.relative_to(repo).as_posix() if target.is_relative_to(repo) else str(target)
-                if not target.exists():
+                found = _compare(source, target)
+                if found in ("new", "grown"):
                     log_writes.append((source, target))
-                    continue
-                here, there = target.read_bytes(), source.read_bytes()
-                if there != here and there.startswith(here):
-                    log_writes.append((source, target))
-                elif not here.startswith(there):
+                elif found == "conflicts":
+                    where = target.relative_to(repo).as_posix() if target.is_relative_to(repo) else str(target)
                     plan.conflicts.append(f"{where} (another queue's log: use another --logs-to folder)")
         if plan.conflicts or dry_run:
             return plan
