@@ -74,6 +74,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     params_path = args.params or (prereg_mod.SMOKE_PROFILE if args.arch == "tiny" else prereg_mod.DEFAULT_PREREG)
     study = prereg_mod.load(params_path)
     model_spec = study.model_for_arch(args.arch, args.role)
+    if model_spec.source != "synthetic":
+        raise CommandError(f"{model_spec.role}.source: {model_spec.source!r} in {params_path}: `rollout models "
+                           f"{args.models_command}` is for synthetic weights (use `rollout models verify DIR`)")
     if args.models_command == "build":
         seed = args.seed if args.seed is not None else model_spec.synthetic_seed
         scale = args.logit_scale if args.logit_scale is not None else model_spec.logit_scale
@@ -133,6 +136,18 @@ def measure_notebook_path(output_dir: str | Path, campaign: str, backend: str, r
     return folder / f"measure-{backend}-{run_id}-{_utc_stamp()}.ipynb"
 
 
+def _seconds_per_cell(flag: str, text: str, what: str) -> dict[str, float]:
+    """A campaign worker's {cell id: seconds} flag, refused by name unless it is one."""
+    try:
+        found = json.loads(text or "{}")
+    except ValueError as exc:
+        raise CommandError(f"{flag}: not JSON ({exc})") from None
+    if not isinstance(found, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              for v in found.values()):
+        raise CommandError(f"{flag}: expected an object of cell id -> {what}")
+    return found
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     from rollout_lib.measure.runner import run, validate_parameters
 
@@ -140,18 +155,17 @@ def cmd_measure(args: argparse.Namespace) -> int:
     spec, study, workload = validate_parameters(backend=args.backend, params=args.params, campaign=args.campaign,
                                                 cells=args.cells, run_id=args.run_id,
                                                 output_dir=args.output_dir, device=args.device)
-    if args.deadline_unix is not None or args.estimates_json:
+    if args.deadline_unix is not None or args.estimates_json or args.warmup_estimates_json:
         if not args.direct:
-            raise CommandError("deadline-unix/estimates-json: only with --direct (the campaign driver's workers)")
-        try:
-            estimates = json.loads(args.estimates_json or "{}")
-        except ValueError as exc:
-            raise CommandError(f"estimates-json: not JSON ({exc})") from None
-        if not isinstance(estimates, dict) or not all(isinstance(v, (int, float)) for v in estimates.values()):
-            raise CommandError("estimates-json: expected an object of cell id -> seconds per repetition")
+            raise CommandError("deadline-unix/estimates-json/warmup-estimates-json: only with --direct "
+                               "(the campaign driver's workers)")
+        estimates = _seconds_per_cell("estimates-json", args.estimates_json, "seconds per measured repetition")
+        warmup_estimates = _seconds_per_cell("warmup-estimates-json", args.warmup_estimates_json,
+                                             "seconds per warmup")
         # the campaign driver's order (longest first) is the order of work, not the workload's
         given = [c.strip() for c in args.cells.split(",") if c.strip()]
         spec = dataclasses.replace(spec, deadline_unix=args.deadline_unix, estimates_s=estimates,
+                                   warmup_estimates_s=warmup_estimates or None,
                                    cells=tuple(dict.fromkeys(given)) if given else spec.cells)
     if args.direct:
         # SIGTERM (a driver stopping, a lease ending) unwinds like Ctrl-C: teardown is recorded and the
@@ -635,7 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run in this process, no notebook (prints one JSON line per cell)")
     p.add_argument("--deadline-unix", type=float, default=None,
                    help="(campaign workers) start no repetition that would end after this UNIX time")
-    p.add_argument("--estimates-json", default="", help="(campaign workers) {cell id: seconds per repetition}")
+    p.add_argument("--estimates-json", default="",
+                   help="(campaign workers) {cell id: seconds per measured repetition}")
+    p.add_argument("--warmup-estimates-json", default="", help="(campaign workers) {cell id: seconds per warmup}")
     p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("missing",

@@ -212,6 +212,19 @@ def campaign_lease_below_deadline(c: Ctx) -> None:
     assert c.snapshot() == before and not (c.out / "campaigns").exists()
 
 
+def measure_warmup_estimates_not_seconds(c: Ctx) -> None:
+    """A campaign worker's `--warmup-estimates-json` that is not {cell id: seconds}: refused by name before
+    any raw file exists."""
+    before = c.snapshot()
+    common = ("measure", "--direct", "--backend", "hf_cached", "--params", str(c.params), "--campaign", "pub",
+              "--output-dir", str(c.out), "--device", "cpu", "--deadline-unix", "9e9")
+    out = cli(*common, "--warmup-estimates-json", '{"p16-r8-n1-greedy": "long"}')
+    refused_one_line(out, 2, "warmup-estimates-json: expected an object of cell id -> seconds per warmup")
+    out = cli(*common, "--warmup-estimates-json", "{not json")
+    refused_one_line(out, 2, "warmup-estimates-json: not JSON")
+    assert c.snapshot() == before
+
+
 def params_is_directory(c: Ctx) -> None:
     with pytest.raises(ParameterError, match=r"params: .* is not a file"):
         validate_parameters(backend="hf_cached", params=str(c.tmp), campaign="pub", output_dir=str(c.out))
@@ -490,6 +503,9 @@ CASES = [
          campaign_other_identity),
     Case("campaign-lease-below-deadline", "`campaign plan --lease-s` shorter than `--deadline-s`",
          "refused: both named (exit 2); nothing written", campaign_lease_below_deadline),
+    Case("measure-warmup-estimates-not-seconds", "a campaign worker's `--warmup-estimates-json` not {cell: "
+         "seconds}", "refused: the flag and the expected shape named (exit 2); nothing written",
+         measure_warmup_estimates_not_seconds),
     Case("measure-params-directory", "measure: a directory as `params`", "refused: not a file", params_is_directory),
     Case("raw-resume-sealed", "resume a run that ended (sealed)", "refused: 'use a new run id'; file untouched",
          resume_sealed_run),

@@ -247,18 +247,26 @@ def test_scheduler_plans_only_what_the_runner_admits():
 
 def test_scheduler_costs_a_warmup_longer_than_a_measured_repetition():
     """Lease 15: a segment's warm-up ran 700 s against 585 s measured (the oracle's greedy cells: 1.2-2.4x).
-    The runner admits the repetition after it only if one as long as the warm-up fits, so a cell planned
-    "warmup + 1" from the measured estimate alone can run its warm-up and nothing else."""
+    The runner is given the warm-up's estimate as well: it starts a cell only if its warm-up + one measured
+    repetition fit by both estimates, and expects the first measured one to run over its estimate as far as
+    the warm-up ran over its own (lease 18: a 375 s warm-up taken for the next repetition's length reserved
+    451 s for a ~293 s repetition, 437 s were left, and the warm-up was lost)."""
     assert repetitions_admitted(320, 100, 1, **EXACT_ADMISSION) == 3  # as if the warm-up took 100 s
-    assert repetitions_admitted(320, 100, 1, warmup_s=180, **EXACT_ADMISSION) == 1  # 180 + 180 > 320
+    # the warm-up runs as estimated: the first measured one is expected at its own 100 s, 180 + 100 <= 320
+    assert repetitions_admitted(320, 100, 1, warmup_s=180, **EXACT_ADMISSION) == 2
     assert repetitions_admitted(320, 100, 1, warmup_s=180, most=1, **EXACT_ADMISSION) == 1
     assert repetitions_admitted(1000, 100, 1, warmup_s=180, most=4, **EXACT_ADMISSION) == 4
-    # so the plan does not start it, where it would have from the measured estimate alone
+    # 30% over: a 234 s warm-up, the next expected at 130 s, 364 > 320
+    assert repetitions_admitted(320, 100, 1, warmup_s=180, overrun=1.3, **EXACT_ADMISSION) == 1
+    # a cell whose warm-up + one measured do not fit by their estimates is not started (it used to be
+    # started by twice the measured estimate, 200 <= 270, and its warm-up then ran for nothing)
+    assert repetitions_admitted(270, 100, 1, warmup_s=180, **EXACT_ADMISSION) == 0
+    # the plan fills the end of a job with it (a whole lease holds it, so only as the fill)
     short = CellCost("g", 100, 4, warmup_s=180)
-    assert plan([short], gpus=1, budget_s=360, cold_start_s=40, warmups=1, lease_s=1560,
+    filled = plan([short], gpus=1, budget_s=360, cold_start_s=40, warmups=1, lease_s=1560, **EXACT_ADMISSION)
+    assert filled.assignments[0].partial == {"g": 1} and filled.assignments[0].fillers == ["g"]
+    assert plan([short], gpus=1, budget_s=300, cold_start_s=40, warmups=1, lease_s=1560,
                 **EXACT_ADMISSION).unscheduled == ["g"]
-    assert plan([CellCost("g", 100, 4)], gpus=1, budget_s=360, cold_start_s=40, warmups=1, lease_s=1560,
-                **EXACT_ADMISSION).assignments[0].partial == {"g": 2}
     # a planned cell costs its warm-up as estimated, and longest-first counts it
     result = plan([CellCost("a", 50, 4, warmup_s=90), CellCost("b", 55, 4)], gpus=2, budget_s=1000,
                   cold_start_s=40, warmups=1, **EXACT_ADMISSION)
@@ -267,13 +275,16 @@ def test_scheduler_costs_a_warmup_longer_than_a_measured_repetition():
     assert result.to_json()["warmup_estimates_s"] == {"a": 90, "b": 55}
 
 
-@pytest.mark.parametrize(("warmup_s", "repetition_s", "room_s"),
-                         [(0.5, 0.25, 0.8), (0.3, 0.25, 0.9), (0.25, 0.25, 0.8), (0.6, 0.2, 2.05), (0.3, 0.25, 0.45),
-                          (0.2, 0.3, 1.15)])
+@pytest.mark.parametrize(("warmup_s", "repetition_s", "room_s", "overrun"),
+                         [(0.5, 0.25, 0.8, 1.0), (0.3, 0.25, 0.9, 1.0), (0.25, 0.25, 0.8, 1.0), (0.6, 0.2, 2.05, 1.0),
+                          (0.3, 0.25, 0.45, 1.0), (0.2, 0.3, 1.15, 1.0), (0.5, 0.25, 0.7, 1.0),
+                          (0.28, 0.219, 0.7, 1.34), (0.28, 0.219, 0.6, 1.34), (0.3, 0.25, 1.0, 0.8),
+                          (0.5, 0.25, 1.9, 1.2)])
 def test_the_plan_admits_what_the_runner_runs_after_a_long_warmup(three_reps, tmp_path, clock, monkeypatch,
-                                                                  warmup_s, repetition_s, room_s):
-    """The runner itself (fake clock; its own admission rule) against `repetitions_admitted`: the same
-    number of repetitions, when the warm-up is longer, as long as, or shorter than a measured one."""
+                                                                  warmup_s, repetition_s, room_s, overrun):
+    """The runner itself (fake clock; its own admission rule; given both estimates, as the campaign driver
+    gives them) against `repetitions_admitted`: the same number of repetitions, when the warm-up is longer,
+    as long as, or shorter than a measured one, and when every wall runs `overrun` x its estimate."""
     import types
 
     # the walls the runner reads back (its `last_wall`) on the same fake clock as its deadline checks
@@ -281,15 +292,36 @@ def test_the_plan_admits_what_the_runner_runs_after_a_long_warmup(three_reps, tm
     study, params = three_reps
     most = study.protocol.warmup_repetitions + study.protocol.measured_repetitions
     expected = repetitions_admitted(room_s, repetition_s, study.protocol.warmup_repetitions, warmup_s=warmup_s,
-                                    most=most, **EXACT_ADMISSION)
+                                    most=most, overrun=overrun, **EXACT_ADMISSION)
+    walls = [warmup_s * overrun] + [repetition_s * overrun] * most
     _, spec = _measure(params, tmp_path / "out", "lease", [CELL], clock, deadline_unix=clock.now + room_s,
-                       estimates_s={CELL: repetition_s}, delays_s=[warmup_s] + [repetition_s] * most)
+                       estimates_s={CELL: repetition_s}, warmup_estimates_s={CELL: warmup_s}, delays_s=walls)
     records = read_raw(spec.path)[0]
     ran = [r for r in records if r["record"] == "repetition"]
     assert len(ran) == expected
-    assert [r["wall_s"] for r in ran] == pytest.approx(([warmup_s] + [repetition_s] * most)[:expected])
+    assert [r["wall_s"] for r in ran] == pytest.approx(walls[:expected])
     if expected == 0:
         assert any(r["record"] == "cell_skipped" for r in records)
+
+
+def test_a_long_warmup_is_not_taken_for_the_next_repetition(three_reps, tmp_path, clock, monkeypatch):
+    """Lease 18, scaled down: estimates 0.28 s warm-up / 0.219 s measured, every wall 1.34x over, 0.7 s to
+    the deadline. Told only the measured estimate (the rule until then), the runner reserves the warm-up's
+    0.375 s for the next repetition and stops after the warm-up; told both, it expects 0.293 s and measures
+    one (ending at 0.668 s)."""
+    import types
+
+    monkeypatch.setattr("rollout_lib.measure.timing.time", types.SimpleNamespace(perf_counter=clock.time))
+    _, params = three_reps
+    walls = [0.28 * 1.34] + [0.219 * 1.34] * 3
+    counts = {}
+    for name, warmup_estimates in (("old", None), ("new", {CELL: 0.28})):
+        _, spec = _measure(params, tmp_path / name, "lease", [CELL], clock, deadline_unix=clock.now + 0.7,
+                           estimates_s={CELL: 0.219}, warmup_estimates_s=warmup_estimates, delays_s=list(walls))
+        records = read_raw(spec.path)[0]
+        counts[name] = [r["warmup"] for r in records if r["record"] == "repetition"]
+        assert any(r["record"] == "cell_suspended" for r in records)
+    assert counts == {"old": [True], "new": [True, False]}
 
 
 def test_scheduler_keeps_a_cell_a_whole_lease_holds_for_one_lease():
@@ -563,6 +595,25 @@ def test_missing_names_how_far_a_cut_cell_got_and_its_identity(three_reps, tmp_p
     assert CELL not in line and "measured, identity" not in line, line
 
 
+def test_cut_segments_under_several_identities_read_each_raw_file_once(three_reps, tmp_path, clock, monkeypatch):
+    from rollout_lib.campaign import driver
+    from rollout_lib.measure import campaign_files
+
+    _, params = three_reps
+    out = tmp_path / "out"
+    _, segment = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
+                          estimates_s={CELL: 0.25})
+    identity = read_raw(segment.path)[0][0]["measurement_identity_sha256"]
+    files = campaign_files.continuable_files(segment.path.parent)
+    assert find_continuations(segment.path.parent, identity, [CELL], files=files) == \
+        find_continuations(segment.path.parent, identity, [CELL])
+    reads = []
+    monkeypatch.setattr(campaign_files, "read_raw", lambda path: reads.append(path) or read_raw(path))
+    identities = [identity, "0" * 64, "1" * 64]
+    assert driver._cut_segments(segment.path.parent, identities, [CELL]) == [(identity, CELL, 2)]
+    assert reads == [segment.path], reads
+
+
 def test_a_segment_from_other_measurement_code_is_not_continued(three_reps, tmp_path, clock, monkeypatch):
     _, params = three_reps
     out = tmp_path / "out"
@@ -817,11 +868,14 @@ def test_status_on_a_running_detached_driver(tmp_path):
 
 @pytest.mark.slow
 def test_a_campaign_worker_measures_cells_in_the_drivers_order(tmp_path):
+    from rollout_lib.campaign import driver
+
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "rollout_lib.cli", "measure", "--direct", "--backend", "hf_cached",
-               "--params", str(SMOKE), "--campaign", "order", "--run-id", "w", "--output-dir", str(out),
-               "--device", "cpu", "--cells", "p48-r8-n1-greedy,p16-r8-n1-greedy",
-               "--deadline-unix", repr(time.time() + 600), "--estimates-json", '{"p48-r8-n1-greedy": 0.5}']
+    # the command the driver starts a worker with: both estimates reach the runner
+    command = driver._worker_command(str(SMOKE), "order", "hf_cached", out, "w",
+                                     ["p48-r8-n1-greedy", "p16-r8-n1-greedy"], time.time() + 600,
+                                     {"p48-r8-n1-greedy": 0.5}, "cpu", {"p48-r8-n1-greedy": 0.7})
+    assert command[command.index("--warmup-estimates-json") + 1] == '{"p48-r8-n1-greedy": 0.7}'
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TQDM_DISABLE="1"))
     assert done.returncode == 0, done.stderr

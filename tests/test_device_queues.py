@@ -98,8 +98,6 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         # a marker an earlier job of the queue writes: it must be one that job's script names
         assert any(words[2] in script.read_text() for script in (REPO_ROOT / "tools" / "device").glob("*.sh")), \
             f"{where}: no device script writes {words[2]}"
-    elif words == ["bash", "tools/device/apply_pending.sh"]:
-        assert (REPO_ROOT / "docs" / "pending" / "README.md").exists(), f"{where}: docs/pending has landed"
     elif words == ["bash", "/tmp/stage/install-extras.sh"]:
         pass  # the staged installer of ../shared/device/extras (copied to /tmp/stage by the first call)
     elif words[:4] == ["python3", "-m", "pytest", "-q"]:
@@ -186,41 +184,3 @@ def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
     assert 60 <= deadline_s <= 70 and lease_s == 70  # the lease's remainder, under 200 - 10; the whole lease
     assert not (perf / "too-late.txt").exists()
     assert (tmp_path / "out" / "queue.tgz").stat().st_size > 0
-
-
-def _pending_order() -> list[str]:
-    readme = REPO_ROOT / "docs" / "pending" / "README.md"
-    return re.findall(r"^ +git apply (docs/pending/[A-Za-z0-9_.-]+\.patch)", readme.read_text(), re.M)
-
-
-@pytest.mark.skipif(not (REPO_ROOT / "docs" / "pending").exists(), reason="docs/pending has landed")
-def test_apply_pending_applies_every_patch_in_readme_order(tmp_path):
-    """tools/device/apply_pending.sh, on a copy of the checkout without .git (as the device's work copy):
-    the README's `git apply` lines name every docs/pending patch once, all of them apply in that order,
-    and the marker the GPU suites wait for lists each patch's sha256 in that order. A second run on the
-    patched copy fails (nothing applies twice) and removes the marker first, so a suite never starts on
-    code the script did not patch."""
-    import hashlib
-    import shutil
-    import subprocess
-
-    order = _pending_order()
-    on_disk = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "docs" / "pending").glob("*.patch"))
-    assert sorted(order) == on_disk and len(set(order)) == len(order), (order, on_disk)
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
-    copy = tmp_path / "src"
-    shutil.copytree(REPO_ROOT, copy, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", ".stage", "outputs", ".cache", "snapshots", "__pycache__", "wheelhouse"))
-    result = subprocess.run(["bash", "tools/device/apply_pending.sh"], cwd=copy, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [word for patch in order for word in ("applied", patch)]
-    marker = copy / "outputs" / "perf" / "pending-applied.txt"
-    expected = [f"{hashlib.sha256((REPO_ROOT / p).read_bytes()).hexdigest()}  {p}" for p in order]
-    assert marker.read_text().splitlines() == expected
-    frozen = REPO_ROOT / "rollout_lib" / "study" / "prereg.py"  # issue 16's loader: the first patch changes it
-    assert (copy / "rollout_lib" / "study" / "prereg.py").read_bytes() != frozen.read_bytes()
-    again = subprocess.run(["bash", "tools/device/apply_pending.sh"], cwd=copy, capture_output=True, text=True,
-                           timeout=120)
-    assert again.returncode != 0 and not marker.exists()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -199,21 +198,3 @@ def test_the_reports_setup_table_names_either_source(smoke_study):
                                   payload_digest="ab" * 32, architecture=actor.architecture)
     assert model_source_text(local) == ("tiny local snapshot models/qwen3-0.6b, revision c1899de, "
                                         "digest abababababababab…")
-
-
-PENDING = sorted((Path(__file__).resolve().parent.parent / "docs" / "pending").glob("*.patch"))
-
-
-@pytest.mark.parametrize("patch", PENDING, ids=[p.name for p in PENDING])
-def test_the_pending_patches_still_apply(patch):
-    """docs/pending/*.patch wait for the oracle's freeze to end (the issue-16 loader integration, the
-    host CPU in the environment identity, the post-freeze cleanup); each must keep applying to main, or
-    the work it holds is lost a second time (refresh it when this fails)."""
-    import subprocess
-
-    from .conftest import REPO
-
-    if shutil.which("git") is None or not (REPO / ".git").exists():
-        pytest.skip("not a git checkout")
-    result = subprocess.run(["git", "apply", "--check", str(patch)], cwd=REPO, capture_output=True, text=True)
-    assert result.returncode == 0, f"{patch.name}: {result.stderr}"

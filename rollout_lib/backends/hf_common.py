@@ -7,9 +7,10 @@ from typing import Any
 from rollout_lib.backends.base import Backend
 from rollout_lib.backends.decode import synchronize
 from rollout_lib.models.actor import DTYPES, torch_dtype
+from rollout_lib.models.local_snapshot import check_prompt_ids, resolve_model_snapshot
 from rollout_lib.models.policy import PolicyIdentityMismatch, PolicyVersion, policy_identity, read_policy_from_peft
-from rollout_lib.models.synthetic import ensure_snapshot
 from rollout_lib.study.arch import get_architecture
+from rollout_lib.study.workload import Workload
 
 
 def default_device() -> str:
@@ -46,9 +47,10 @@ class HFBackendBase(Backend):
         self.budget_fraction: float | None = None
 
     def _load_snapshot(self) -> str:
-        actor = self.study.actor
-        self.snapshot = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale,
-                                        expected_digest=actor.payload_digest, cache_dir=self.options.get("cache_dir"))
+        self.snapshot = resolve_model_snapshot(self.study.actor, cache_dir=self.options.get("cache_dir"),
+                                               study_path=self.study.source_path)
+        if self.study.actor.source == "snapshot":  # a real vocabulary: every prompt id must be inside it
+            check_prompt_ids(Workload(self.study), self.snapshot)
         return self.snapshot.path
 
     def _apply_memory_budget(self) -> None:

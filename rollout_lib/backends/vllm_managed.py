@@ -361,11 +361,8 @@ class VLLMManagedBackend(Backend):
         else:
             import torch
 
-            from rollout_lib.models.mirror import write_float32_mirror
-
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            write = write_float32_mirror if self.serving_dtype == "float32" else write_mirror_snapshot
-            self.mirror_digest = write(snapshot.path, quant, out, device)
+            self.mirror_digest = write_mirror_snapshot(snapshot.path, quant, out, device, dtype=self.serving_dtype)
             if device == "cuda":
                 torch.cuda.empty_cache()  # the parent keeps no weights: the engine loads them from disk
         return str(out)

@@ -51,7 +51,7 @@ from rollout_lib.campaign.schedule import (
 )
 from rollout_lib.core import REPO_ROOT, write_json_atomic
 from rollout_lib.evidence.publish import campaign_cells
-from rollout_lib.measure.campaign_files import find_continuations
+from rollout_lib.measure.campaign_files import continuable_files, find_continuations
 from rollout_lib.measure.rawfile import RawFileError, live_holder, read_raw
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
@@ -403,9 +403,11 @@ def waiting_repetitions(output_dir: Path, campaign: str, backend: str,
 
 def _cut_segments(backend_dir: Path, identities: list[str], todo: list[str]) -> list[tuple[str, str, int]]:
     """(identity, cell, measured repetitions) of each to-do cell's continuable segments under each identity."""
+    files = continuable_files(backend_dir)  # read once, asked once per identity
     return [(identity_sha256, cell_id, len(continuation.done))
             for identity_sha256 in identities
-            for cell_id, continuation in sorted(find_continuations(backend_dir, identity_sha256, todo).items())
+            for cell_id, continuation in sorted(find_continuations(backend_dir, identity_sha256, todo,
+                                                                   files=files).items())
             if continuation.done]
 
 
@@ -496,11 +498,14 @@ def format_plan(the_plan: Plan, calibration: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------
 
 def _worker_command(study_path: str, campaign: str, backend: str, output_dir: Path, run_id: str, cells: list[str],
-                    deadline_unix: float, estimates: dict[str, float], device: str) -> list[str]:
+                    deadline_unix: float, estimates: dict[str, float], device: str,
+                    warmup_estimates: dict[str, float] | None = None) -> list[str]:
     return [sys.executable, "-m", "rollout_lib.cli", "measure", "--direct", "--backend", backend,
             "--params", study_path, "--campaign", campaign, "--output-dir", str(output_dir), "--run-id", run_id,
             "--cells", ",".join(cells), "--deadline-unix", repr(deadline_unix),
-            "--estimates-json", json.dumps(estimates, sort_keys=True)] + (["--device", device] if device else [])
+            "--estimates-json", json.dumps(estimates, sort_keys=True)] + (
+                ["--warmup-estimates-json", json.dumps(warmup_estimates, sort_keys=True)] if warmup_estimates else []
+            ) + (["--device", device] if device else [])
 
 
 def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir: Path, *, gpus: int | None,
@@ -524,6 +529,7 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     stamp = _utc_stamp()
     estimates = {c: round(cost.repetition_s, 3) for c, cost in the_plan.costs.items()}
+    warmup_estimates = {c: round(cost.first_s, 3) for c, cost in the_plan.costs.items()}
     workers = []
     for assignment in the_plan.assignments:
         if not assignment.cells:
@@ -537,7 +543,8 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
         else:
             device = "cpu"
         command = _worker_command(study.source_path, campaign, backend, output_dir, run_id, assignment.cells,
-                                  deadline_unix, {c: estimates[c] for c in assignment.cells}, device)
+                                  deadline_unix, {c: estimates[c] for c in assignment.cells}, device,
+                                  {c: warmup_estimates[c] for c in assignment.cells})
         with open(log, "ab") as handle:
             proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                     start_new_session=True)

@@ -7,8 +7,9 @@ repetitions; a cell too long for a whole lease is planned with the repetitions t
 measured after the warmup), and the next lease continues it as a new segment. Every segment repeats
 the warmup (480-760 s for the oracle's largest cells), so a cell that one lease can hold is split only
 to fill time at the end of a job that no whole cell fits. A warmup may cost more than a measured
-repetition (the oracle's greedy cells: 1.2-2.4x, first-pass allocator growth), and the runner then
-admits the next repetition only if one as long as the warmup still fits: the plan follows both.
+repetition (the oracle's greedy cells: 1.2-2.4x, first-pass allocator growth): the runner is given
+both estimates and expects the first measured repetition to run over its own as far as the warmup ran
+over the warmup's (`runner.expected_next_s`); the plan follows both.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-# The runner's admission rule (measure/runner.py, frozen with the oracle): a repetition starts only when
-# `now + estimate x SAFETY + MARGIN` is before the deadline, and a cell only when its warmups + one
+# The runner's admission rule (measure/runner.py): a repetition starts only when
+# `now + expected x SAFETY + MARGIN` is before the deadline, and a cell only when its warmups + one
 # measured repetition fit that way. The plan applies the same rule, so a unit it schedules is one the
 # worker will run (lease 5: a plan without it gave a 472 s/rep cell "1 measured rep fits" in a 1,113 s
 # budget, the worker skipped it and the GPU idled for the rest of the lease).
-from rollout_lib.measure.runner import DEADLINE_MARGIN_S, DEADLINE_SAFETY
+from rollout_lib.measure.runner import DEADLINE_MARGIN_S, DEADLINE_SAFETY, expected_next_s
 
 # Seconds per repetition on one H200, before calibration from raw files (2026-11-29/30 runs):
 # hf_reference greedy ~0.1 s per full-recompute step (launch bound, growing with the prefix),
@@ -106,19 +107,21 @@ def repetitions_admitted(room_s: float, repetition_s: float, warmups: int, *, wa
                          margin_s: float = DEADLINE_MARGIN_S, overrun: float = 1.0) -> int:
     """How many repetitions (warmups first, each `warmup_s`, default `repetition_s`; then `repetition_s`
     each) the runner would run of a cell started with `room_s` seconds to the deadline, at most `most`:
-    0 when it would not start the cell at all. The runner is given `repetition_s` as its estimate; it
-    starts the cell if its warmups + one measured fit by that estimate, and each later repetition only if
-    one as long as the larger of the estimate and the last repetition's wall still fits. `overrun`: the
-    walls run this factor over their estimates (the estimate the runner is given stays as it is)."""
+    0 when it would not start the cell at all. The runner is given both estimates; it starts the cell if
+    its warmups + one measured fit by them, and each later repetition only if one as long as
+    `runner.expected_next_s` says still fits (the larger of the estimate and the last wall; right after
+    the warmups, the estimate scaled by their overrun). `overrun`: the walls run this factor over their
+    estimates (the estimates the runner is given stay as they are)."""
     limit = sys.maxsize if most is None else most
     if repetition_s <= 0:  # no estimate of cost: as many as asked, if the margin itself fits
         return 0 if room_s < margin_s else limit
-    if (warmups + 1) * repetition_s * safety + margin_s > room_s:
-        return 0
     warmup_s = repetition_s if warmup_s is None else warmup_s
+    if (warmups * warmup_s + repetition_s) * safety + margin_s > room_s:
+        return 0
     elapsed, last, count = 0.0, 0.0, 0  # the runner's loop, walls as estimated
     while count < limit:
-        if count > 0 and elapsed + max(repetition_s, last) * safety + margin_s > room_s:
+        expected = expected_next_s(repetition_s, warmup_s, last, after_warmup=0 < count == warmups)
+        if count > 0 and elapsed + expected * safety + margin_s > room_s:
             break
         last = (warmup_s if count < warmups else repetition_s) * overrun
         elapsed += last

@@ -87,18 +87,29 @@ def measured_indices(reps: list[dict[str, Any]]) -> list[int]:
     return [r.get("measured_index", position) for position, r in enumerate(measured)]
 
 
-def find_continuations(backend_dir: str | Path, identity_sha256: str, cells: list[str],
-                       current: Path | None = None) -> dict[str, Continuation]:
-    """For each cell, the chain to continue (only cells whose latest attempt is a valid partial)."""
-    attempts: dict[str, list[dict[str, Any]]] = {}
+def continuable_files(backend_dir: str | Path, current: Path | None = None) -> list[tuple[Path, list[dict[str, Any]]]]:
+    """The readable raw files of one backend that a worker may continue from (path, records), in name
+    order: a file another process is writing right now is not ours to continue (`current`, our own, is)."""
+    files = []
     for path in sorted(Path(backend_dir).glob("*.jsonl")):
         is_current = current is not None and path.resolve() == Path(current).resolve()
         if not is_current and live_holder(path) is not None:
-            continue  # another process is writing it right now: not ours to continue
+            continue
         try:
             records, _ = read_raw(path)
         except RawFileError:
             continue
+        files.append((path, records))
+    return files
+
+
+def find_continuations(backend_dir: str | Path, identity_sha256: str, cells: list[str],
+                       current: Path | None = None,
+                       files: list[tuple[Path, list[dict[str, Any]]]] | None = None) -> dict[str, Continuation]:
+    """For each cell, the chain to continue (only cells whose latest attempt is a valid partial). `files`:
+    `continuable_files(backend_dir, current)` already read (a caller asking under several identities)."""
+    attempts: dict[str, list[dict[str, Any]]] = {}
+    for path, records in continuable_files(backend_dir, current) if files is None else files:
         if not records or records[0].get("measurement_identity_sha256") != identity_sha256:
             continue
         run_id = records[0].get("run_id", path.stem)

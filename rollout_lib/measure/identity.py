@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout_lib.core import REPO_ROOT, write_json_atomic
+from rollout_lib.measure.host import host_identity
 from rollout_lib.measure.rawfile import seal_file
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ def environment_identity(*, model_digests: dict[str, str] | None = None,
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "platform": platform.platform(),
+        "host": host_identity(),  # recorded, not part of identity_key: a cell continues on another host
         "packages": {name: package_version(name) for name in IDENTITY_PACKAGES},
         "gpu": gpu_identity(),
         "model_digests": dict(sorted((model_digests or {}).items())),

@@ -162,9 +162,21 @@ def load_actor(snapshot_dir: str, quant: QuantizationSpec, lora: LoraSpec, compu
     return ActorPair(actor=add_lora(nf4, lora), mirror=add_lora(mirror, lora) if mirror is not None else None)
 
 
-def write_mirror_snapshot(snapshot_dir: str, quant: QuantizationSpec, out_dir: str | Path, device: str) -> str:
-    """An HF snapshot of the BF16 mirror (exact dequantized NF4 projections, other tensors as in the
-    actor snapshot), for engines that load weights from disk (vLLM). Returns its payload digest."""
+# copied beside the mirror's weights: the engine reads its config and tokenizer from there (a real
+# snapshot's tokenizer may come as tokenizer.json alone or with the slow tokenizer's vocab and merges)
+MIRROR_REQUIRED_FILES = ("config.json",)
+MIRROR_OPTIONAL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                         "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt")
+
+
+def write_mirror_snapshot(snapshot_dir: str, quant: QuantizationSpec, out_dir: str | Path, device: str,
+                          dtype: str = "bfloat16") -> str:
+    """An HF snapshot of the serving mirror, for engines that load weights from disk (vLLM): the exact
+    dequantized NF4 projections in `dtype`, the actor snapshot's other tensors (upcast, exactly, for
+    float32: a float32 engine serving bf16-rounded projections would keep the rounding that the
+    precision ladder's float32 rung removes), and the snapshot's config and tokenizer files.
+    Returns its payload digest."""
+    import json
     import shutil
 
     import torch
@@ -172,23 +184,30 @@ def write_mirror_snapshot(snapshot_dir: str, quant: QuantizationSpec, out_dir: s
 
     from rollout_lib.models.synthetic import payload_digest_of_tensors, read_snapshot_tensors
 
+    if dtype not in DTYPES:
+        raise ValueError(f"mirror dtype {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
+    weights_dtype = torch_dtype(dtype)
     out = Path(out_dir)
     tensors = read_snapshot_tensors(snapshot_dir)
-    nf4 = load_nf4_base(snapshot_dir, quant, torch.bfloat16, device)
+    if dtype == "float32":
+        tensors = {k: v.to(torch.float32) for k, v in tensors.items()}
+    nf4 = load_nf4_base(snapshot_dir, quant, weights_dtype, device)
     for name, weight in dequantized_linear_weights(nf4).items():
         key = f"{name}.weight"
         if key not in tensors or tuple(tensors[key].shape) != tuple(weight.shape):
             raise RuntimeError(f"{key}: no matching tensor in {snapshot_dir}")
-        tensors[key] = weight.to("cpu", torch.bfloat16).contiguous()
+        tensors[key] = weight.to("cpu", weights_dtype).contiguous()
     del nf4
     digest = payload_digest_of_tensors(tensors)
+    marker = {"mirror_payload_digest": digest, **({"dtype": dtype} if dtype != "bfloat16" else {}),
+              "source": str(snapshot_dir)}
 
     def build(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(Path(snapshot_dir) / name, tmp / name)
-        (tmp / "rollout_mirror.json").write_text(f'{{"mirror_payload_digest": "{digest}", '
-                                                 f'"source": "{snapshot_dir}"}}\n')
+        source = Path(snapshot_dir)
+        for name in MIRROR_REQUIRED_FILES + tuple(n for n in MIRROR_OPTIONAL_FILES if (source / n).is_file()):
+            shutil.copy(source / name, tmp / name)
+        (tmp / "rollout_mirror.json").write_text(json.dumps(marker) + "\n")
 
     build_directory_once(out, build)  # concurrent shards: one atomic rename wins, the other is dropped
     return digest

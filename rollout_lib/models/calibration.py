@@ -39,6 +39,9 @@ def calibrate_logit_scale(study: Preregistration, arch_name: str, device: str = 
     from rollout_lib.study.workload import Workload
 
     spec = study.model_for_arch(arch_name, role)
+    if spec.source != "synthetic":
+        raise ValueError(f"{spec.role}.source: {spec.source!r}: the logit scale is calibrated for synthetic weights "
+                         "only (a snapshot's weights are its own)")
     target = target_nats if target_nats is not None else spec.logit_calibration.target_mean_entropy_nats
     unscaled = ensure_snapshot(arch_name, spec.synthetic_seed, 1.0)
     model = load_causal_lm(unscaled.path, torch.float32, device)

@@ -11,10 +11,6 @@ message naming the field:
 - the architecture: every shape and token-id field of the study against the snapshot's config.json;
 - the vocabulary: the tokenizer's size is recorded, and every prompt id of the workload must be a
   valid embedding row (prompts stay token ids drawn from seeds; stop ids come from the study).
-
-This module is not yet wired into the preregistration loader and the backends: those files belong
-to the frozen oracle's measurement code while campaign h200-v2 runs (tests/test_oracle_frozen.py),
-so `source: snapshot` is accepted there only after the oracle's 24 cells are in.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The `source: snapshot` block of a study's actor or teacher: a local Hugging Face snapshot named by
 path and pinned by payload digest (rollout_lib/models/local_snapshot.py verifies the directory).
 
-Kept apart from prereg.py, whose bytes belong to the frozen oracle's measurement code while campaign
-h200-v2 runs; the loader takes this block once that campaign is complete.
+The loader (prereg.py) imports the pattern and the synthetic-only keys from here.
 """
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ from typing import Any, Literal
 
 from rollout_lib.study.strict import StrictLoadError, from_mapping
 
-# the payload-digest pattern; prereg.py (frozen while h200-v2 runs) has its own copy until the loader
-# takes this block and imports it from here (this module must not import prereg: the loader imports it)
+# the payload-digest pattern (this module must not import prereg: the loader imports it)
 SHA256_PATTERN = r"[0-9a-f]{64}"
 SYNTHETIC_ONLY_KEYS = ("synthetic_seed", "logit_scale", "logit_calibration")
 

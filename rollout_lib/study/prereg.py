@@ -16,12 +16,12 @@ from typing import Literal
 
 from rollout_lib.core import REPO_ROOT, sha256_bytes, sha256_file
 from rollout_lib.study.arch import ARCHITECTURES, Qwen3Arch
+from rollout_lib.study.model_source import SHA256_PATTERN, SYNTHETIC_ONLY_KEYS
 from rollout_lib.study.strict import StrictLoadError, from_mapping, load_yaml
 
 DEFAULT_PREREG = REPO_ROOT / "params" / "rollout-runtime-v2.yaml"
 SMOKE_PROFILE = REPO_ROOT / "params" / "profiles" / "smoke.yaml"
 CALCULATOR_PENDING = "pending"
-SHA256_PATTERN = r"[0-9a-f]{64}"
 BACKEND_NAMES = ("hf_reference", "hf_cached", "vllm")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -88,15 +88,22 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A study's actor or teacher. `source: synthetic`: weights drawn from `synthetic_seed`, scaled by
+    `logit_scale` (with its `logit_calibration`); `source: snapshot`: a local Hugging Face snapshot at
+    `path` (relative to the study file), optionally labelled with a `revision`. Both pin `payload_digest`."""
+
     role: Literal["actor", "teacher"]
-    source: Literal["synthetic"]
+    source: Literal["synthetic", "snapshot"]
     architecture: ArchitectureSpec
-    synthetic_seed: int = field(metadata=_m(min=0))
     weights_dtype: Literal["bfloat16"]
-    logit_scale: float = field(metadata=_m(min_exclusive=0))
-    logit_calibration: LogitCalibration
-    payload_digest: str = field(metadata=_m(pattern=SHA256_PATTERN, pattern_help="64 lowercase hex digits"))
+    payload_digest: str = field(metadata=_m(pattern=SHA256_PATTERN,
+                                            pattern_help="64 lowercase hex digits; `rollout models digest DIR`"))
     serving_dtype: Literal["bfloat16"]
+    synthetic_seed: int | None = field(default=None, metadata=_m(min=0))
+    logit_scale: float | None = field(default=None, metadata=_m(min_exclusive=0))
+    logit_calibration: LogitCalibration | None = None
+    path: str | None = None
+    revision: str | None = None
     quantization: QuantizationSpec | None = None
     lora: LoraSpec | None = None
 
@@ -257,6 +264,27 @@ class Preregistration:
         return self.calculator.sha256
 
 
+def _validate_source(spec: ModelSpec, role: str) -> None:
+    """The keys each source takes: a synthetic model its seed, scale and calibration; a snapshot its
+    path (and a revision label); each refuses the other's keys by name."""
+    err = PreregistrationError
+    snapshot_keys = ("path", "revision")
+    if spec.source == "snapshot":
+        for key in SYNTHETIC_ONLY_KEYS:
+            if getattr(spec, key) is not None:
+                raise err(f"{role}.{key}", "not allowed with source: snapshot (the weights are the snapshot's "
+                          "own; only synthetic weights take a seed and a logit scale)")
+        if not (spec.path or "").strip():
+            raise err(f"{role}.path", "missing required key (source: snapshot): the snapshot's local directory")
+        return
+    for key in SYNTHETIC_ONLY_KEYS:
+        if getattr(spec, key) is None:
+            raise err(f"{role}.{key}", "missing required key (source: synthetic)")
+    for key in snapshot_keys:
+        if getattr(spec, key) is not None:
+            raise err(f"{role}.{key}", "not allowed with source: synthetic (only a local snapshot has a path)")
+
+
 def _validate(study: Preregistration) -> None:
     """Cross-field rules the per-field schema cannot express."""
     err = PreregistrationError
@@ -264,6 +292,7 @@ def _validate(study: Preregistration) -> None:
         spec: ModelSpec = getattr(study, role)
         if spec.role != role:
             raise err(f"{role}.role", f"must be {role!r}, got {spec.role!r}")
+        _validate_source(spec, role)
         registry = ARCHITECTURES[spec.architecture.name]
         for name, value in vars(spec.architecture).items():
             if getattr(registry, name) != value:
