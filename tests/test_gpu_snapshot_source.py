@@ -1,0 +1,99 @@
+"""GPU-marked: the preregistered full-size actor named as `source: snapshot` (issue 16) on the H200.
+
+The synthetic Qwen3-0.6B snapshot is copied to a plain directory (no synthetic marker) and the
+preregistration's actor is rewritten to `source: snapshot` with the same pinned digest. Both HF
+backends then load it through `resolve_model_snapshot` with real NF4 (bitsandbytes CUDA) and must
+produce the synthetic source's greedy tokens exactly (float32 compute, as tests/test_gpu_hf.py), and a
+tampered copy must be refused at cold start, naming both digests. The CPU twin with a tiny model is
+tests/test_snapshot_study.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+from rollout_lib.models.local_snapshot import SnapshotDigestMismatch
+from rollout_lib.models.policy import policy_versions
+from rollout_lib.models.synthetic import ensure_snapshot
+from rollout_lib.study.prereg import load
+from rollout_lib.study.workload import Workload
+
+from .conftest import PREREG, started_backends
+
+pytestmark = pytest.mark.gpu
+
+CELL = "p128-r64-n1-greedy"
+
+
+def _snapshot_study_at(root, **changes):
+    """The preregistration with its actor as `source: snapshot` at root/models/qwen3-0.6b-local."""
+    data = yaml.safe_load(PREREG.read_text())
+    for key in ("synthetic_seed", "logit_scale", "logit_calibration"):
+        data["actor"].pop(key)
+    data["actor"].update({"source": "snapshot", "path": "models/qwen3-0.6b-local"} | changes)
+    study_file = root / "study.yaml"
+    study_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    return load(study_file)
+
+
+@pytest.fixture(scope="module")
+def local_snapshot_dir(prereg_study, tmp_path_factory):
+    spec = prereg_study.actor
+    info = ensure_snapshot(spec.architecture.name, spec.synthetic_seed, spec.logit_scale, spec.payload_digest)
+    target = tmp_path_factory.mktemp("snapshot-source") / "models" / "qwen3-0.6b-local"
+    shutil.copytree(info.path, target)
+    (target / "rollout_synthetic.json").unlink()
+    return target
+
+
+@pytest.fixture(scope="module")
+def snapshot_study(local_snapshot_dir):
+    return _snapshot_study_at(local_snapshot_dir.parent.parent, revision="gpu-test")
+
+
+def _greedy_tokens(study, backend_name: str) -> tuple[list[list[int]], str]:
+    work = Workload(study)
+    policy = policy_versions(work.arch, study.actor.lora, study.actor.payload_digest, 2)[-1]
+    backend = started_backends(study, policy, (("b", backend_name, {}),),
+                               device="cuda", compute_dtype="float32")["b"]
+    try:
+        tokens = [r.token_ids for r in backend.generate(work.requests(work.cell(CELL))).results]
+        return tokens, backend.snapshot.payload_digest
+    finally:
+        backend.teardown()
+
+
+@pytest.mark.parametrize("backend_name", ["hf_reference", "hf_cached"])
+def test_snapshot_source_serves_the_synthetic_sources_greedy_tokens_full_size(prereg_study, snapshot_study,
+                                                                               backend_name):
+    assert snapshot_study.actor.source == "snapshot" and snapshot_study.actor.synthetic_seed is None
+    synthetic_tokens, synthetic_digest = _greedy_tokens(prereg_study, backend_name)
+    local_tokens, local_digest = _greedy_tokens(snapshot_study, backend_name)
+    assert local_digest == synthetic_digest == prereg_study.actor.payload_digest
+    assert len(local_tokens) == 4 and all(len(t) == 64 for t in local_tokens)
+    assert local_tokens == synthetic_tokens
+
+
+def test_a_tampered_full_size_snapshot_is_refused_on_the_gpu(local_snapshot_dir, prereg_study, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from rollout_lib.backends import create_backend
+
+    tampered = tmp_path / "models" / "qwen3-0.6b-local"
+    shutil.copytree(local_snapshot_dir, tampered)
+    weights = sorted(tampered.glob("*.safetensors"))[0]
+    with safe_open(str(weights), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (no iterator)
+    name = sorted(tensors)[-1]
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, str(weights))
+    backend = create_backend("hf_cached", _snapshot_study_at(tmp_path), device="cuda")
+    try:
+        with pytest.raises(SnapshotDigestMismatch, match=f"the study pins {prereg_study.actor.payload_digest}"):
+            backend.cold_start()
+    finally:
+        backend.teardown()
