@@ -73,3 +73,17 @@ def started_backends(study, policy, specs, **common):
         backend.sync_policy(policy)
         backends[key] = backend
     return backends
+
+
+def copy_as_local_snapshot(spec, target: Path, cache_dir: str | None = None):
+    """A synthetic model's snapshot copied to `target`, a directory a user would name in `source: snapshot`,
+    without the synthetic marker (a hub snapshot has none). Returns the synthetic snapshot's info."""
+    import shutil
+
+    from rollout_lib.models.synthetic import ensure_snapshot
+
+    info = ensure_snapshot(spec.architecture.name, spec.synthetic_seed, spec.logit_scale, spec.payload_digest,
+                           cache_dir=cache_dir)
+    shutil.copytree(info.path, target)
+    (target / "rollout_synthetic.json").unlink()
+    return info

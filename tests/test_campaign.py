@@ -77,6 +77,12 @@ def _measure(params, out, run_id, cells, clock=None, delays_s=(), **spec_changes
                     backend_factory=lambda: _SlowBackend(study, clock=clock, delays_s=delays_s))), spec
 
 
+def _cut_after_two(params, out, clock):
+    """Run "lease1" of CELL with room for the warmup and 2 measured repetitions of 0.25 s (ending at 0.75 s),
+    not the third (1.0 s): the cell is suspended at 2 of 3."""
+    return _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8, estimates_s={CELL: 0.25})
+
+
 @pytest.fixture()
 def clock(monkeypatch):
     """Deadline decisions on a fake clock: the test says exactly which repetitions fit."""
@@ -516,9 +522,7 @@ def test_forecast_plans_lease_after_lease_until_every_cell_is_planned():
 def test_deadline_cut_then_continuation_loses_and_duplicates_nothing(three_reps, tmp_path, clock):
     study, params = three_reps
     out = tmp_path / "out"
-    # room for the warmup + 2 measured repetitions of 0.25 s (ending at 0.75 s), not the third (1.0 s)
-    summaries, first = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
-                                estimates_s={CELL: 0.25})
+    summaries, first = _cut_after_two(params, out, clock)
     assert [s.status for s in summaries] == ["suspended (deadline)"]
     records, _ = read_raw(first.path)
     suspended = [r for r in records if r["record"] == "cell_suspended"]
@@ -561,8 +565,7 @@ def test_status_reads_a_driver_state_merged_from_the_device_machine(three_reps, 
 
     study, params = three_reps
     out = tmp_path / "out"
-    _, segment = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
-                          estimates_s={CELL: 0.25})
+    _, segment = _cut_after_two(params, out, clock)
     backend = segment.path.parent.name
     # the driver wrote the raw file's path on the device machine; the merge put the file under `out`
     state = {"backend": backend, "driver_pid": 2 ** 22 + 1, "deadline_unix": time.time() + 900,
@@ -582,8 +585,7 @@ def test_missing_names_how_far_a_cut_cell_got_and_its_identity(three_reps, tmp_p
 
     _, params = three_reps
     out = tmp_path / "out"
-    _, segment = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
-                          estimates_s={CELL: 0.25})
+    _, segment = _cut_after_two(params, out, clock)
     identity = read_raw(segment.path)[0][0]["measurement_identity_sha256"]
     assert main(["missing", "--params", str(params), "--campaign", "seg", "--output-dir", str(out)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{segment.path.parent.name}:"))
@@ -601,8 +603,7 @@ def test_cut_segments_under_several_identities_read_each_raw_file_once(three_rep
 
     _, params = three_reps
     out = tmp_path / "out"
-    _, segment = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
-                          estimates_s={CELL: 0.25})
+    _, segment = _cut_after_two(params, out, clock)
     identity = read_raw(segment.path)[0][0]["measurement_identity_sha256"]
     files = campaign_files.continuable_files(segment.path.parent)
     assert find_continuations(segment.path.parent, identity, [CELL], files=files) == \
@@ -617,8 +618,7 @@ def test_cut_segments_under_several_identities_read_each_raw_file_once(three_rep
 def test_a_segment_from_other_measurement_code_is_not_continued(three_reps, tmp_path, clock, monkeypatch):
     _, params = three_reps
     out = tmp_path / "out"
-    _, first = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
-                        estimates_s={CELL: 0.25})
+    _, first = _cut_after_two(params, out, clock)
     header = read_raw(first.path)[0][0]
     assert find_continuations(first.path.parent, header["measurement_identity_sha256"], [CELL])
     assert not find_continuations(first.path.parent, "0" * 64, [CELL]), "another code digest must not continue"
@@ -646,8 +646,7 @@ def test_the_plan_continues_under_this_machines_identity_and_names_stranded_segm
 
     study, params = three_reps
     out = tmp_path / "out"
-    _, first = _measure(params, out, "lease1", [CELL], clock, deadline_unix=clock.now + 0.8,
-                        estimates_s={CELL: 0.25})  # 2 of 3 measured repetitions, suspended
+    _, first = _cut_after_two(params, out, clock)  # 2 of 3 measured repetitions, suspended
     lines = first.path.read_text().splitlines()
     header = json.loads(lines[0])
     mine = {"sha256": header["measurement_identity_sha256"], "key": header["measurement_identity"],

@@ -17,11 +17,10 @@ import yaml
 
 from rollout_lib.models.local_snapshot import SnapshotDigestMismatch
 from rollout_lib.models.policy import policy_versions
-from rollout_lib.models.synthetic import ensure_snapshot
 from rollout_lib.study.prereg import load
 from rollout_lib.study.workload import Workload
 
-from .conftest import PREREG, started_backends
+from .conftest import PREREG, copy_as_local_snapshot, started_backends
 
 pytestmark = pytest.mark.gpu
 
@@ -41,11 +40,8 @@ def _snapshot_study_at(root, **changes):
 
 @pytest.fixture(scope="module")
 def local_snapshot_dir(prereg_study, tmp_path_factory):
-    spec = prereg_study.actor
-    info = ensure_snapshot(spec.architecture.name, spec.synthetic_seed, spec.logit_scale, spec.payload_digest)
     target = tmp_path_factory.mktemp("snapshot-source") / "models" / "qwen3-0.6b-local"
-    shutil.copytree(info.path, target)
-    (target / "rollout_synthetic.json").unlink()
+    copy_as_local_snapshot(prereg_study.actor, target)
     return target
 
 

@@ -6,7 +6,6 @@ are refused by name; a real-format tokenizer.json (a BPE built with `tokenizers`
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -19,21 +18,18 @@ from rollout_lib.models.local_snapshot import (
     parse_snapshot_source,
     verify_snapshot,
 )
-from rollout_lib.models.synthetic import ensure_snapshot, load_causal_lm
+from rollout_lib.models.synthetic import load_causal_lm
 from rollout_lib.study.strict import StrictLoadError
 from rollout_lib.study.workload import Workload
+
+from .conftest import copy_as_local_snapshot
 
 
 @pytest.fixture()
 def local_copy(smoke_study, snapshot_cache, tmp_path):
     """The smoke actor's synthetic snapshot, copied to a directory a user would name."""
-    actor = smoke_study.actor
-    info = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale, actor.payload_digest,
-                           cache_dir=snapshot_cache)
     target = tmp_path / "my-models" / "tiny-actor"
-    shutil.copytree(info.path, target)
-    (target / "rollout_synthetic.json").unlink()  # a hub snapshot has no such marker
-    return info, target
+    return copy_as_local_snapshot(smoke_study.actor, target, snapshot_cache), target
 
 
 def _spec(path, digest, revision=None) -> SnapshotSource:

@@ -4,31 +4,24 @@ weights, and the loader refuses each source's foreign keys by name (issue 16).""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import yaml
 
 from rollout_lib.backends import create_backend
 from rollout_lib.models.local_snapshot import SnapshotDigestMismatch
 from rollout_lib.models.policy import policy_versions
-from rollout_lib.models.synthetic import ensure_snapshot
 from rollout_lib.study.prereg import PreregistrationError, load, loads
 from rollout_lib.study.workload import Workload
 
-from .conftest import REPO, SMOKE
+from .conftest import REPO, SMOKE, copy_as_local_snapshot
 
 CELL = "p16-r8-n1-greedy"
 
 
 @pytest.fixture()
 def snapshot_copy(smoke_study, snapshot_cache, tmp_path):
-    actor = smoke_study.actor
-    info = ensure_snapshot(actor.architecture.name, actor.synthetic_seed, actor.logit_scale, actor.payload_digest,
-                           cache_dir=snapshot_cache)
     target = tmp_path / "models" / "tiny-actor"
-    shutil.copytree(info.path, target)
-    (target / "rollout_synthetic.json").unlink()
+    copy_as_local_snapshot(smoke_study.actor, target, snapshot_cache)
     return target
 
 
