@@ -87,3 +87,19 @@ def copy_as_local_snapshot(spec, target: Path, cache_dir: str | None = None):
     shutil.copytree(info.path, target)
     (target / "rollout_synthetic.json").unlink()
     return info
+
+
+def snapshot_source_study(base: Path, study_dir: Path, path, **changes):
+    """`base`'s study with its actor as `source: snapshot` at `path` (relative to the study file, or
+    absolute), written to study_dir/study.yaml and loaded; `changes` are further actor keys."""
+    import yaml
+
+    from rollout_lib.study.prereg import load
+
+    data = yaml.safe_load(base.read_text())
+    for key in ("synthetic_seed", "logit_scale", "logit_calibration"):
+        data["actor"].pop(key)
+    data["actor"].update({"source": "snapshot", "path": str(path)} | changes)
+    study_file = study_dir / "study.yaml"
+    study_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    return load(study_file)

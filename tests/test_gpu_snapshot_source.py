@@ -10,44 +10,33 @@ tests/test_snapshot_study.py.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 
 import pytest
-import yaml
 
 from rollout_lib.models.local_snapshot import SnapshotDigestMismatch
 from rollout_lib.models.policy import policy_versions
-from rollout_lib.study.prereg import load
 from rollout_lib.study.workload import Workload
 
-from .conftest import PREREG, copy_as_local_snapshot, started_backends
+from .conftest import PREREG, copy_as_local_snapshot, snapshot_source_study, started_backends
 
 pytestmark = pytest.mark.gpu
 
 CELL = "p128-r64-n1-greedy"
-
-
-def _snapshot_study_at(root, **changes):
-    """The preregistration with its actor as `source: snapshot` at root/models/qwen3-0.6b-local."""
-    data = yaml.safe_load(PREREG.read_text())
-    for key in ("synthetic_seed", "logit_scale", "logit_calibration"):
-        data["actor"].pop(key)
-    data["actor"].update({"source": "snapshot", "path": "models/qwen3-0.6b-local"} | changes)
-    study_file = root / "study.yaml"
-    study_file.write_text(yaml.safe_dump(data, sort_keys=False))
-    return load(study_file)
+LOCAL = "models/qwen3-0.6b-local"  # relative to the study file
 
 
 @pytest.fixture(scope="module")
 def local_snapshot_dir(prereg_study, tmp_path_factory):
-    target = tmp_path_factory.mktemp("snapshot-source") / "models" / "qwen3-0.6b-local"
+    target = tmp_path_factory.mktemp("snapshot-source") / LOCAL
     copy_as_local_snapshot(prereg_study.actor, target)
     return target
 
 
 @pytest.fixture(scope="module")
 def snapshot_study(local_snapshot_dir):
-    return _snapshot_study_at(local_snapshot_dir.parent.parent, revision="gpu-test")
+    return snapshot_source_study(PREREG, local_snapshot_dir.parent.parent, LOCAL, revision="gpu-test")
 
 
 def _greedy_tokens(study, backend_name: str) -> tuple[list[list[int]], str]:
@@ -79,7 +68,7 @@ def test_a_tampered_full_size_snapshot_is_refused_on_the_gpu(local_snapshot_dir,
 
     from rollout_lib.backends import create_backend
 
-    tampered = tmp_path / "models" / "qwen3-0.6b-local"
+    tampered = tmp_path / LOCAL
     shutil.copytree(local_snapshot_dir, tampered)
     weights = sorted(tampered.glob("*.safetensors"))[0]
     with safe_open(str(weights), framework="pt") as handle:
@@ -87,9 +76,39 @@ def test_a_tampered_full_size_snapshot_is_refused_on_the_gpu(local_snapshot_dir,
     name = sorted(tensors)[-1]
     tensors[name] = tensors[name] * 2
     save_file(tensors, str(weights))
-    backend = create_backend("hf_cached", _snapshot_study_at(tmp_path), device="cuda")
+    backend = create_backend("hf_cached", snapshot_source_study(PREREG, tmp_path, LOCAL), device="cuda")
     try:
         with pytest.raises(SnapshotDigestMismatch, match=f"the study pins {prereg_study.actor.payload_digest}"):
             backend.cold_start()
     finally:
         backend.teardown()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable here")
+def test_vllm_serves_the_snapshot_source_like_the_synthetic_one_full_size(prereg_study, snapshot_study,
+                                                                           local_snapshot_dir, tmp_path):
+    from rollout_lib.backends import create_backend
+
+    work = Workload(prereg_study)
+    policy = policy_versions(work.arch, prereg_study.actor.lora, prereg_study.actor.payload_digest, 1)[0]
+    requests = work.requests(work.cell(CELL))
+
+    def serve(study, **options):
+        backend = create_backend("vllm", study, **options)
+        try:
+            backend.cold_start()
+            backend.sync_policy(policy)
+            return [r.token_ids for r in backend.generate(requests).results], backend.mirror_digest
+        finally:
+            backend.teardown()
+
+    synthetic_tokens, synthetic_mirror = serve(prereg_study)
+    cache = tmp_path / "cache"  # a mirror of its own, written from the local snapshot
+    local_tokens, local_mirror = serve(snapshot_study, cache_dir=str(cache))
+    assert local_mirror == synthetic_mirror is not None
+    (mirror,) = cache.glob("mirror-*")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (mirror / name).read_bytes() == (local_snapshot_dir / name).read_bytes(), name
+    assert all(len(t) == 64 for t in local_tokens)
+    assert local_tokens == synthetic_tokens
+

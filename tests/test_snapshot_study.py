@@ -13,7 +13,7 @@ from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.prereg import PreregistrationError, load, loads
 from rollout_lib.study.workload import Workload
 
-from .conftest import REPO, SMOKE, copy_as_local_snapshot
+from .conftest import REPO, SMOKE, copy_as_local_snapshot, snapshot_source_study
 
 CELL = "p16-r8-n1-greedy"
 
@@ -26,14 +26,7 @@ def snapshot_copy(smoke_study, snapshot_cache, tmp_path):
 
 
 def _snapshot_study(tmp_path, path, **changes):
-    data = yaml.safe_load(SMOKE.read_text())
-    actor = data["actor"]
-    for key in ("synthetic_seed", "logit_scale", "logit_calibration"):
-        actor.pop(key)
-    actor.update({"source": "snapshot", "path": str(path), "revision": "test"} | changes)
-    study_file = tmp_path / "study.yaml"
-    study_file.write_text(yaml.safe_dump(data, sort_keys=False))
-    return load(study_file)
+    return snapshot_source_study(SMOKE, tmp_path, path, **({"revision": "test"} | changes))
 
 
 def _greedy(study, snapshot_cache, backend_name):

@@ -20,6 +20,8 @@ from rollout_lib.checks.refresh import run_refresh
 from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.workload import Workload
 
+from .conftest import SMOKE, copy_as_local_snapshot, snapshot_source_study
+
 
 def _engine_python() -> str | None:
     python = os.environ.get("ROLLOUT_VLLM_PYTHON")
@@ -141,6 +143,34 @@ def test_real_engine_greedy_agrees_with_the_nf4_oracle_teacher_forced(smoke_stud
     oracle.teardown()
     assert positions == 4 * 24
     assert agree / positions >= 0.9, (agree, positions, worst_margin)
+
+
+def test_a_snapshot_source_study_is_served_like_the_synthetic_one(smoke_study, engine, tmp_path, snapshot_cache):
+    """Issue 16 on the real engine: the smoke actor's snapshot named as `source: snapshot` (a user's
+    directory, no synthetic marker) gets its own mirror, with the snapshot's tokenizer files beside it and
+    the synthetic source's mirror digest, and the engine serves it the same greedy tokens."""
+    local = tmp_path / "models" / "tiny-actor"
+    copy_as_local_snapshot(smoke_study.actor, local, snapshot_cache)
+    study = snapshot_source_study(SMOKE, tmp_path, "models/tiny-actor")
+    work = Workload(smoke_study)
+    policy = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[0]
+    requests = work.requests(work.cell("p16-r8-n1-greedy"))
+    engine.sync_policy(policy)
+    expected = engine.generate(requests).results
+    cache = tmp_path / "cache"  # not the engine's: this mirror is written from the local snapshot
+    backend = create_backend("vllm", study, server_python=ENGINE, cache_dir=str(cache), start_timeout_s=600)
+    try:
+        backend.cold_start()
+        backend.sync_policy(policy)
+        served = backend.generate(requests).results
+    finally:
+        backend.teardown()
+    assert backend.mirror_digest == engine.mirror_digest is not None
+    (mirror,) = cache.glob("mirror-*")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (mirror / name).read_bytes() == (local / name).read_bytes(), name
+    assert [r.token_ids for r in served] == [r.token_ids for r in expected]
+    assert all(len(r.token_ids) == 8 for r in served)
 
 
 def test_real_engine_refresh_and_teardown_proof(smoke_study, tmp_path):
