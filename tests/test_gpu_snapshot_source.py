@@ -4,8 +4,10 @@ The synthetic Qwen3-0.6B snapshot is copied to a plain directory (no synthetic m
 preregistration's actor is rewritten to `source: snapshot` with the same pinned digest. Both HF
 backends then load it through `resolve_model_snapshot` with real NF4 (bitsandbytes CUDA) and must
 produce the synthetic source's greedy tokens exactly (float32 compute, as tests/test_gpu_hf.py), and a
-tampered copy must be refused at cold start, naming both digests. The CPU twin with a tiny model is
-tests/test_snapshot_study.py.
+tampered copy must be refused at cold start, naming both digests. Where vLLM imports (staged as for
+tests/test_gpu_vllm.py), the vllm backend builds its own mirror from the local snapshot (the synthetic
+source's mirror digest, the tokenizer files beside it) and serves the policy from it. The CPU twins with
+a tiny model: tests/test_snapshot_study.py, tests/test_vllm_engine.py.
 """
 
 from __future__ import annotations
@@ -85,8 +87,15 @@ def test_a_tampered_full_size_snapshot_is_refused_on_the_gpu(local_snapshot_dir,
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable here")
-def test_vllm_serves_the_snapshot_source_like_the_synthetic_one_full_size(prereg_study, snapshot_study,
-                                                                           local_snapshot_dir, tmp_path):
+def test_vllm_serves_a_snapshot_source_from_its_own_mirror_full_size(prereg_study, snapshot_study,
+                                                                      local_snapshot_dir, tmp_path):
+    """The mirror written from the local snapshot is the synthetic source's, byte for byte (its digest),
+    with the snapshot's tokenizer files beside it, and the engine serves the policy exactly from it.
+    Greedy tokens are compared on the CPU engine (tests/test_vllm_engine.py), not here: on the H200,
+    vLLM 0.26.0 gave two engine starts on the same mirror digest and adapter different greedy
+    continuations (lease 20: row 0 of p128-r64-n1-greedy diverged at token 9 of 64,
+    outputs/perf/gpu-snapshot-source-vllm-lease20.log), so equal tokens there are not a property of
+    the source."""
     from rollout_lib.backends import create_backend
 
     work = Workload(prereg_study)
@@ -97,18 +106,17 @@ def test_vllm_serves_the_snapshot_source_like_the_synthetic_one_full_size(prereg
         backend = create_backend("vllm", study, **options)
         try:
             backend.cold_start()
-            backend.sync_policy(policy)
-            return [r.token_ids for r in backend.generate(requests).results], backend.mirror_digest
+            served_identity = backend.sync_policy(policy)
+            return served_identity, [r.token_ids for r in backend.generate(requests).results], backend.mirror_digest
         finally:
             backend.teardown()
 
-    synthetic_tokens, synthetic_mirror = serve(prereg_study)
+    synthetic_identity, _, synthetic_mirror = serve(prereg_study)
     cache = tmp_path / "cache"  # a mirror of its own, written from the local snapshot
-    local_tokens, local_mirror = serve(snapshot_study, cache_dir=str(cache))
+    local_identity, local_tokens, local_mirror = serve(snapshot_study, cache_dir=str(cache))
     assert local_mirror == synthetic_mirror is not None
     (mirror,) = cache.glob("mirror-*")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (mirror / name).read_bytes() == (local_snapshot_dir / name).read_bytes(), name
-    assert all(len(t) == 64 for t in local_tokens)
-    assert local_tokens == synthetic_tokens
-
+    assert local_identity == synthetic_identity == policy.identity
+    assert len(local_tokens) == 4 and all(len(t) == 64 for t in local_tokens)
