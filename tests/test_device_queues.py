@@ -94,10 +94,6 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         assert args.cell in known_cells, f"{where}: unknown cell {args.cell}"
     elif len(words) == 5 and words[0] == "[" and words[4] == "]" and words[2] in ("-ge", "-gt"):
         assert words[1].isdigit() and words[3].isdigit(), f"{where}: a guard on seconds left: {command}"
-    elif len(words) == 4 and words[:2] == ["[", "-f"] and words[3] == "]":
-        # a marker an earlier job of the queue writes: it must be one that job's script names
-        assert any(words[2] in script.read_text() for script in (REPO_ROOT / "tools" / "device").glob("*.sh")), \
-            f"{where}: no device script writes {words[2]}"
     elif words == ["bash", "/tmp/stage/install-extras.sh"]:
         pass  # the staged installer of ../shared/device/extras (copied to /tmp/stage by the first call)
     elif words[:4] == ["python3", "-m", "pytest", "-q"]:
