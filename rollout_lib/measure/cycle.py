@@ -41,6 +41,7 @@ from rollout_lib.core import OUTPUTS_DIR
 from rollout_lib.measure.identity import environment_identity, gpu_identity, gpu_key
 from rollout_lib.measure.rawfile import RawWriter, read_raw, seal_abandoned, seal_file
 from rollout_lib.models.actor import add_lora, load_nf4_base, torch_dtype, use_float32_lm_head
+from rollout_lib.models.fast_training import FastActorTrainer, score_rows
 from rollout_lib.models.local_snapshot import resolve_model_snapshot
 from rollout_lib.models.policy import (
     load_policy_into_peft,
@@ -96,9 +97,12 @@ def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]
     rows = study.optimizer.micro_batch_rows
     # checkpointed decoder: each layer's bf16 input is kept, one layer's activations (~24 hidden-sized
     # bf16 tensors per token) are live while it is recomputed
-    plan["training_activations"] = rows * sequence * actor.hidden_size * 2 * (actor.num_hidden_layers + 24)
-    # one checkpointed LM-head chunk: bf16 logits, float32 logits, log-softmax and its gradient
-    plan["training_logits"] = min(LOGPROB_CHUNK_TOKENS, cell.response_tokens) * actor.vocab_size * (2 + 4 * 3)
+    if study.training.path == "reference":
+        plan["training_activations"] = rows * sequence * actor.hidden_size * 2 * (actor.num_hidden_layers + 24)
+        # one checkpointed LM-head chunk: bf16 logits, float32 logits, log-softmax and its gradient
+        plan["training_logits"] = min(LOGPROB_CHUNK_TOKENS, cell.response_tokens) * actor.vocab_size * (2 + 4 * 3)
+    else:
+        plan.update(fast_training_plan(study, actor, cell))
     if backend == "hf_cached":
         plan["serving_mirror_weights"] = actor_params * 2
         # the graphs path's static KV caches: one per row count, sized for the longest cell (as BucketSet)
@@ -111,6 +115,26 @@ def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]
         plan["vllm_weights"] = actor_params * 2
         plan["vllm_kv_cache"] = int(rollout.memory.budget_bytes * DEFAULT_KV_CACHE_FRACTION)
     return plan
+
+
+# bytes of activations autograd keeps per token, per decoder layer, per hidden unit, for a Qwen3 layer
+# with peft LoRA on its seven projections in bf16 (float32 norm upcasts, float32 LoRA inputs, SwiGLU's
+# three intermediate tensors): an estimate for the plan, the measured peaks are the answer
+ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 150
+
+
+def fast_training_plan(study: CycleStudy, actor, cell) -> dict[str, int]:
+    """The fused-mirror path's extra bytes: the dense mirror's projections and one micro-batch's
+    activations (every layer's input with checkpointing plus one layer's activations; all layers without),
+    and one fused-head chunk."""
+    training = study.training
+    layer_params = sum(o * i for o, i in actor.linear_shapes().values())
+    rows_tokens = min(training.max_tokens_per_micro_batch, 16 * (cell.prompt_tokens + cell.response_tokens))
+    per_layer = rows_tokens * actor.hidden_size * ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN
+    kept = (rows_tokens * actor.hidden_size * 2 * actor.num_hidden_layers + per_layer
+            if training.gradient_checkpointing else per_layer * actor.num_hidden_layers)
+    return {"training_mirror_weights": actor.num_hidden_layers * layer_params * 2, "training_activations": kept,
+            "training_logits": 2048 * actor.vocab_size * 4 * 2}
 
 
 def check_budget(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]:
@@ -197,7 +221,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
               "rollout_preregistration_sha256": rollout.sha256, "memory_plan_bytes": plan,
               "budget_bytes": study.memory.budget_bytes, "gate_peak_total_bytes": study.memory.gate_peak_total_bytes,
               "algorithm_spec": _spec_json(getattr(study.algorithms, algorithm)),
-              "optimizer": _spec_json(study.optimizer), "training_memory": training_memory_strategy(),
+              "optimizer": _spec_json(study.optimizer), "training_memory": _training_memory(study),
               # options beyond the study's setting (e.g. engine flags of a diagnostic run): the report shows them
               "backend_options": dict(backend_options or {}),
               "environment": environment_identity(model_digests=digests, preregistration_sha256=rollout.sha256)}
@@ -217,7 +241,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         started = time.perf_counter()
         actor = _trainer_actor(backend, rollout, torch_device, cache_dir)
         start_policy = policy_versions(workload.arch, rollout.actor.lora, rollout.actor.payload_digest, 1)[0]
-        trainer = ActorTrainer(actor, study.optimizer)
+        trainer = _trainer(study, actor, torch_device, cache_dir)
         cold["trainer"] = Phase.measured(time.perf_counter() - started).to_json()
         served = backend.sync_policy(start_policy)
         if backend_name == "vllm":  # its trainer is this process's own actor (hf: the backend's, just synced)
@@ -380,6 +404,22 @@ def _trainer_actor(backend, rollout, device, cache_dir):
                                   str(device)), actor.lora)
 
 
+def _training_memory(study: CycleStudy) -> dict[str, Any]:
+    if study.training.path == "reference":
+        return training_memory_strategy()
+    return {"path": study.training.path, **_spec_json(study.training)}
+
+
+def _trainer(study: CycleStudy, actor, device, cache_dir):
+    """The study's training path: the reference trainer, or the fused-mirror one over the same actor."""
+    if study.training.path == "reference":
+        return ActorTrainer(actor, study.optimizer)
+    rollout = study.rollout
+    snapshot = resolve_model_snapshot(rollout.actor, cache_dir=cache_dir, study_path=rollout.source_path)
+    return FastActorTrainer(actor, study.optimizer, str(snapshot.path), study.training,
+                            torch_dtype(rollout.actor.quantization.compute_dtype), device)
+
+
 def _cycle_requests(workload: Workload, cell, index: int, stride: int):
     import dataclasses
 
@@ -468,12 +508,15 @@ def _one_cycle(study, backend, teacher, trainer, workload, cell, index, policy, 
     tokens = sum(len(res) for _, res in rows)
     rollout_lp = [torch.tensor(res.logprobs or [], dtype=torch.float32) for res in batch.results]
 
+    fast = isinstance(trainer, FastActorTrainer)
     began = begin("teacher_scoring")
-    teacher_lp = token_logprobs(teacher, rows, device, pad_id, micro)
+    teacher_lp = (score_rows(teacher, rows, device, pad_id, study.training.max_tokens_per_micro_batch, trainer.kernel)
+                  if fast else token_logprobs(teacher, rows, device, pad_id, micro))
     end("teacher_scoring", began)
 
     began = begin("actor_scoring")
-    actor_lp = token_logprobs(trainer.actor, rows, device, pad_id, micro)
+    actor_lp = (trainer.score(rows, device, pad_id) if fast
+                else token_logprobs(trainer.actor, rows, device, pad_id, micro))
     end("actor_scoring", began)
     mismatch = _mismatch(rollout_lp, actor_lp)
 

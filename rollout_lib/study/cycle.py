@@ -92,6 +92,24 @@ class CycleMemorySpec:
 
 
 @dataclass(frozen=True)
+class TrainingSpec:
+    """How the training half runs (issue 41). `reference`: `models.training.ActorTrainer` (NF4 + peft
+    passes in micro-batches of `optimizer.micro_batch_rows`, gradient checkpointing, chunked float32
+    head), the path h200-v2's cycles measured; a study without this section means it. `fused_mirror`:
+    `models.fast_training.FastActorTrainer` (the dense mirror of the same dequantized weights, batched
+    passes of at most `max_tokens_per_micro_batch` padded tokens, the fused float32 head), used for the
+    update and for teacher and actor scoring alike."""
+
+    path: Literal["reference", "fused_mirror"]
+    max_tokens_per_micro_batch: int = field(default=16384, metadata=_m(min=1))
+    gradient_checkpointing: bool = False
+    logprob_kernel: Literal["liger", "torch_chunked"] = "liger"
+
+
+REFERENCE_TRAINING = TrainingSpec(path="reference")
+
+
+@dataclass(frozen=True)
 class CycleStudy:
     schema_version: Literal[1]
     study_id: str = field(metadata=_m(pattern=r"[a-z0-9][a-z0-9-]*"))
@@ -107,6 +125,7 @@ class CycleStudy:
     seeds: SeedsSpec
     memory: CycleMemorySpec
     calculator: CalculatorSpec
+    training: TrainingSpec = REFERENCE_TRAINING
     source_path: str = field(default="<string>", init=False)
     sha256: str = field(default="", init=False)
     rollout: Preregistration | None = field(default=None, init=False)
