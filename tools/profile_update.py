@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", required=True)
     parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="fast path: padded tokens per micro-batch")
+    parser.add_argument("--checkpointing", choices=("on", "off"), default="on",
+                        help="fast path: gradient checkpointing")
+    parser.add_argument("--kernel", default="liger", help="fast path: liger | torch_chunked")
+    parser.add_argument("--label", default="", help="suffix of the output files (several fast-path settings)")
     args = parser.parse_args(argv)
 
     study = load(args.params)
@@ -72,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer = ActorTrainer(actor, study.optimizer)
     else:
         from rollout_lib.models.fast_training import FastActorTrainer
+        from rollout_lib.study.cycle import TrainingSpec
 
-        trainer = FastActorTrainer(actor, study.optimizer, snapshot.path, spec)
+        training = TrainingSpec(path="fused_mirror", max_tokens_per_micro_batch=args.max_tokens,
+                                gradient_checkpointing=args.checkpointing == "on", logprob_kernel=args.kernel)
+        trainer = FastActorTrainer(actor, study.optimizer, str(snapshot.path), training,
+                                   torch_dtype(spec.quantization.compute_dtype), device)
     build_s = time.perf_counter() - started
 
     def loss_for(indices, logprobs):
@@ -89,20 +98,24 @@ def main(argv: list[str] | None = None) -> int:
     warm = [update() for _ in range(args.warmup)]
     timed = [update() for _ in range(args.repeats)]
     torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated()
     update()
     peak = torch.cuda.max_memory_allocated()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"cell": args.cell, "path": args.path, "rows": len(rows), "response_tokens": tokens,
+    summary = {"cell": args.cell, "path": args.path, "label": args.label,
+               "settings": trainer.strategy() if hasattr(trainer, "strategy") else "reference (models.training)",
+               "rows": len(rows), "response_tokens": tokens,
                "load_s": load_s, "trainer_build_s": build_s, "warmup_s": warm, "update_s": timed,
                "update_median_s": statistics.median(timed), "peak_allocated_bytes": int(peak),
+               "update_transient_peak_bytes": int(peak - resident), "resident_bytes": int(resident),
                "gpu": torch.cuda.get_device_name()}
     if not args.no_trace:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = update()
-        trace = out / f"trace-{args.path}-{args.cell}.json"
+        trace = out / f"trace-{args.path}{args.label}-{args.cell}.json"
         prof.export_chrome_trace(str(trace))
         events = prof.key_averages()
         by_device = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:25]
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             "top_device_ops": [[e.key[:90], e.count, round(e.self_device_time_total / 1e3, 2)] for e in by_device],
             "top_cpu_ops": [[e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 2)] for e in by_cpu]}
     print(json.dumps(summary, indent=1))
-    (out / f"summary-{args.path}-{args.cell}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / f"summary-{args.path}{args.label}-{args.cell}.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 
 

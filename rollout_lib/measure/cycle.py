@@ -133,8 +133,11 @@ def fast_training_plan(study: CycleStudy, actor, cell) -> dict[str, int]:
     per_layer = rows_tokens * actor.hidden_size * ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN
     kept = (rows_tokens * actor.hidden_size * 2 * actor.num_hidden_layers + per_layer
             if training.gradient_checkpointing else per_layer * actor.num_hidden_layers)
+    # the fused head's float32 logits block (and its softmax and gradient): Liger sizes its chunks to
+    # about tokens / (vocab / hidden) rows (~64 here); the chunked torch head uses 1,024 rows
+    head_rows = 64 if training.logprob_kernel == "liger" else 1024
     return {"training_mirror_weights": actor.num_hidden_layers * layer_params * 2, "training_activations": kept,
-            "training_logits": 2048 * actor.vocab_size * 4 * 2}
+            "training_logits": head_rows * actor.vocab_size * 4 * 3}
 
 
 def check_budget(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]:
