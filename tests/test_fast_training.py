@@ -218,3 +218,29 @@ def test_a_cycle_study_names_its_training_path_and_a_run_records_it(setup, tmp_p
     cycles = [r for r in records if r["record"] == "cycle"]
     assert len(cycles) == 2 and all(c["sync_exact"] for c in cycles)
     assert cycles[1]["policy_identity"] == cycles[0]["next_policy_identity"]
+
+
+def test_bf16_operand_logprobs_equal_the_float32_head_forward_and_backward():
+    """The bf16_operands kernel's arithmetic (float32 sums of exact bf16 products; on CPU the float32
+    matmul of the upcasts), chunked at 512 tokens, against autograd through the float32 head: the
+    log-probabilities and the per-token backward into bf16 hidden states."""
+    from rollout_lib.models.fast_training import Head, fused_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, hidden_size, vocab = 700, 32, 300
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.3).bfloat16()
+    hidden = torch.randn(tokens, hidden_size, generator=generator).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    upstream = torch.randn(tokens, generator=generator)
+    fused_input = hidden.clone().requires_grad_(True)
+    fused = fused_logprobs(fused_input, Head(weight.float(), weight), targets, "bf16_operands")
+    (fused * upstream).sum().backward()
+    reference_input = hidden.clone().requires_grad_(True)
+    logits = torch.nn.functional.linear(reference_input.float(), weight.float())
+    reference = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+    (reference * upstream).sum().backward()
+    assert fused.dtype == torch.float32 and float((fused - reference).abs().max()) <= 1e-5
+    assert fused_input.grad.dtype == torch.bfloat16
+    assert torch.allclose(fused_input.grad.float(), reference_input.grad.float(), rtol=8e-3, atol=1e-6)
+    with pytest.raises(ValueError, match="not bfloat16"):
+        fused_logprobs(hidden.float(), Head(weight.float(), weight), targets, "bf16_operands")

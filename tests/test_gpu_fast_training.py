@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_liger_per_token_logprobs_and_their_backward_match_autograd():
     import torch
 
-    from rollout_lib.models.fast_training import fused_logprobs, liger_unavailable_reason
+    from rollout_lib.models.fast_training import Head, fused_logprobs, liger_unavailable_reason
 
     device = torch.device("cuda")
     reason = liger_unavailable_reason(device)
@@ -28,16 +28,43 @@ def test_liger_per_token_logprobs_and_their_backward_match_autograd():
     targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
     upstream = torch.randn(tokens, device=device, generator=generator)  # per-token grad_output, not all ones
     fused_input = hidden.clone().requires_grad_(True)
-    fused = fused_logprobs(fused_input, weight, targets, "liger")
+    fused = fused_logprobs(fused_input, Head(weight), targets, "liger")
     (fused * upstream).sum().backward()
     reference_input = hidden.double().clone().requires_grad_(True)
     logits = reference_input @ weight.double().T
     reference = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
     (reference * upstream.double()).sum().backward()
-    assert float((fused.double() - reference).abs().max()) <= 1e-4
+    assert float((fused.detach().double() - reference.detach()).abs().max()) <= 1e-4
     grad, expected = fused_input.grad.double().flatten(), reference_input.grad.flatten()
     assert float(torch.nn.functional.cosine_similarity(grad, expected, dim=0)) >= 0.99999
     assert float((grad - expected).norm() / expected.norm()) <= 1e-4
+
+
+def test_bf16_operand_logprobs_on_tensor_cores_match_the_float32_head_and_its_backward():
+    """Float32 sums of exact bf16 products (cuBLAS bf16 GEMM, float32 out) against the float32 head
+    computed in float64 on the same (bf16-exact) operands, forward and per-token backward."""
+    import torch
+
+    from rollout_lib.models.fast_training import Head, fused_logprobs
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(5)
+    tokens, hidden_size, vocab = 1300, 1024, 151936  # 1,300: the 512-token chunks end short
+    weight = (torch.randn(vocab, hidden_size, device=device, generator=generator) * 0.05).bfloat16()
+    hidden = torch.randn(tokens, hidden_size, device=device, generator=generator).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    upstream = torch.randn(tokens, device=device, generator=generator)
+    fused_input = hidden.clone().requires_grad_(True)
+    fused = fused_logprobs(fused_input, Head(weight.float(), weight), targets, "bf16_operands")
+    (fused * upstream).sum().backward()
+    reference_input = hidden.double().requires_grad_(True)
+    reference = torch.log_softmax(reference_input @ weight.double().T, dim=-1).gather(-1, targets[:, None])[:, 0]
+    (reference * upstream.double()).sum().backward()
+    assert float((fused.detach().double() - reference.detach()).abs().max()) <= 1e-4
+    grad, expected = fused_input.grad.double().flatten(), reference_input.grad.flatten()
+    assert fused_input.grad.dtype == torch.bfloat16
+    assert float(torch.nn.functional.cosine_similarity(grad, expected, dim=0)) >= 0.9999
+    assert float((grad - expected).norm() / expected.norm()) <= 4e-3  # bf16 rounding of the result
 
 
 def test_the_fast_path_matches_the_reference_trainer_at_full_size_in_float32():

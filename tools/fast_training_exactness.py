@@ -21,11 +21,11 @@ THRESHOLDS = {"float32": {"max_abs_logprob_diff": 1e-5, "abs_loss_diff": 1e-5, "
                           "grad_relative_norm_diff": 1e-3}}
 
 
-def compare(dtype_name: str, cell_id: str, params: str, rows_limit: int | None = None) -> dict:
+def compare(dtype_name: str, cell_id: str, params: str, rows_limit: int | None = None, kernel: str = "liger") -> dict:
     import torch
 
     from rollout_lib.models.actor import add_lora, load_nf4_base, torch_dtype
-    from rollout_lib.models.fast_training import FastActorTrainer, batched_logprobs, fused_logprobs
+    from rollout_lib.models.fast_training import FastActorTrainer, batched_logprobs, fused_logprobs, model_head
     from rollout_lib.models.local_snapshot import resolve_model_snapshot
     from rollout_lib.models.policy import load_policy_into_peft, policy_versions
     from rollout_lib.models.training import gkd_loss, lora_parameters, token_logprobs
@@ -74,9 +74,13 @@ def compare(dtype_name: str, cell_id: str, params: str, rows_limit: int | None =
                             on_micro_batch=on_micro_batch)
     actor.eval()
     ref_grad = grads()
+    # control: the reference path against itself, all rows in one micro-batch instead of pairs (float32
+    # rounding of another batch shape: the floor any two paths can agree to)
+    control = token_logprobs(actor, rows, device, pad, len(rows))
+    control_diff = float(torch.cat([(a - b).abs() for a, b in zip(control, ref_lp, strict=True)]).max())
     trainer = FastActorTrainer(actor, study.optimizer, str(snapshot.path),
                                TrainingSpec(path="fused_mirror", max_tokens_per_micro_batch=8192,
-                                            gradient_checkpointing=True, logprob_kernel="liger"), dtype, device)
+                                            gradient_checkpointing=True, logprob_kernel=kernel), dtype, device)
     for param in params_:
         param.grad = None
     losses, fast_lp = [], [None] * len(rows)
@@ -84,7 +88,7 @@ def compare(dtype_name: str, cell_id: str, params: str, rows_limit: int | None =
 
     trainer.mirror.train()
     for group in micro_batches(rows, 8192):
-        logprobs = batched_logprobs(trainer.decoder, trainer.head, rows, group, pad, device, "liger")
+        logprobs = batched_logprobs(trainer.decoder, trainer.head, rows, group, pad, device, kernel)
         loss = loss_for(group, logprobs)
         loss.backward()
         losses.append(float(loss.detach()))
@@ -103,13 +107,15 @@ def compare(dtype_name: str, cell_id: str, params: str, rows_limit: int | None =
         ids, positions, targets, _ = _pack(rows, group, pad, device)
         hidden = trainer.decoder(input_ids=ids, use_cache=False).last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-        head_diff = float((fused_logprobs(flat, trainer.head, targets, "liger")
-                           - fused_logprobs(flat, trainer.head, targets, "torch_chunked")).abs().max())
+        chunked = fused_logprobs(flat, model_head(actor, "torch_chunked"), targets, "torch_chunked")
+        heads = {name: float((fused_logprobs(flat, model_head(actor, name), targets, name) - chunked).abs().max())
+                 for name in ("liger", "bf16_operands") if name != "bf16_operands" or flat.dtype == torch.bfloat16}
     result = {"dtype": dtype_name, "cell": cell_id, "rows": len(rows), "response_tokens": tokens,
               "max_abs_logprob_diff": float(diffs.max()), "mean_abs_logprob_diff": float(diffs.mean()),
               "abs_loss_diff": abs(sum(losses) - sum(ref_losses)), "loss_reference": sum(ref_losses),
               "grad_cosine": cosine, "grad_relative_norm_diff": rel,
-              "liger_vs_chunked_head_max_abs_diff": head_diff,
+              "kernel": kernel, "head_vs_chunked_float32_max_abs_diff": heads,
+              "reference_self_batching_max_abs_logprob_diff": control_diff,
               "mean_abs_logprob": float(torch.cat(ref_lp).abs().mean())}
     limits = THRESHOLDS.get(dtype_name)
     if limits:
@@ -127,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default=str(ROOT / "params" / "rollout-runtime-v2-cycle.yaml"))
     parser.add_argument("--cell", default="p128-r256-n4-stochastic")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--kernel", default="liger", help="bf16 runs: liger | bf16_operands (float32: liger)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    results = [compare(name, args.cell, args.params) for name in args.dtypes.split(",")]
+    results = [compare(name, args.cell, args.params,
+                       kernel=args.kernel if name == "bfloat16" else "liger") for name in args.dtypes.split(",")]
     text = json.dumps({"thresholds": THRESHOLDS, "results": results}, indent=1)
     print(text)
     Path(args.out).write_text(text + "\n")

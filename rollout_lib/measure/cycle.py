@@ -134,8 +134,8 @@ def fast_training_plan(study: CycleStudy, actor, cell) -> dict[str, int]:
     kept = (rows_tokens * actor.hidden_size * 2 * actor.num_hidden_layers + per_layer
             if training.gradient_checkpointing else per_layer * actor.num_hidden_layers)
     # the fused head's float32 logits block (and its softmax and gradient): Liger sizes its chunks to
-    # about tokens / (vocab / hidden) rows (~64 here); the chunked torch head uses 1,024 rows
-    head_rows = 64 if training.logprob_kernel == "liger" else 1024
+    # about tokens / (vocab / hidden) rows (~64 here); bf16_operands 512 rows; the chunked torch head 1,024
+    head_rows = {"liger": 64, "bf16_operands": 512}.get(training.logprob_kernel, 1024)
     return {"training_mirror_weights": actor.num_hidden_layers * layer_params * 2, "training_activations": kept,
             "training_logits": head_rows * actor.vocab_size * 4 * 3}
 

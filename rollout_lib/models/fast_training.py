@@ -26,6 +26,7 @@ micro-batch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_lib.models.actor import dequantized_linear_weights
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 
     from rollout_lib.study.cycle import OptimizerSpec, TrainingSpec
 
-LOGPROB_KERNELS = ("liger", "torch_chunked")
+LOGPROB_KERNELS = ("liger", "torch_chunked", "bf16_operands")
 TORCH_CHUNK_TOKENS = 1024  # float32 [1024, 151936] logits = 0.62 GB per chunk (checkpointed under autograd)
+BF16_OPERANDS_CHUNK_TOKENS = 512  # float32 [512, 151936] logits: 0.31 GB live per chunk, forward and backward
 
 Rows = list[tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -66,6 +68,100 @@ def resolve_logprob_kernel(requested: str, device: Any) -> str:
     return requested
 
 
+def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with float32 products and sums of bf16 operands: cuBLAS's bf16 GEMM with a float32 output on
+    CUDA (tensor cores); elsewhere the same arithmetic as a float32 matmul of the exact upcasts."""
+    import torch
+
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _Bf16OperandsLogprobs:
+    """log p(target | hidden) with float32 logits computed from bf16 operands (issue 41).
+
+    The head is the float32 copy of the tied bf16 embedding and, in bf16 compute, the hidden states are
+    bf16: every product of two bf16 numbers is exact in float32, so a bf16 GEMM that sums in float32 is
+    the preregistered float32 head in another summation order, on tensor cores instead of SIMT float32
+    (~16x the throughput on an H200). Liger's fused kernel computes logits in its inputs' dtype, so it
+    would need float32 inputs and SIMT GEMMs (lease 21: ~0.3 s of a 1.0 s update at p512-r512).
+    Backward: d log p / d hidden = (onehot - softmax) @ W, with the float32 factor split into two bf16
+    terms (hi + lo: 16 significant bits) so its GEMMs run on bf16 operands too; the result is rounded to
+    the hidden states' bf16 as the reference's float32 head's gradient is."""
+
+    @staticmethod
+    def function():
+        import torch
+
+        class Function(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, hidden, weight, targets):
+                out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+                lse = torch.empty_like(out)
+                for start in range(0, hidden.shape[0], BF16_OPERANDS_CHUNK_TOKENS):
+                    end = start + BF16_OPERANDS_CHUNK_TOKENS
+                    logits = _mm_float32(hidden[start:end], weight.t())
+                    lse[start:end] = torch.logsumexp(logits, dim=-1)
+                    out[start:end] = logits.gather(1, targets[start:end, None])[:, 0] - lse[start:end]
+                ctx.save_for_backward(hidden, weight, targets, lse)
+                return out
+
+            @staticmethod
+            def backward(ctx, grad):
+                hidden, weight, targets, lse = ctx.saved_tensors
+                grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+                for start in range(0, hidden.shape[0], BF16_OPERANDS_CHUNK_TOKENS):
+                    end = start + BF16_OPERANDS_CHUNK_TOKENS
+                    factor = _mm_float32(hidden[start:end], weight.t())
+                    factor.sub_(lse[start:end, None]).exp_().mul_(-grad[start:end, None])  # -g * softmax
+                    factor.scatter_add_(1, targets[start:end, None], grad[start:end, None])  # + g * onehot
+                    high = factor.to(torch.bfloat16)
+                    low = factor.sub_(high.float()).to(torch.bfloat16)
+                    grad_hidden[start:end] = _mm_float32(high, weight) + _mm_float32(low, weight)
+                return grad_hidden.to(hidden.dtype), None, None
+
+        return Function
+
+
+_BF16_OPERANDS = None
+
+
+@dataclass(frozen=True, eq=False)
+class Head:
+    """A model's LM head for the fused log-probabilities: the float32 weight, and for the bf16_operands
+    kernel the bf16 tensor whose exact upcast it is (the tied embedding itself where it is: no copy)."""
+
+    weight: torch.Tensor
+    operands: torch.Tensor | None = None
+
+
+_HEADS: dict[int, Head] = {}
+
+
+def model_head(model: Any, kernel: str) -> Head:
+    """The head of `model` for `kernel` (checked once per head weight and kept: the check reads the whole
+    head)."""
+    import torch
+
+    weight = head_weight(model)
+    if kernel != "bf16_operands":
+        return Head(weight)
+    cached = _HEADS.get(id(weight))
+    if cached is not None and cached.weight is weight:
+        return cached
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embed = base.get_input_embeddings().weight
+    candidate = embed if embed.dtype == torch.bfloat16 and embed.shape == weight.shape else weight.to(torch.bfloat16)
+    for start in range(0, weight.shape[0], 16384):
+        if not torch.equal(candidate[start:start + 16384].float(), weight[start:start + 16384]):
+            raise ValueError("logprob_kernel bf16_operands: the float32 head holds values bf16 cannot represent "
+                             "(use liger or torch_chunked)")
+    head = Head(weight, candidate.detach())
+    _HEADS[id(weight)] = head
+    return head
+
+
 def head_weight(model: Any) -> torch.Tensor:
     """The float32 LM-head weight of a model with `use_float32_lm_head` applied (peft or plain)."""
     import torch
@@ -77,10 +173,18 @@ def head_weight(model: Any) -> torch.Tensor:
     return head.weight
 
 
-def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, kernel: str) -> torch.Tensor:
-    """log p(targets[i] | hidden[i]) in float32 for hidden [N, H], weight [V, H] float32, targets [N]."""
+def fused_logprobs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, kernel: str) -> torch.Tensor:
+    """log p(targets[i] | hidden[i]) in float32 for hidden [N, H], the float32 head [V, H], targets [N]."""
     import torch
 
+    weight = head.weight
+    if kernel == "bf16_operands":
+        global _BF16_OPERANDS
+        if hidden.dtype != torch.bfloat16 or head.operands is None:
+            raise ValueError(f"logprob_kernel bf16_operands: hidden states are {hidden.dtype}, not bfloat16 "
+                             "(float32 compute: use liger or torch_chunked)")
+        _BF16_OPERANDS = _BF16_OPERANDS or _Bf16OperandsLogprobs.function()
+        return _BF16_OPERANDS.apply(hidden, head.operands, targets)
     x = hidden.to(torch.float32)
     if kernel == "liger":
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
@@ -131,7 +235,7 @@ def _pack(rows: Rows, indices: list[int], pad_id: int, device: Any):
     return ids.to(device), torch.tensor(positions, **as_long), torch.tensor(targets, **as_long), lengths
 
 
-def batched_logprobs(decoder: Any, weight: torch.Tensor, rows: Rows, indices: list[int], pad_id: int, device: Any,
+def batched_logprobs(decoder: Any, head: Head, rows: Rows, indices: list[int], pad_id: int, device: Any,
                      kernel: str) -> list[torch.Tensor]:
     """Per-row float32 log-probabilities of the response tokens of rows[indices], one decoder pass.
     Differentiable when called under autograd (the caller decides: inference_mode or not)."""
@@ -139,8 +243,8 @@ def batched_logprobs(decoder: Any, weight: torch.Tensor, rows: Rows, indices: li
     hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
     if flat.shape[0] == 0:
-        return [flat.new_zeros(0, dtype=weight.dtype) for _ in indices]
-    return list(fused_logprobs(flat, weight, targets, kernel).split(lengths))
+        return [flat.new_zeros(0, dtype=head.weight.dtype) for _ in indices]
+    return list(fused_logprobs(flat, head, targets, kernel).split(lengths))
 
 
 def score_rows(model: Any, rows: Rows, device: Any, pad_id: int, max_tokens: int, kernel: str,
@@ -153,11 +257,11 @@ def score_rows(model: Any, rows: Rows, device: Any, pad_id: int, max_tokens: int
     if decoder is None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         decoder = base.model
-    weight = head_weight(model)
+    head = model_head(model, kernel)
     out: list[torch.Tensor | None] = [None] * len(rows)
     with torch.inference_mode():
         for group in micro_batches(rows, max_tokens):
-            for i, values in zip(group, batched_logprobs(decoder, weight, rows, group, pad_id, device, kernel),
+            for i, values in zip(group, batched_logprobs(decoder, head, rows, group, pad_id, device, kernel),
                                  strict=True):
                 out[i] = values.float().cpu()
     return out  # type: ignore[return-value]
@@ -255,7 +359,7 @@ class FastActorTrainer:
             self.mirror.get_base_model().gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         self.mirror.eval()
-        self.head = head_weight(actor)
+        self.head = model_head(actor, self.kernel)
         self.params = lora_parameters(actor)
         for param in self.params:
             param.requires_grad_(True)

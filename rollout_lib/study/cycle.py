@@ -98,12 +98,14 @@ class TrainingSpec:
     head), the path h200-v2's cycles measured; a study without this section means it. `fused_mirror`:
     `models.fast_training.FastActorTrainer` (the dense mirror of the same dequantized weights, batched
     passes of at most `max_tokens_per_micro_batch` padded tokens, the fused float32 head), used for the
-    update and for teacher and actor scoring alike."""
+    update and for teacher and actor scoring alike. `logprob_kernel`: Liger's fused linear cross-entropy
+    on float32 inputs, the reference's chunked float32 head, or float32 sums of exact bf16 products
+    (`fast_training._Bf16OperandsLogprobs`, bf16 compute only)."""
 
     path: Literal["reference", "fused_mirror"]
     max_tokens_per_micro_batch: int = field(default=16384, metadata=_m(min=1))
     gradient_checkpointing: bool = False
-    logprob_kernel: Literal["liger", "torch_chunked"] = "liger"
+    logprob_kernel: Literal["liger", "torch_chunked", "bf16_operands"] = "liger"
 
 
 REFERENCE_TRAINING = TrainingSpec(path="reference")
