@@ -238,9 +238,12 @@ def run_measure_notebook(pm, template: Path, notebook: Path, parameters: dict) -
     created = [d for d in (folder, *folder.parents) if not d.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{notebook.stem}.partial-{os.getpid()}.ipynb"
+    from rollout_lib.core import notebook_kernel_options
+
     try:
-        pm.execute_notebook(str(template), str(partial), parameters=parameters, cwd=str(template.parent.parent),
-                            kernel_name="python3", progress_bar=False)
+        with notebook_kernel_options() as kernel_options:
+            pm.execute_notebook(str(template), str(partial), parameters=parameters, cwd=str(template.parent.parent),
+                                kernel_name="python3", progress_bar=False, **kernel_options)
     except pm.PapermillExecutionError as exc:
         if exc.ename in NOTEBOOK_REFUSALS:
             _remove_quietly(partial, created)
@@ -989,19 +992,20 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
 
 def _check_names(args: argparse.Namespace) -> None:
     """Run ids and campaign names are checked before any command touches a file (they become paths);
-    publish, check, report and missing also need the campaign to have raw files."""
+    publish, check and report also need the campaign to have raw files (missing and measure may name a
+    new one)."""
     from rollout_lib.measure.runner import check_campaign_name, check_run_id
 
     if isinstance(getattr(args, "campaign", None), str):
         check_campaign_name(args.campaign)
     if getattr(args, "run_id", None):
         check_run_id(args.run_id)
-    if args.command in ("publish", "check", "report", "missing"):
+    if args.command in ("publish", "check", "report"):
         _require_raw_files(Path(args.output_dir), args.campaign)
 
 
 def _require_raw_files(output_dir: Path, campaign: str) -> None:
-    """A campaign that publish/check/report/missing reads must have raw files under this output tree."""
+    """A campaign that publish/check/report reads must have raw files under this output tree."""
     raw = output_dir / "raw"
     if (raw / campaign).is_dir() and any((raw / campaign).glob("*/*.jsonl")):
         return
@@ -1017,6 +1021,9 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_lib.measure.runner import RawIdentityDrift
 
     name = f"rollout {args.command}"
+    from rollout_lib.core import quiet_known_warnings
+
+    quiet_known_warnings()
     try:
         _resolve_project_defaults(args)
         _check_names(args)

@@ -8,14 +8,16 @@ text, UTF-8, no NaN/Infinity).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,47 @@ def check_name(field: str, value: object, pattern: str = NAME_PATTERN, allowed: 
         raise BadName(f"{field}: {value!r} must match {pattern}: {allowed}, at most {NAME_MAX_CHARS} characters")
     return value
 
+
+
+# Startup messages known to be harmless, silenced at their source by logger and message (nothing else
+# from these loggers is hidden). bitsandbytes, imported on a CPU with AVX512-BF16, looks for an optional
+# faster NF4 matmul in the `kernels` package (kernels-community) and says so when it is absent; it then
+# uses its own CPU kernel, the one every CPU measurement here has always used.
+KNOWN_HARMLESS_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+}
+
+
+class _DropKnownMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_known_warnings() -> None:
+    """Install the filters for KNOWN_HARMLESS_LOG_MESSAGES (idempotent; before the library is imported)."""
+    for name, prefixes in KNOWN_HARMLESS_LOG_MESSAGES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownMessages) for f in logger.filters):
+            logger.addFilter(_DropKnownMessages(prefixes))
+
+
+@contextlib.contextmanager
+def notebook_kernel_options() -> Iterator[dict[str, Any]]:
+    """papermill keyword arguments for a kernel that talks over Unix sockets in a private folder (0700),
+    not over unencrypted localhost TCP: nothing listens on a port, and the kernel's start-up warning
+    about TCP without encryption ("[IPKernelApp] WARNING | Kernel is running over TCP without
+    encryption") has no cause left. The folder and its sockets are removed afterwards."""
+    from traitlets.config import Config  # papermill's dependency; only a notebook run needs it
+
+    folder = tempfile.mkdtemp(prefix="rollout-kernel-")
+    try:
+        yield {"config": Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "kernel")}})}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class CanonicalJSONError(ValueError):

@@ -645,8 +645,9 @@ def driver_liveness(state: dict[str, Any], now: float) -> tuple[bool, str]:
 def _written_line(state: dict[str, Any], now: float) -> str:
     written = state.get("written_unix")
     if written is None:  # states from before written_unix was recorded
-        return (f"  state written: not recorded (started {_utc_text(state['started_unix'])}, "
-                f"{_ago(now - state['started_unix'])})")
+        started = state.get("started_unix")
+        return "  state written: not recorded" + (
+            f" (started {_utc_text(started)}, {_ago(now - started)})" if started is not None else "")
     return f"  state written {_utc_text(written)} ({_ago(now - written)})"
 
 
