@@ -276,3 +276,11 @@ def test_a_failed_run_leaves_an_earlier_good_notebook_alone(tmp_path):
     _run(tmp_path, "ParameterError")
     assert good.read_text() == '{"good": true}'
     assert sorted(p.name for p in good.parent.iterdir()) == [good.name, "measure-hf_cached-r1-1.FAILED.ipynb"]
+
+
+@pytest.mark.skipif(_cuda(), reason="the machine has a GPU")
+def test_a_cuda_device_on_a_cpu_is_refused_before_any_file(out):
+    before = listing(out)
+    refused(rollout(*measure(out)[:-2], "--device", "cuda"), "device: 'cuda' is not available on this machine",
+            "allowed: '' (auto), 'cpu'")
+    assert listing(out) == before

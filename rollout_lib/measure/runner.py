@@ -217,6 +217,15 @@ def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any 
 
 def check_machine_can_run(spec: RunSpec) -> None:
     """Refuse, before any file exists, a run this machine cannot do (see `validate_parameters`)."""
+    if spec.device and spec.device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(spec.device.partition(":")[2] or 0)
+        if index >= count:
+            allowed = ", ".join(["'' (auto)", "'cpu'"] + [f"'cuda:{i}'" for i in range(count)])
+            raise ParameterError(f"device: {spec.device!r} is not available on this machine ({count} CUDA "
+                                 f"device(s)); allowed: {allowed}")
     check_machine_for(spec.backend, spec.output_dir, spec.campaign)
 
 
