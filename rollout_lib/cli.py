@@ -214,8 +214,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
     template = _project_file("notebooks/measure.ipynb", "notebook")
     notebook = measure_notebook_path(args.output_dir, spec.campaign, spec.backend, spec.run_id)
     # the kernel runs in the project root: every path it is given is absolute
-    parameters = {"backend": spec.backend, "params": str(Path(spec.params_path).resolve()), "campaign": spec.campaign,
-                  "run_id": spec.run_id, "output_dir": str(Path(args.output_dir).resolve()),
+    parameters = {"backend": spec.backend, "params": os.path.abspath(spec.params_path), "campaign": spec.campaign,
+                  "run_id": spec.run_id, "output_dir": os.path.abspath(args.output_dir),
                   "device": args.device or "", "cells": list(spec.cells) if args.cells else []}
     print(f"raw file: {spec.path}\nexecuted notebook: {notebook}", file=sys.stderr)
     run_measure_notebook(pm, template, notebook, parameters)
