@@ -121,8 +121,11 @@ install-offline:  ## on the GPU machine: install from $(WHEELHOUSE) with no netw
 	python3 -m pip install --no-index --find-links $(WHEELHOUSE) -r requirements/gpu.txt
 	python3 -m pip install --no-index --no-deps --no-build-isolation -e .
 
+# Jupyter refuses to start as root without --allow-root (a container's usual user): added only when uid is 0
+LAB_ROOT_FLAG = $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: setup  ## jupyter lab on this checkout (the measure notebook defaults to the smoke profile)
-	$(VENV)/bin/jupyter lab --ip 127.0.0.1 --no-browser notebooks/
+	$(VENV)/bin/jupyter lab --ip 127.0.0.1 --no-browser $(LAB_ROOT_FLAG) notebooks/
 
 notebooks:  ## regenerate notebooks/*.ipynb from tools/build_notebooks.py
 	$(PY) tools/build_notebooks.py

@@ -3,6 +3,13 @@
 Every subcommand is a thin layer over the library: it parses arguments, calls one function, prints
 where it wrote. Errors are one line on stderr; exit code 2 means bad input (a parameter, a file, a
 preregistration), 1 means a check ran and failed, 3 means a resume from another environment.
+
+Paths work like every CLI's: a relative path resolves against the working directory. The defaults
+(params/..., outputs/, notebooks/) are taken from the project root: the nearest folder, from the
+working directory upwards, that holds params/ (the way git finds .git), never from where this package
+is installed. Outside any project, give every path explicitly.
+
+Run `rollout COMMAND --help` for each command's purpose and an example.
 """
 
 from __future__ import annotations
@@ -11,20 +18,46 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import os
 import re
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT
+from rollout_lib.core import project_root
 
 DEFAULT_PARAMS = "params/rollout-runtime-v2.yaml"
+DEFAULT_CYCLE_PARAMS = "params/rollout-runtime-v2-cycle.yaml"
+SMOKE_PARAMS = "params/profiles/smoke.yaml"
 MESSAGE_CAP = 2000  # no error message floods a terminal (a YAML alias bomb once made 312 MB)
 
 
 class CommandError(Exception):
     """Bad input found by the CLI itself: exit 2 with this one-line message."""
+
+
+class ProjectPath(str):
+    """A default path relative to the project root (not to the working directory); `main` resolves it."""
+
+
+def _resolve_project_defaults(args: argparse.Namespace) -> None:
+    """Every ProjectPath default becomes a path under the project root, shown relative to the working
+    directory (`params/x.yaml` at the root, `../params/x.yaml` one folder below). The root is looked for
+    only when a default is used: outside a project, explicit paths still work."""
+    pending = {name: value for name, value in vars(args).items() if isinstance(value, ProjectPath)}
+    if pending:
+        root = project_root()
+        for name, value in pending.items():
+            setattr(args, name, os.path.relpath(root / value))
+
+
+def _project_file(relative: str, what: str) -> Path:
+    """A file the project provides (a notebook, a profile), located from the project root."""
+    path = project_root() / relative
+    if not path.is_file():
+        raise CommandError(f"{what}: {relative} not found under the project root {path.parent.parent}")
+    return path
 
 
 def _one_line(exc: BaseException) -> str:
@@ -48,14 +81,14 @@ def cmd_prereg(args: argparse.Namespace) -> int:
 
     study = load(args.path)
     calc = study.calculator.sha256
-    print(f"valid: {args.path} ({study.status_label}); study {study.study_id}", file=sys.stderr)
+    print(f"valid: {args.path} (sha256 {study.sha256})")
+    print(f"  study   {study.study_id} ({study.status_label})", file=sys.stderr)
     print(f"  actor   {study.actor.architecture.name} digest {study.actor.payload_digest}", file=sys.stderr)
     print(f"  teacher {study.teacher.architecture.name} digest {study.teacher.payload_digest}", file=sys.stderr)
     if calc == CALCULATOR_PENDING:
         print("  calculator: PENDING (not frozen: any use of the calculator refuses to run)", file=sys.stderr)
     else:
         print(f"  calculator {study.calculator.path} sha256 {calc}", file=sys.stderr)
-    print(study.sha256)
     return 0
 
 
@@ -71,7 +104,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     if args.models_command == "verify":
         return _verify_local_snapshot(args)
-    params_path = args.params or (prereg_mod.SMOKE_PROFILE if args.arch == "tiny" else prereg_mod.DEFAULT_PREREG)
+    params_path = args.params or _project_file(SMOKE_PARAMS if args.arch == "tiny" else DEFAULT_PARAMS, "params")
     study = prereg_mod.load(params_path)
     model_spec = study.model_for_arch(args.arch, args.role)
     if model_spec.source != "synthetic":
@@ -152,9 +185,10 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from rollout_lib.measure.runner import run, validate_parameters
 
     # everything is validated before anything is written (a bad campaign must not create folders)
+    # and the machine is checked: no vLLM to import, or a GPU campaign on a CPU, is refused here
     spec, study, workload = validate_parameters(backend=args.backend, params=args.params, campaign=args.campaign,
                                                 cells=args.cells, run_id=args.run_id,
-                                                output_dir=args.output_dir, device=args.device)
+                                                output_dir=args.output_dir, device=args.device, check_machine=True)
     if args.deadline_unix is not None or args.estimates_json or args.warmup_estimates_json:
         if not args.direct:
             raise CommandError("deadline-unix/estimates-json/warmup-estimates-json: only with --direct "
@@ -177,19 +211,64 @@ def cmd_measure(args: argparse.Namespace) -> int:
         return 0
     import papermill as pm
 
+    template = _project_file("notebooks/measure.ipynb", "notebook")
     notebook = measure_notebook_path(args.output_dir, spec.campaign, spec.backend, spec.run_id)
-    notebook.parent.mkdir(parents=True, exist_ok=True)
-    parameters = {"backend": spec.backend, "params": args.params, "campaign": spec.campaign, "run_id": spec.run_id,
-                  "output_dir": str(args.output_dir), "device": args.device or "",
-                  "cells": list(spec.cells) if args.cells else []}
+    # the kernel runs in the project root: every path it is given is absolute
+    parameters = {"backend": spec.backend, "params": os.path.abspath(spec.params_path), "campaign": spec.campaign,
+                  "run_id": spec.run_id, "output_dir": os.path.abspath(args.output_dir),
+                  "device": args.device or "", "cells": list(spec.cells) if args.cells else []}
     print(f"raw file: {spec.path}\nexecuted notebook: {notebook}", file=sys.stderr)
-    try:
-        pm.execute_notebook(str(REPO_ROOT / "notebooks" / "measure.ipynb"), str(notebook), parameters=parameters,
-                            cwd=str(REPO_ROOT), kernel_name="python3", progress_bar=False)
-    except pm.PapermillExecutionError as exc:
-        # the one-line cause last, not buried in the notebook traceback
-        raise CommandError(f"measure notebook failed ({notebook}): {exc.ename}: {exc.evalue}") from None
+    run_measure_notebook(pm, template, notebook, parameters)
     return 0
+
+
+# A refusal raised inside the notebook (the run never started): its notebook is not kept
+NOTEBOOK_REFUSALS = ("ParameterError", "StrictLoadError", "PreregistrationError", "UnknownBackendError",
+                     "UnknownCellError", "CampaignGPUMismatch", "RawSealed", "WriterBusy", "RawIdentityDrift",
+                     "RawFileError", "ProjectRootNotFound")
+
+
+def run_measure_notebook(pm, template: Path, notebook: Path, parameters: dict) -> None:
+    """Execute the measure notebook into a hidden temporary file beside `notebook`, renamed into place
+    only when the run succeeded: a failed run never leaves a partial notebook under the good name.
+
+    A refusal (bad input found in the kernel) keeps nothing. A failure during the work keeps its
+    notebook, with the traceback, as `<name>.FAILED.ipynb`, and the message names it."""
+    folder = notebook.parent
+    created = [d for d in (folder, *folder.parents) if not d.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{notebook.stem}.partial-{os.getpid()}.ipynb"
+    from rollout_lib.core import notebook_kernel_options
+
+    try:
+        with notebook_kernel_options() as kernel_options:
+            pm.execute_notebook(str(template), str(partial), parameters=parameters, cwd=str(template.parent.parent),
+                                kernel_name="python3", progress_bar=False, **kernel_options)
+    except pm.PapermillExecutionError as exc:
+        if exc.ename in NOTEBOOK_REFUSALS:
+            _remove_quietly(partial, created)
+            raise CommandError(f"{exc.evalue}") from None
+        failed = notebook.with_name(f"{notebook.stem}.FAILED.ipynb")
+        os.replace(partial, failed)
+        # the one-line cause last, not buried in the notebook traceback
+        raise CommandError(f"measure notebook failed: {exc.ename}: {exc.evalue} (the failed notebook is kept "
+                           f"for debugging: {failed})") from None
+    except BaseException:
+        _remove_quietly(partial, created)
+        raise
+    with open(partial, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(partial, notebook)
+
+
+def _remove_quietly(path: Path, created_folders: list[Path]) -> None:
+    """Remove a temporary file, then the folders this command created, if they stayed empty."""
+    path.unlink(missing_ok=True)
+    for folder in created_folders:  # deepest first
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def cmd_missing(args: argparse.Namespace) -> int:
@@ -505,6 +584,10 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         raise CommandError(f"lease-s: {args.lease_s} is not allowed; at least --deadline-s ({args.deadline_s}): "
                            "a job's deadline lies within one lease")
     _require_identity_prefix("expect-identity", args.expect_identity)
+    if args.campaign_command == "run":  # refused before a log, a state or a raw file exists
+        from rollout_lib.measure.runner import check_machine_for
+
+        check_machine_for(args.backend, output_dir, args.campaign)
     cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.campaign_command == "plan":
         identity = None
@@ -534,8 +617,10 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         return 0
     if args.detach:
         log = driver.campaign_dir(output_dir, args.campaign) / "logs" / f"{args.backend}-driver-{_utc_stamp()}.log"
-        argv = ["campaign", "run", "--campaign", args.campaign, "--backend", args.backend, "--params", args.params,
-                "--output-dir", str(output_dir), "--deadline-s", repr(args.deadline_s)]
+        # the detached driver runs in the package's tree: its paths are absolute
+        argv = ["campaign", "run", "--campaign", args.campaign, "--backend", args.backend,
+                "--params", os.path.abspath(args.params), "--output-dir", os.path.abspath(output_dir),
+                "--deadline-s", repr(args.deadline_s)]
         argv += (["--gpus", str(args.gpus)] if args.gpus else []) + (["--cells", args.cells] if args.cells else [])
         argv += ["--exclude-cells", args.exclude_cells] if args.exclude_cells else []
         argv += ["--expect-identity", args.expect_identity] if args.expect_identity else []
@@ -588,14 +673,91 @@ def cmd_source_stamp(args: argparse.Namespace) -> int:
 # Parser
 # ------------------------------------------------------------------------------------------
 
+# Every command's and action's --help: (one-line purpose, example). `_explain` attaches them; a test
+# checks that no subcommand is missing.
+EXPLAINED: dict[str, tuple[str, str]] = {
+    "prereg": ("Validate a preregistration or profile and print its SHA-256; writes nothing.",
+               "rollout prereg params/profiles/smoke.yaml"),
+    "models": ("Model snapshots: build a synthetic one, digest or verify a local one, calibrate a logit scale.",
+               "rollout models digest .cache/snapshots/tiny-seed1"),
+    "models build": ("Write a synthetic HF snapshot (config.json + safetensors) and print its payload digest.",
+                     "rollout models build --arch tiny --out /tmp/tiny-actor"),
+    "models digest": ("Print the payload digest of any snapshot directory (synthetic or hub); writes nothing.",
+                      "rollout models digest /tmp/tiny-actor"),
+    "models verify": ("Check a local (e.g. downloaded) snapshot against a study's actor or teacher.",
+                      "rollout models verify ~/models/Qwen3-0.6B --role actor --params params/rollout-runtime-v2.yaml"),
+    "models calibrate": ("Measure next-token entropy on the workload and pick the logit scale (prints JSON).",
+                         "rollout models calibrate --arch tiny --device cpu"),
+    "measure": ("Measure one backend over a campaign's cells through notebooks/measure.ipynb (or --direct).",
+                "rollout measure --backend hf_cached --campaign smoke --params params/profiles/smoke.yaml "
+                "--output-dir outputs/smoke"),
+    "missing": ("List the cells of a campaign still to measure, per backend; writes nothing.",
+                "rollout missing --campaign h200-v2"),
+    "publish": ("Apply the frozen calculator to a campaign's sealed raw files: writes its aggregate JSON.",
+                "rollout publish --campaign smoke --params params/profiles/smoke.yaml --output-dir outputs/smoke"),
+    "check": ("Re-derive a campaign's aggregate byte for byte from its raw files; writes nothing.",
+              "rollout check --campaign h200-v2"),
+    "report": ("Render a campaign's report: the summary notebook, then a self-contained HTML page.",
+               "rollout report --campaign smoke --params params/profiles/smoke.yaml --output-dir outputs/smoke"),
+    "conformance": ("Measure a candidate's exactness against the NF4 oracle; writes an evidence JSON.",
+                    "rollout conformance --params params/profiles/smoke.yaml --device cpu --out /tmp/conformance.json"),
+    "refresh": ("Eight policy refreshes through one backend, then the teardown proof; writes an evidence JSON.",
+                "rollout refresh --backend hf_cached --params params/profiles/smoke.yaml --out /tmp/refresh.json"),
+    "campaign": ("A campaign over GPU leases: plan what is missing, run it (one process per GPU), follow it.",
+                 "rollout campaign status --campaign h200-v2"),
+    "campaign plan": ("Print the longest-first schedule of what is missing, with estimates; writes nothing.",
+                      "rollout campaign plan --campaign h200-v2 --backend hf_cached --deadline-s 1500"),
+    "campaign run": ("Measure what is missing, one process per GPU, until --deadline-s (--detach: background).",
+                     "rollout campaign run --campaign h200-v2 --backend hf_cached --deadline-s 1500 --detach"),
+    "campaign status": ("Show done / running / to-measure cells, each driver's state and when it was written.",
+                        "rollout campaign status --campaign h200-v2"),
+    "vllm-diagnostic": ("Compare managed vLLM with the in-process engine on the same requests (diagnostic).",
+                        "rollout vllm-diagnostic --cells p128-r64-n1-greedy --out /tmp/vllm-diagnostic.json"),
+    "vllm-compare": ("Compare vLLM settings side by side on the same requests (diagnostic, no gate).",
+                     "rollout vllm-compare --comparison ladder --cells p128-r64-n4-stochastic --out /tmp/ladder.json"),
+    "cycle": ("Measure the full RL cycle for one backend, algorithm and cell; writes a sealed raw file.",
+              "rollout cycle --params params/profiles/smoke-cycle.yaml --backend hf_cached --algorithm direct_gkd "
+              "--cell p16-r24-n2-stochastic --campaign smoke --output-dir outputs/smoke"),
+    "cycle-publish": ("Apply the frozen cycle calculator to a cycle campaign (--check: re-derive byte for byte).",
+                      "rollout cycle-publish --params params/profiles/smoke-cycle.yaml --campaign smoke "
+                      "--output-dir outputs/smoke --check"),
+    "seal": ("Seal raw files whose run will not be resumed into the SEALS.jsonl manifest beside them.",
+             "rollout seal outputs/raw/h200-v2/vllm/20261202T101500Z-g0.jsonl --reason 'lease ended, writer dead'"),
+    "source-stamp": ("Write .source-commit (commit + dirty flag) for a tree copied without .git.",
+                     "rollout source-stamp"),
+}
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """{'measure': parser, 'campaign run': parser, ...}: every subcommand and action, depth first."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:  # argparse keeps subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found[name] = child
+                found.update({f"{name} {k}": v for k, v in _subparsers(child).items()})
+    return found
+
+
+def _explain(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand's --help its purpose (description) and an example (epilog)."""
+    for name, child in _subparsers(parser).items():
+        if name in EXPLAINED:
+            purpose, example = EXPLAINED[name]
+            child.description = purpose
+            child.epilog = f"example:\n  {example}"
+            child.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
 def _common(parser: argparse.ArgumentParser, *, campaign: bool = False, output_dir: bool = False) -> None:
-    parser.add_argument("--params", default=DEFAULT_PARAMS,
-                        help=f"preregistration or profile YAML (default: {DEFAULT_PARAMS})")
+    parser.add_argument("--params", default=ProjectPath(DEFAULT_PARAMS),
+                        help=f"preregistration or profile YAML (default: {DEFAULT_PARAMS} in the project root)")
     if campaign:
-        parser.add_argument("--campaign", required=True, help="campaign name, e.g. h200-v2 or smoke")
+        parser.add_argument("--campaign", required=True, help="campaign name, e.g. h200-v2 or smoke (lower-case "
+                                                              "letters, digits, '.', '_', '-'; at most 64)")
     if output_dir:
-        parser.add_argument("--output-dir", default=str(OUTPUTS_DIR),
-                            help="root of raw/, aggregate/, report/, runs/ (default: outputs)")
+        parser.add_argument("--output-dir", default=ProjectPath("outputs"),
+                            help="root of raw/, aggregate/, report/, runs/ (default: outputs/ in the project root)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -604,7 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("prereg", help="validate a preregistration or profile; print its SHA-256 (writes nothing)")
-    p.add_argument("path", nargs="?", default=DEFAULT_PARAMS)
+    p.add_argument("path", nargs="?", default=ProjectPath(DEFAULT_PARAMS),
+                   help=f"the YAML file (default: {DEFAULT_PARAMS} in the project root)")
     p.set_defaults(func=cmd_prereg)
 
     models = sub.add_parser("models", help="snapshots: build (synthetic), digest, verify (local), calibrate")
@@ -624,7 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = msub.add_parser("verify", help="check a local (e.g. downloaded) snapshot against a study's actor or "
                                             "teacher: config.json fields, tokenizer, prompt ids, and --digest if given")
     verify.add_argument("snapshot")
-    verify.add_argument("--params", default=DEFAULT_PARAMS)
+    verify.add_argument("--params", default=ProjectPath(DEFAULT_PARAMS))
     verify.add_argument("--role", choices=("actor", "teacher"), default="actor")
     verify.add_argument("--digest", default=None, help="the payload digest to expect (default: computed, printed)")
     calibrate = msub.add_parser("calibrate", help="measure entropy on the workload and pick the logit scale "
@@ -643,7 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", required=True, help="hf_reference, hf_cached or vllm")
     _common(p, campaign=True, output_dir=True)
     p.add_argument("--cells", default="", help="comma-separated cell ids (default: all)")
-    p.add_argument("--run-id", default="", help="resume this run id (default: a new UTC timestamp)")
+    p.add_argument("--run-id", default="", help="resume this run id (default: a new UTC timestamp; letters, "
+                                                "digits, '.', '_', '-'; at most 64)")
     p.add_argument("--device", default="", help="'' (auto), cpu, cuda or cuda:N")
     p.add_argument("--direct", action="store_true",
                    help="run in this process, no notebook (prints one JSON line per cell)")
@@ -766,14 +930,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cycle", help="the full RL cycle (rollout, teacher scoring, actor scoring, one optimizer "
                                      "step, policy sync) for one backend, algorithm and cell; writes a sealed raw file "
                                      "under <output-dir>/cycles/raw/<campaign>/<backend>/")
-    p.add_argument("--params", default="params/rollout-runtime-v2-cycle.yaml", help="the cycle preregistration")
+    p.add_argument("--params", default=ProjectPath(DEFAULT_CYCLE_PARAMS), help="the cycle preregistration")
     p.add_argument("--backend", required=True, help="hf_cached, vllm or hf_reference")
     p.add_argument("--algorithm", required=True, help="direct_gkd or pg_k1")
     p.add_argument("--cell", required=True, help="a cell of the cycle study")
     p.add_argument("--campaign", required=True)
     p.add_argument("--run-id", default=None)
     p.add_argument("--cycles", type=int, default=None, help="fewer cycles than the study's (a probe)")
-    p.add_argument("--output-dir", default="outputs")
+    p.add_argument("--output-dir", default=ProjectPath("outputs"))
     p.add_argument("--device", default=None)
     p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE")
     p.add_argument("--vllm-memory-mode", default=None, help="vllm only: sleep (engine sleeps while the trainer works) "
@@ -788,9 +952,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cycle-publish", help="the frozen cycle calculator over a cycle campaign's sealed raw files; "
                                              "writes <output-dir>/cycles/aggregate/<campaign>.json (--check: "
                                              "re-derive and compare byte for byte)")
-    p.add_argument("--params", default="params/rollout-runtime-v2-cycle.yaml", help="the cycle preregistration")
+    p.add_argument("--params", default=ProjectPath(DEFAULT_CYCLE_PARAMS), help="the cycle preregistration")
     p.add_argument("--campaign", required=True)
-    p.add_argument("--output-dir", default="outputs")
+    p.add_argument("--output-dir", default=ProjectPath("outputs"))
     p.add_argument("--check", action="store_true")
     p.set_defaults(func=cmd_cycle_publish)
 
@@ -804,13 +968,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("source-stamp", help="write .source-commit (commit + dirty flag) for a tree copied without .git")
     p.set_defaults(func=cmd_source_stamp)
+    _explain(parser)
     return parser
 
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from rollout_lib.backends.base import UnknownBackendError
     from rollout_lib.campaign.driver import IdentityMismatch
-    from rollout_lib.core import CanonicalJSONError
+    from rollout_lib.core import BadName, CanonicalJSONError
     from rollout_lib.measure.campaign_files import CampaignGPUMismatch
     from rollout_lib.measure.rawfile import RawFileError, RawSealed, SealError, WriterBusy
     from rollout_lib.measure.runner import ParameterError
@@ -822,7 +987,31 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     return (CommandError, StrictLoadError, ParameterError, UnknownBackendError, UnknownCellError,
             UnknownArchitectureError, DigestMismatchError, CanonicalJSONError, FileNotFoundError, FileExistsError,
             IsADirectoryError, UnicodeDecodeError, RawFileError, RawSealed, SealError, WriterBusy,
-            CampaignGPUMismatch, IdentityMismatch)
+            CampaignGPUMismatch, IdentityMismatch, BadName)
+
+
+def _check_names(args: argparse.Namespace) -> None:
+    """Run ids and campaign names are checked before any command touches a file (they become paths);
+    publish, check and report also need the campaign to have raw files (missing and measure may name a
+    new one)."""
+    from rollout_lib.measure.runner import check_campaign_name, check_run_id
+
+    if isinstance(getattr(args, "campaign", None), str):
+        check_campaign_name(args.campaign)
+    if getattr(args, "run_id", None):
+        check_run_id(args.run_id)
+    if args.command in ("publish", "check", "report"):
+        _require_raw_files(Path(args.output_dir), args.campaign)
+
+
+def _require_raw_files(output_dir: Path, campaign: str) -> None:
+    """A campaign that publish/check/report reads must have raw files under this output tree."""
+    raw = output_dir / "raw"
+    if (raw / campaign).is_dir() and any((raw / campaign).glob("*/*.jsonl")):
+        return
+    known = sorted(d.name for d in raw.iterdir() if d.is_dir() and any(d.glob("*/*.jsonl"))) if raw.is_dir() else []
+    raise CommandError(f"campaign: {campaign!r} has no raw files under {raw}; allowed: "
+                       + (", ".join(known) if known else "none yet (measure first)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -832,7 +1021,12 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_lib.measure.runner import RawIdentityDrift
 
     name = f"rollout {args.command}"
+    from rollout_lib.core import quiet_known_warnings
+
+    quiet_known_warnings()
     try:
+        _resolve_project_defaults(args)
+        _check_names(args)
         return func(args)
     except (CalculatorHashMismatch, PublishCheckFailed, EvidenceRefused) as exc:
         print(f"{name}: FAILED: {_one_line(exc)}", file=sys.stderr)

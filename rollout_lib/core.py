@@ -1,4 +1,4 @@
-"""The foundation every layer may import (standard library only): repository paths, canonical JSON,
+"""The foundation every layer may import (standard library only): project paths and names, canonical JSON,
 SHA-256 helpers and atomic evidence writes.
 
 Evidence is bound to bytes: every JSON this project writes goes through `canonical_json`, so the
@@ -8,20 +8,116 @@ text, UTF-8, no NaN/Infinity).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# The library's own source tree: for code only (measurement-code digests, the pinned calculator files,
+# the source stamp). Data paths (params, outputs, notebooks) are never resolved from it: an editable install
+# would write into the checkout whatever the working directory, a regular one into site-packages.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-OUTPUTS_DIR = REPO_ROOT / "outputs"
+PACKAGE_ROOT = REPO_ROOT
+# The library's default output folder, relative: it resolves against the working directory when used
+# (the CLI passes <project root>/outputs explicitly).
+OUTPUTS_DIR = Path("outputs")
+PROJECT_MARKER = "params"  # a project is the folder that holds params/, found the way git finds .git
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"  # run ids: they become file names under the output tree
+NAME_MAX_CHARS = 64
 
+
+class ProjectRootNotFound(FileNotFoundError):
+    """No folder holding params/ in the working directory or any folder above it."""
+
+
+class BadName(ValueError):
+    """A run id or campaign name that cannot be a file name under the output tree."""
+
+
+def find_project_root(start: str | os.PathLike[str] | None = None) -> Path | None:
+    """The nearest folder, from `start` (default: the working directory) upwards, that holds params/."""
+    here = Path(start if start is not None else Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / PROJECT_MARKER).is_dir():
+            return folder
+    return None
+
+
+def project_root(start: str | os.PathLike[str] | None = None) -> Path:
+    """`find_project_root`, or ProjectRootNotFound with the one-line reason."""
+    found = find_project_root(start)
+    if found is None:
+        here = Path(start if start is not None else Path.cwd()).resolve()
+        raise ProjectRootNotFound(f"project root: no {PROJECT_MARKER}/ folder in {here} or any folder above it; "
+                                  f"run inside a project (a checkout with {PROJECT_MARKER}/) or give every path "
+                                  "explicitly (--params, --output-dir)")
+    return found
+
+
+def check_name(field: str, value: object, pattern: str = NAME_PATTERN, allowed: str = "") -> str:
+    """A run id or campaign name, checked before it becomes part of any path: a string of at most 64
+    characters from [A-Za-z0-9._-] (first one a letter or digit). BadName names the field otherwise."""
+    import re
+
+    allowed = allowed or "letters, digits, '.', '_', '-' (first a letter or digit)"
+    if not isinstance(value, str):
+        raise BadName(f"{field}: expected a string, got {type(value).__name__} {value!r:.80}")
+    if len(value) > NAME_MAX_CHARS:
+        raise BadName(f"{field}: {len(value)} characters ({value[:24]!r}...); at most {NAME_MAX_CHARS} allowed: "
+                      f"{allowed}")
+    if not re.fullmatch(pattern, value):
+        raise BadName(f"{field}: {value!r} must match {pattern}: {allowed}, at most {NAME_MAX_CHARS} characters")
+    return value
+
+
+
+# Startup messages known to be harmless, silenced at their source by logger and message (nothing else
+# from these loggers is hidden). bitsandbytes, imported on a CPU with AVX512-BF16, looks for an optional
+# faster NF4 matmul in the `kernels` package (kernels-community) and says so when it is absent; it then
+# uses its own CPU kernel, the one every CPU measurement here has always used.
+KNOWN_HARMLESS_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+}
+
+
+class _DropKnownMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_known_warnings() -> None:
+    """Install the filters for KNOWN_HARMLESS_LOG_MESSAGES (idempotent; before the library is imported)."""
+    for name, prefixes in KNOWN_HARMLESS_LOG_MESSAGES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownMessages) for f in logger.filters):
+            logger.addFilter(_DropKnownMessages(prefixes))
+
+
+@contextlib.contextmanager
+def notebook_kernel_options() -> Iterator[dict[str, Any]]:
+    """papermill keyword arguments for a kernel that talks over Unix sockets in a private folder (0700),
+    not over unencrypted localhost TCP: nothing listens on a port, and the kernel's start-up warning
+    about TCP without encryption ("[IPKernelApp] WARNING | Kernel is running over TCP without
+    encryption") has no cause left. The folder and its sockets are removed afterwards."""
+    from traitlets.config import Config  # papermill's dependency; only a notebook run needs it
+
+    folder = tempfile.mkdtemp(prefix="rollout-kernel-")
+    try:
+        yield {"config": Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "kernel")}})}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class CanonicalJSONError(ValueError):

@@ -128,7 +128,7 @@ def test_sha256_is_of_the_file_bytes(prereg_study):
 def test_cli_validates_and_prints_sha(prereg_study):
     out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "prereg", str(PREREG)], cwd=REPO,
                          capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == prereg_study.sha256
+    assert out.stdout.strip() == f"valid: {PREREG} (sha256 {prereg_study.sha256})"
 
 
 def test_cli_rejects_bad_file(tmp_path):

@@ -44,15 +44,23 @@ VALIDATE = """import os
 import sys
 from pathlib import Path
 
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "rollout_lib").is_dir())
+# the project root: the nearest folder, from here upwards, that holds params/ (as git finds .git)
+ROOT = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "params").is_dir()), None)
+if ROOT is None:
+    raise FileNotFoundError(f"project root: no params/ folder in {Path.cwd()} or any folder above it")
 os.chdir(ROOT)
-sys.path.insert(0, str(ROOT))
+if (ROOT / "rollout_lib").is_dir():  # a checkout without an installed package
+    sys.path.insert(0, str(ROOT))
 
-from rollout_lib.measure.runner import validate_parameters  # noqa: E402 - after locating the repository root
+from rollout_lib.core import quiet_known_warnings  # noqa: E402 - after locating the project root
+from rollout_lib.measure.runner import validate_parameters  # noqa: E402
 
+quiet_known_warnings()  # known-harmless library start-up messages (rollout_lib.core says which and why)
+# types, names and the machine are checked before anything is written: no vLLM to import, or a GPU
+# campaign on a CPU, is refused here
 spec, study, workload = validate_parameters(backend=backend, params=params, campaign=campaign, cells=cells,
                                             run_id=run_id, output_dir=output_dir, device=device,
-                                            profile_cell=profile_cell)
+                                            profile_cell=profile_cell, check_machine=True)
 print(f"{study.study_id}: {study.status_label}; preregistration sha256 {study.sha256}")
 if profile_cell:
     print(f"backend {spec.backend}; profiling {profile_cell} (no raw file is written)")

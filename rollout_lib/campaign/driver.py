@@ -26,6 +26,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -234,7 +235,9 @@ def own_identity(study: Preregistration, backend: str, gpu: str | None = None,
     before any worker starts, so this process never holds a CUDA context); sha256 None and why if it
     fails."""
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
-    command = [sys.executable, "-m", "rollout_lib.campaign.identity_probe", "--params", study.source_path,
+    # the child runs in the package's tree (to import it): every data path it is given is absolute
+    command = [sys.executable, "-m", "rollout_lib.campaign.identity_probe", "--params",
+               os.path.abspath(study.source_path),
                "--backend", backend]
     try:
         done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -515,7 +518,7 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
 
     `expect_identity` (a hex prefix): refuse before anything starts unless this machine's measurement
     identity begins with it (`require_identity`)."""
-    output_dir = Path(output_dir)
+    output_dir = Path(os.path.abspath(output_dir))  # the workers run in the package's tree
     visible = visible_gpus()
     count = gpus or max(1, len(visible))
     if visible and count > len(visible):
@@ -542,8 +545,8 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
             env["CUDA_VISIBLE_DEVICES"] = str(visible[assignment.gpu])
         else:
             device = "cpu"
-        command = _worker_command(study.source_path, campaign, backend, output_dir, run_id, assignment.cells,
-                                  deadline_unix, {c: estimates[c] for c in assignment.cells}, device,
+        command = _worker_command(os.path.abspath(study.source_path), campaign, backend, output_dir, run_id,
+                                  assignment.cells, deadline_unix, {c: estimates[c] for c in assignment.cells}, device,
                                   {c: warmup_estimates[c] for c in assignment.cells})
         with open(log, "ab") as handle:
             proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
@@ -551,7 +554,8 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
         workers.append({"gpu": assignment.gpu, "pid": proc.pid, "run_id": run_id, "cells": assignment.cells,
                         "raw_file": str(_backend_dir(output_dir, campaign, backend) / f"{run_id}.jsonl"),
                         "log": str(log), "returncode": None, "_proc": proc})
-    state = {"campaign": campaign, "backend": backend, "driver_pid": os.getpid(), "started_unix": started,
+    state = {"campaign": campaign, "backend": backend, "driver_pid": os.getpid(), "host": socket.gethostname(),
+             "started_unix": started,
              "deadline_unix": deadline_unix, "plan": the_plan.to_json(), "calibration": calibration,
              "workers": [{k: v for k, v in w.items() if not k.startswith("_")} for w in workers]}
     path = state_path(output_dir, campaign, backend, stamp)
@@ -598,7 +602,53 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
 
 
 def _write_state(path: Path, state: dict[str, Any]) -> None:
+    state["written_unix"] = time.time()  # `status` says how old the state is: a lease's state can be days old
     write_json_atomic(path, state, overwrite=True)  # operational state, not evidence
+
+
+# A driver stops its workers at the deadline; teardown and sealing take a little longer. A state not
+# marked finished this long after its deadline belongs to a lease that is over: it is not live.
+STATE_GRACE_S = 300.0
+
+
+def _utc_text(unix: float) -> str:
+    return dt.datetime.fromtimestamp(unix, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            whole = int(seconds // size)
+            rest = int((seconds - whole * size) // {"d": 3600, "h": 60, "min": 1}[unit])
+            smaller = {"d": "h", "h": "min", "min": "s"}[unit]
+            return f"{whole} {unit} {rest} {smaller} ago" if rest else f"{whole} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def driver_liveness(state: dict[str, Any], now: float) -> tuple[bool, str]:
+    """(live, words) for a driver state: finished, running, or not live and why. A state is live only
+    on the host that wrote it, before its lease ended, while its driver process exists."""
+    if "finished_unix" in state:
+        return False, "finished"
+    if now > state["deadline_unix"] + STATE_GRACE_S:
+        return False, (f"not live: older than its lease (deadline {_utc_text(state['deadline_unix'])}, "
+                       f"{_ago(now - state['deadline_unix'])}; never marked finished)")
+    host = state.get("host")
+    if host is not None and host != socket.gethostname():
+        return False, f"not live here: written on host {host}"
+    if not _alive(state["driver_pid"]):
+        return False, "not live: its driver process is gone (never marked finished)"
+    return True, f"running; deadline in {max(0, state['deadline_unix'] - now):.0f} s"
+
+
+def _written_line(state: dict[str, Any], now: float) -> str:
+    written = state.get("written_unix")
+    if written is None:  # states from before written_unix was recorded
+        started = state.get("started_unix")
+        return "  state written: not recorded" + (
+            f" (started {_utc_text(started)}, {_ago(now - started)})" if started is not None else "")
+    return f"  state written {_utc_text(written)} ({_ago(now - written)})"
 
 
 def worker_progress(raw: Path) -> dict[str, Any]:
@@ -660,22 +710,25 @@ def status(study: Preregistration, campaign: str, output_dir: Path, backend: str
         state = json.loads(path.read_text())
         if backend is not None and state["backend"] != backend:
             continue
-        alive = _alive(state["driver_pid"]) and "finished_unix" not in state
+        alive, words = driver_liveness(state, now)
         left = state["deadline_unix"] - now
-        lines.append(f"driver {state['backend']} pid {state['driver_pid']}: "
-                     + (f"running; deadline in {max(0, left):.0f} s" if alive else "finished"))
+        lines.append(f"driver {state['backend']} pid {state['driver_pid']}: {words}")
+        lines.append(_written_line(state, now))
         estimates = state["plan"]["estimates_s"]
         warmup_estimates = state["plan"].get("warmup_estimates_s", {})  # absent in drivers before lease 16
         for worker in state["workers"]:
             raw = _worker_raw_file(worker, output_dir, campaign, state["backend"])
             progress = worker_progress(raw)
-            running = _alive(worker["pid"]) and live_holder(raw) is not None
+            # a worker of a state that is not live is not probed: its pid may be another process here
+            running = alive and _alive(worker["pid"]) and live_holder(raw) is not None
             finished = {c for c, _ in progress["done"]}
             remaining = [c for c in worker["cells"] if c not in finished]
             eta = sum(warmup_estimates.get(c, estimates.get(c, 0)) * study.protocol.warmup_repetitions
                       + estimates.get(c, 0) * study.protocol.measured_repetitions for c in remaining)
             eta = min(eta, max(0.0, left)) if running else 0.0
-            state_word = "running" if running else f"exited {worker.get('returncode')}"
+            state_word = ("running" if running else f"exited {worker.get('returncode')}"
+                          if "finished_unix" in state or worker.get("returncode") is not None
+                          else "not live (no exit recorded)")
             lines.append(f"  GPU {worker['gpu']} pid {worker['pid']} {state_word}: "
                          f"{len(finished)}/{len(worker['cells'])} cells ended"
                          + (f" ({_count_words(s.split(' (')[0] for _, s in progress['done'])})" if finished else "")

