@@ -236,6 +236,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproducibility(args: argparse.Namespace) -> int:
+    """Which requests generate identical tokens across repetitions and engine starts, from the raw files."""
+    import json
+
+    from rollout_lib.evidence.reproducibility import for_campaign, summary_text
+    from rollout_lib.study.prereg import load
+
+    raw = Path(args.output_dir) / "raw" / args.campaign
+    if not raw.is_dir():
+        raise CommandError(f"campaign: no raw files for {args.campaign!r} under {raw}")
+    result = for_campaign(load(args.params), args.campaign, Path(args.output_dir))
+    print(json.dumps(result, indent=1) if args.json else summary_text(result))
+    return 0
+
+
 def _refuse_existing(out: Path) -> None:
     if out.exists():
         raise CommandError(f"out: {out} exists; evidence is never overwritten, choose another path")
@@ -670,6 +685,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="summary notebook -> <output-dir>/report/<campaign>.html (and .ipynb)")
     _common(p, campaign=True, output_dir=True)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("reproducibility", help="requests whose tokens repeat across repetitions and engine starts "
+                       "(from the raw files; writes nothing), e.g. rollout reproducibility --campaign h200-v2")
+    _common(p, campaign=True, output_dir=True)
+    p.add_argument("--json", action="store_true", help="print the counts as JSON instead of sentences")
+    p.set_defaults(func=cmd_reproducibility)
 
     p = sub.add_parser("conformance", help="exactness of a candidate against the NF4 oracle; writes the JSON --out")
     _common(p)
