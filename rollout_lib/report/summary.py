@@ -502,7 +502,13 @@ def campaign_notes(output_dir: Path, campaign: str) -> str | None:
 
 
 def render(campaign: str, params: str, output_dir: Path) -> Path:
-    """Execute notebooks/summary.ipynb with papermill, render HTML with code hidden and images embedded."""
+    """Execute notebooks/summary.ipynb with papermill, render HTML with code hidden and images embedded.
+
+    Atomic: papermill writes the executed notebook to a temp file in the report folder and the HTML is
+    written to another; both are fsynced and renamed over the report only when everything succeeded. A
+    failed render leaves the previous good report and no partial file."""
+    import os
+
     import nbformat
     import papermill as pm
     from nbconvert import HTMLExporter
@@ -510,18 +516,31 @@ def render(campaign: str, params: str, output_dir: Path) -> Path:
 
     report_dir = output_dir / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
-    executed = report_dir / f"{campaign}.ipynb"
-    pm.execute_notebook(str(REPO_ROOT / "notebooks" / "summary.ipynb"), str(executed),
-                        parameters={"campaign": campaign, "params": params, "output_dir": str(output_dir)},
-                        cwd=str(REPO_ROOT), progress_bar=False, kernel_name="python3")
-    nb = nbformat.read(str(executed), as_version=4)
-    exporter = HTMLExporter(exclude_input_prompt=True, exclude_output_prompt=True)
-    hide = TagRemovePreprocessor(remove_input_tags={"hide-input"},
-                                 remove_cell_tags={"remove-cell", "injected-parameters"})
-    exporter.register_preprocessor(hide, enabled=True)
-    body, _ = exporter.from_notebook_node(nb)
-    html = report_dir / f"{campaign}.html"
-    html.write_text(offline_html(body), encoding="utf-8")
+    executed, html = report_dir / f"{campaign}.ipynb", report_dir / f"{campaign}.html"
+    tmp_notebook = report_dir / f".{campaign}.tmp-{os.getpid()}.ipynb"
+    tmp_html = report_dir / f".{campaign}.tmp-{os.getpid()}.html"
+    try:
+        pm.execute_notebook(str(REPO_ROOT / "notebooks" / "summary.ipynb"), str(tmp_notebook),
+                            parameters={"campaign": campaign, "params": params, "output_dir": str(output_dir)},
+                            cwd=str(REPO_ROOT), progress_bar=False, kernel_name="python3")
+        nb = nbformat.read(str(tmp_notebook), as_version=4)
+        exporter = HTMLExporter(exclude_input_prompt=True, exclude_output_prompt=True)
+        hide = TagRemovePreprocessor(remove_input_tags={"hide-input"},
+                                     remove_cell_tags={"remove-cell", "injected-parameters"})
+        exporter.register_preprocessor(hide, enabled=True)
+        body, _ = exporter.from_notebook_node(nb)
+        page = offline_html(body, title=f"Rollout report — {campaign}")
+        with open(tmp_html, "w", encoding="utf-8") as handle:
+            handle.write(page)
+            handle.flush()
+            os.fsync(handle.fileno())
+        with open(tmp_notebook, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp_notebook, executed)
+        os.replace(tmp_html, html)
+    finally:
+        for leftover in (tmp_notebook, tmp_html):
+            leftover.unlink(missing_ok=True)
     return html
 
 
@@ -541,7 +560,7 @@ def external_references(soup) -> list[str]:
     return found
 
 
-def offline_html(body: str) -> str:
+def offline_html(body: str, title: str | None = None) -> str:
     """nbconvert's page loads require.js, MathJax and mermaid from a CDN; the report needs none of
     them (no widgets, no maths, no diagrams), so those tags go: the file opens fully offline."""
     import re
@@ -560,6 +579,8 @@ def offline_html(body: str) -> str:
     for style in soup.find_all("style"):  # comments in the theme CSS cite URLs; drop the comments
         if style.string:
             style.string = re.sub(r"/\*.*?\*/", "", style.string, flags=re.S)
+    if title and soup.title is not None:  # nbconvert names the page after the temp notebook file
+        soup.title.string = title
     left = external_references(soup)
     if left:
         raise RuntimeError(f"the report still references external URLs: {left[:5]}")
