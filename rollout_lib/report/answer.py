@@ -131,7 +131,8 @@ def exactness_reading(aggregate: dict[str, Any], study: Preregistration, gate_id
     if local and local["source"] == "stand-in model":
         local_gate = gate(aggregate, "local_conformance")
         return {"outcome": outcome, "source": "undecided", "evidence": path,
-                "short": f"bf16 gap {observed:.3g} ({observed / tolerance:.0f}× the tolerance); backend's share undecided",
+                "short": f"bf16 gap {observed:.3g} ({observed / tolerance:.0f}× the tolerance); "
+                         "backend's share undecided",
                 "sentence": f"bf16 only, {gap}; the stand-in alone gives float32-exact hf_cached a "
                             f"{local_gate['observed_max']:.3g} gap, so this evidence cannot separate vLLM's share"}
     return {"outcome": outcome, "source": "undecided", "evidence": path,
@@ -179,7 +180,9 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
             out.append((label, f"use {_backend_speed(aggregate, entry['backend'])}: every gate it needs passes."))
             continue
         reasons = []
-        for failed in entry["failed_requirements"]:
+        if not rates(aggregate, candidate):
+            reasons.append(f"{candidate} has no valid cell in this campaign, so it cannot qualify")
+        for failed in entry["failed_requirements"] if not reasons else []:
             g = gate(aggregate, failed)
             if g and g["kind"] == "speedup":
                 baseline = g.get("baseline")
@@ -190,8 +193,9 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
                 reading = exactness_reading(aggregate, study, failed)["sentence"]
                 reasons.append(f"its log-probabilities miss the gate: {reading}")
             else:
-                reasons.append(f"{failed} {gate_outcome(g) if g else 'missing'}")
-        out.append((label, f"stay on the local backend, {entry['backend']}: " + "; and ".join(reasons) + "."))
+                reasons.append(f"{failed} {gate_outcome(g).lower() if g else 'missing'}")
+        out.append((label, f"stay on the local backend, {_backend_speed(aggregate, entry['backend'])}: "
+                           + "; and ".join(reasons) + "."))
     return out
 
 
@@ -203,11 +207,17 @@ def what_would_change(aggregate: dict[str, Any], study: Preregistration) -> str:
     synthetic = getattr(study.actor, "source", "synthetic") == "synthetic"
     command = ("<code>rollout conformance --params params/examples/qwen3-0.6b-hub.yaml --candidate hf_cached "
                "--out outputs/conformance/conformance-&lt;campaign&gt;-hf_cached-&lt;utc&gt;.json</code>")
+    if not study.preregistered:
+        return ("<b>What would change it:</b> nothing on this page; a smoke run decides nothing. The answer "
+                "comes from a preregistered campaign on a GPU (<code>make campaign</code>, then <code>make "
+                "report</code>); on your own model, from a study whose actor and teacher are <code>source: "
+                "snapshot</code> (<code>params/examples/qwen3-0.6b-hub.yaml</code>).")
     if stand_in and synthetic:
         return (f"<b>What would change it:</b> {', '.join(stand_in)} passing on a trained model instead of the "
-                "random stand-in. Decide it on your own model: fill in <code>params/examples/qwen3-0.6b-hub.yaml</code> "
-                f"(<code>source: snapshot</code>, its digests), commit it, then run {command} on the GPU "
-                "(and <code>--candidate vllm</code> for PG-k1), and <code>rollout report</code>.")
+                "random stand-in. Decide it on your own model: fill in "
+                "<code>params/examples/qwen3-0.6b-hub.yaml</code> (<code>source: snapshot</code>, its digests), "
+                f"commit it, then run {command} on the GPU (and <code>--candidate vllm</code> for PG-k1), and "
+                "<code>rollout report</code>.")
     failing = [g["id"] for g in aggregate["gates"] if gate_outcome(g) != "PASS"]
     if not failing:
         return "<b>What would change it:</b> a gate failing on another model or GPU; every gate passes here."

@@ -332,11 +332,12 @@ def cycle_html(output_dir: Path, campaign: str, names: str = "") -> str:
                         + (f"<p>Still missing: {len(data['missing'])} run(s): "
                            + html.escape(", ".join(f"{m['backend']} {m['algorithm']} {m['cell_id']}"
                                                    for m in data["missing"])) + "</p>" if data.get("missing") else "")
-                        + (table_html(pd.DataFrame(not_counted)) if not_counted is not None else "")))
+                        + (table_html(pd.DataFrame(not_counted)) if not_counted is not None
+                           else "")))
     fig = cycle_phase_figure(campaigns)
-    alt = ("Horizontal stacked bars, one per cycle run, of the seconds spent in rollout, teacher scoring, actor scoring, "
-           "actor update, policy sync and other, one panel per cycle campaign (" + ", ".join(n for n, _ in campaigns)
-           + "). " + " ".join(findings))
+    alt = ("Horizontal stacked bars, one per cycle run, of the seconds spent in rollout, teacher scoring, actor "
+           "scoring, actor update, policy sync and other, one panel per cycle campaign ("
+           + ", ".join(n for n, _ in campaigns) + "). " + " ".join(findings))
     body = _figure_or_line(fig, alt, "phases per cycle", "no complete cycle run")
     missing = [m for _, data in campaigns for m in data.get("missing") or []]
     if missing:
