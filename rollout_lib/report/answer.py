@@ -352,6 +352,8 @@ def _observed(g: dict[str, Any]) -> str:
         return "— (no accepted evidence)" if g.get("observed_max") is None else \
             f"{g['observed_max']:.3g}" + (" (" + short((g.get("used_evidence") or [None])[-1]) + ")")
     checks = g.get("per_backend_passed") or {}
+    if gate_outcome(g) == "INCOMPLETE" and not g.get("used_evidence"):
+        return "— (no accepted evidence)"
     return ", ".join(f"{b}: {'passed' if ok else 'failed'}" for b, ok in checks.items()) or "— (no evidence)"
 
 
