@@ -145,6 +145,9 @@ def test_the_published_h200_report_states_numbers_derived_from_its_evidence():
     exactness = soup.find(id="exactness").get_text(" ")
     assert "Reproducibility" in exactness and "rollout reproducibility --campaign h200-v2" in exactness
     assert "lease" not in soup.find(id="answer").get_text(" ").lower()  # the lease diary left the report
+    for tag in soup(["style", "script"]):
+        tag.decompose()
+    assert not re.search(r"\b(None|nan|NaN)\b", soup.get_text(" ")), "a bare None/nan, folded or not"
 
 
 def test_a_gate_of_checks_shows_its_checks_not_a_missing_number():

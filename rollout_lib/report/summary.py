@@ -425,17 +425,27 @@ def conformance_table(aggregate: dict[str, Any]):
         rows.append({"evidence": entry["path"], "kind": entry["kind"], "accepted": text(entry["accepted"]),
                      "candidate options": ", ".join(f"{k}={v}" for k, v in sorted(options.items())) or "as measured",
                      "passed": "PASS" if verdict.get("passed") else "FAIL",
-                     "float32 greedy identical": f"{f32.get('greedy_free_running_identical')}/"
-                                                 f"{f32.get('greedy_free_running_requests')}",
-                     "float32 partitions identical": f"{f32.get('partitions_identical')}/"
-                                                     f"{f32.get('partitions_requests')}",
-                     "bf16 free-running identical": f"{verdict.get('bf16_free_running_identical')}/"
-                                                    f"{verdict.get('bf16_free_running_requests')}",
+                     "float32 greedy identical": _count_of(f32.get("greedy_free_running_identical"),
+                                                           f32.get("greedy_free_running_requests"),
+                                                           (report.get("float32_free_running") or {}).get("reason")),
+                     "float32 partitions identical": _count_of(f32.get("partitions_identical"),
+                                                               f32.get("partitions_requests"), "no float32 run"),
+                     "bf16 free-running identical": _count_of(
+                         verdict.get("bf16_free_running_identical", verdict.get("greedy_free_running_identical")),
+                         verdict.get("bf16_free_running_requests", verdict.get("greedy_free_running_requests")),
+                         "not in this evidence"),
                      "bf16 teacher-forced argmax agreement": text(tf.get("argmax_agreement_rate")),
                      "beyond tie margin": text(tf.get("disagreements_beyond_tie_margin")),
                      "max |d logprob| bf16": text(verdict.get("max_abs_logprob_diff")),
                      "max |d logprob| float32": text(f32.get("sampled_logprob", {}).get("max_abs_diff"))})
     return pd.DataFrame(rows).set_index("evidence") if rows else pd.DataFrame()
+
+
+def _count_of(same: Any, total: Any, reason: str | None) -> str:
+    """`3/16`, or a dash with the reason when the evidence has no such count (never `None/None`)."""
+    if same is None or total is None:
+        return f"— ({reason or 'not in this evidence'})"
+    return f"{same}/{total}"
 
 
 def refresh_reports(aggregate: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
