@@ -151,14 +151,18 @@ def test_the_published_h200_report_states_numbers_derived_from_its_evidence():
 
 
 def test_a_gate_of_checks_shows_its_checks_not_a_missing_number():
-    from rollout_lib.report.verdict import _number
+    from rollout_lib.report.answer import _observed
 
-    refresh = {"comparison": ">=", "observed_min": None, "observed_max": None, "unit": "count",
-               "per_backend_passed": {"hf_cached": True, "vllm": False}}
-    assert _number(refresh) == "checks hf_cached: passed; vllm: failed"
-    assert _number(refresh | {"per_backend_passed": {}}) == "no observation yet"
-    speedup = {"comparison": ">=", "observed_min": 0.8057, "observed_max": 1.3, "unit": "ratio", "threshold": 1.2}
-    assert _number(speedup) == "min 0.81x (gate >= 1.2x)"
+    refresh = {"comparison": ">=", "observed_min": None, "observed_max": None, "unit": "count", "passed": False,
+               "per_backend_passed": {"hf_cached": True, "vllm": False}, "used_evidence": ["r.json"],
+               "failing_cells": [{"cell_id": None, "reason": "vllm: check port_closed failed"}]}
+    assert _observed(refresh) == "hf_cached: passed, vllm: failed"
+    undecided = refresh | {"per_backend_passed": {}, "used_evidence": [],
+                           "failing_cells": [{"cell_id": None, "reason": "no accepted policy_refresh evidence"}]}
+    assert _observed(undecided) == "— (no accepted evidence)"
+    speedup = {"comparison": ">=", "observed_min": 0.8057, "observed_max": 1.3, "unit": "ratio", "threshold": 1.2,
+               "paired_cells": 16, "failing_cells": [{"cell_id": "c", "reason": "hf_cached: missing"}]}
+    assert _observed(speedup) == "0.806–1.3× over 16 paired cells; 1 missing"
 
 
 def test_missing_cells_are_counted_apart_from_failing_ones():
@@ -434,16 +438,6 @@ def test_lora_tax_table_shows_the_non_streamed_setting_when_measured(tmp_path):
     assert "non-streamed / in-process" not in tables["old.json"].columns
 
 
-def test_a_wrapped_caveat_reaches_the_report_whole():
-    """A notes bullet wrapped over indented lines (as markdown writes a long list item) is one caveat,
-    not its first line: lease 12's cycle caveats were cut at their first line break."""
-    from rollout_lib.report.figures import notes_caveats
-
-    notes = ("# Notes\n- not a caveat\n\n## Caveats\n- one line.\n- wrapped over\n  two lines,\n\tand a tab.\n"
-             "plain text ends it\n  - an indented line after it is not joined\n- last\n\n## Next\n- elsewhere\n")
-    assert notes_caveats(notes) == ["one line.", "wrapped over two lines, and a tab.", "last"]
-
-
 def test_a_failed_render_leaves_the_previous_report_and_no_partial_file(smoke_html):
     """papermill writes to a temp file in the report folder; a failure removes it and keeps the good report."""
     import papermill as pm
@@ -549,7 +543,8 @@ def test_sealed_after_the_fact_is_shown_only_when_the_aggregate_has_it(smoke_htm
 def test_every_cycle_campaign_of_the_study_is_shown_side_by_side(tmp_path):
     import json
 
-    from rollout_lib.report.sections import cycle_campaigns, cycle_phase_figure
+    from rollout_lib.report.cycle import cycle_phase_figure_side_by_side
+    from rollout_lib.report.sections import cycle_campaigns
 
     folder = tmp_path / "cycles" / "aggregate"
     folder.mkdir(parents=True)
@@ -561,7 +556,7 @@ def test_every_cycle_campaign_of_the_study_is_shown_side_by_side(tmp_path):
         (folder / f"{name}.json").write_text(json.dumps({"rows": [row], "missing": []}))
     assert [n for n, _ in cycle_campaigns(tmp_path, "study")] == ["study", "study-next"]
     assert [n for n, _ in cycle_campaigns(tmp_path, "study", "other, study")] == ["other", "study"]
-    fig = cycle_phase_figure(cycle_campaigns(tmp_path, "study"))
+    fig = cycle_phase_figure_side_by_side(cycle_campaigns(tmp_path, "study"))
     assert [ax.get_title() for ax in fig.axes] == ["cycle campaign study", "cycle campaign study-next"]
 
 

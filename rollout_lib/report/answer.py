@@ -324,7 +324,9 @@ def gate_rows_html(aggregate: dict[str, Any], study: Preregistration) -> str:
         rows.append(f"<tr><td>{label}</td><td>{html.escape(g['id'])}</td><td>{html.escape(_rule(g))}</td>"
                     f"<td>{html.escape(_observed(g))}{link}</td></tr>")
     head = "outcome (smoke: not a verdict)" if smoke else "outcome"
-    return ('<style>#answer table.gates td, #answer table.gates th {text-align:left;padding:2px 10px}</style>'
+    return ('<style>#answer table.gates td, #answer table.gates th {text-align:left;padding:2px 10px}'
+            " details {overflow-x:auto;margin:0.25em 0} details > summary {cursor:pointer}"
+            " section h2 {margin-top:0.9em}</style>"
             f'<table class="gates"><thead><tr><th>{head}</th><th>gate</th><th>rule</th><th>observed</th></tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table>')
 

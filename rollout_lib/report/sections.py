@@ -259,47 +259,11 @@ def cycle_campaigns(output_dir: Path, campaign: str, names: str = "") -> list[tu
     return out
 
 
-def _row_label(row: dict[str, Any]) -> str:
-    mode = f" ({row['vllm_memory_mode']})" if row.get("vllm_memory_mode") else ""
-    return f"{row['backend']}{mode} · {row['algorithm']} · {row['cell_id'].rsplit('-', 2)[0]}"
-
-
-def cycle_phase_figure(campaigns: list[tuple[str, dict[str, Any]]]):
-    """One panel per cycle campaign, side by side, sharing the time axis: a horizontal stacked bar per row
-    (rollout, teacher scoring, actor scoring, actor update, policy sync, other)."""
-    import matplotlib.pyplot as plt
-
-    from rollout_lib.report.cycle import COLOURS, PHASES
-
-    shown = [(n, [r for r in a["rows"] if r.get("complete_cycle_median_s") is not None]) for n, a in campaigns]
-    shown = [(n, rows) for n, rows in shown if rows]
-    if not shown:
-        return None
-    height = max(len(rows) for _, rows in shown)
-    fig, axes = plt.subplots(1, len(shown), figsize=(12.6, 0.32 * height + 1.5), sharex=True, squeeze=False)
-    for ax, (name, rows) in zip(axes[0], shown, strict=True):
-        rows = sorted(rows, key=lambda r: (r["backend"], r.get("vllm_memory_mode") or "", r["algorithm"], r["cell_id"]))
-        left = [0.0] * len(rows)
-        for phase in PHASES:
-            values = [r["phases"][phase].get("median_s", 0.0) if r["phases"][phase]["status"] == "measured" else 0.0
-                      for r in rows]
-            ax.barh(range(len(rows)), values, left=left, color=COLOURS[phase], label=phase.replace("_", " "))
-            left = [a + b for a, b in zip(left, values, strict=True)]
-        other = [max(0.0, r["complete_cycle_median_s"] - b) for r, b in zip(rows, left, strict=True)]
-        ax.barh(range(len(rows)), other, left=left, color=COLOURS["other"], label="other")
-        ax.set_yticks(range(len(rows)), [_row_label(r) for r in rows], fontsize=8.5)
-        ax.invert_yaxis()
-        ax.set_xlabel("seconds per cycle (median over cycles)")
-        ax.set_title(f"cycle campaign {name}", fontsize=10)
-    axes[0][-1].legend(fontsize=8.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    fig.tight_layout()
-    return fig
-
-
 def cycle_html(output_dir: Path, campaign: str, names: str = "") -> str:
     import pandas as pd
 
     from rollout_lib.report import cycle as cycle_report
+    from rollout_lib.report.cycle import row_label
 
     campaigns = cycle_campaigns(output_dir, campaign, names)
     if not campaigns:
@@ -319,7 +283,7 @@ def cycle_html(output_dir: Path, campaign: str, names: str = "") -> str:
         if update:
             text += f", of which the actor update is {min(update):.1f}–{max(update):.1f} s"
         if "fail" in gates:
-            failing = sorted({_row_label(r) for r in rows if r["memory_gate"]["status"] == "fail"})
+            failing = sorted({row_label(r) for r in rows if r["memory_gate"]["status"] == "fail"})
             text += f"; the memory gate fails in {len(failing)} run(s) ({', '.join(failing[:3])})"
         findings.append(text)
         not_counted = cycle_report.runs_not_counted(data)
@@ -334,7 +298,7 @@ def cycle_html(output_dir: Path, campaign: str, names: str = "") -> str:
                                                    for m in data["missing"])) + "</p>" if data.get("missing") else "")
                         + (table_html(pd.DataFrame(not_counted)) if not_counted is not None
                            else "")))
-    fig = cycle_phase_figure(campaigns)
+    fig = cycle_report.cycle_phase_figure_side_by_side(campaigns)
     alt = ("Horizontal stacked bars, one per cycle run, of the seconds spent in rollout, teacher scoring, actor "
            "scoring, actor update, policy sync and other, one panel per cycle campaign ("
            + ", ".join(n for n, _ in campaigns) + "). " + " ".join(findings))

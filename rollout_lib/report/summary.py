@@ -235,11 +235,6 @@ def speedup_figure(aggregate: dict[str, Any], study: Preregistration):
     return fig
 
 
-def missing_speedup_pairs(aggregate: dict[str, Any]) -> list[str]:
-    return [f"{c} / {b}" for c, b in (("hf_cached", "hf_reference"), ("vllm", "hf_cached"))
-            if not any(s["candidate"] == c and s["baseline"] == b for s in aggregate["speedups"])]
-
-
 def memory_figure(aggregate: dict[str, Any], study: Preregistration):
     import matplotlib.pyplot as plt
 
@@ -300,27 +295,6 @@ def cold_start_table(aggregate: dict[str, Any], inputs: dict[str, Any]):
     return pd.DataFrame(rows).fillna("—").set_index(["backend", "run"]) if rows else pd.DataFrame()
 
 
-def gate_table(aggregate: dict[str, Any]):
-    import pandas as pd
-
-    rows = []
-    for g in aggregate["gates"]:
-        def fmt(v, unit=g["unit"]):
-            if v is None:
-                return "—"
-            return f"{v / GIB:.3f} GiB" if unit == "bytes" else f"{v:.4g}"
-        failing = "; ".join(_failure_text(f) for f in g["failing_cells"][:3])
-        more = len(g["failing_cells"]) - 3
-        rows.append({"gate": g["id"], "rule": f"{g['candidate']} {g['comparison']} "
-                     f"{fmt(g['threshold']) if g['unit'] == 'bytes' else g['threshold']}"
-                     f"{'x' if g['unit'] == 'ratio' else ''}", "response": ", ".join(map(str, g["response_tokens"])),
-                     "outcome": gate_outcome(g), "observed min": fmt(g["observed_min"]),
-                     "observed max": fmt(g["observed_max"]),
-                     "failing": (f"{failing_count_text(g)}: " if g["failing_cells"] else "none") + failing
-                     + (f"; … {more} more (see 'Failing and missing entries, per gate')" if more > 0 else "")})
-    return pd.DataFrame(rows).set_index("gate")
-
-
 def _failure_text(failure: dict[str, Any]) -> str:
     where = " ".join(x for x in (failure.get("backend"), failure.get("cell_id")) if x)
     return f"{where}: {failure['reason']}" if where else failure["reason"]
@@ -363,17 +337,6 @@ def all_failures_html(aggregate: dict[str, Any]) -> str:
         parts.append(f'<h4 id="failures-{g["id"]}">{g["id"]} — {gate_outcome(g)}, '
                      f'{failing_count_text(g)}</h4><ul>{items}</ul>')
     return "".join(parts) or "<p>No gate has a failing cell.</p>"
-
-
-def selection_table(aggregate: dict[str, Any]):
-    import pandas as pd
-
-    labels = {"local": "local backend", "direct_gkd": "direct GKD", "pg_k1": "PG-k1"}
-    rows = [{"selection for": labels.get(name, name), "selected backend": s["backend"],
-             "candidate": s.get("candidate", ""), "candidate qualified": "yes" if s["candidate_qualified"] else "no",
-             "decided by": s.get("decided_by") or (", ".join(s["failed_requirements"]) or "every gate passed")}
-            for name, s in aggregate["selection"].items()]
-    return pd.DataFrame(rows).set_index("selection for")
 
 
 def cut_cell_text(cell_id: str, segments: list[tuple[str, int]], measured_repetitions: int | None = None) -> str:
@@ -504,11 +467,6 @@ def integrity_table(study: Preregistration, aggregate: dict[str, Any], aggregate
     rows += [("raw", f["path"], f["sha256"]) for f in aggregate["raw_files"]]
     rows += [("evidence", e["path"], e["sha256"]) for e in aggregate["evidence_files"]]
     return pd.DataFrame(rows, columns=["artifact", "path", "sha256"]).set_index("artifact")
-
-
-def campaign_notes(output_dir: Path, campaign: str) -> str | None:
-    path = output_dir / "notes" / f"{campaign}.md"
-    return path.read_text() if path.exists() else None
 
 
 def render(campaign: str, params: str, output_dir: Path) -> Path:

@@ -1,54 +1,15 @@
-"""The top of the report: one line per gate, the selection and what decided it, coverage at a glance.
+"""Coverage at a glance: per cell and backend, measured, invalid or missing (the evidence section).
 
 Everything here is read from the aggregate the frozen calculator produced; nothing is recomputed.
-A gate reads INCOMPLETE (not FAIL) when it fails only for lack of evidence (missing cells or no
-accepted evidence file): the study has not decided it yet.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rollout_lib.report.summary import BACKEND_ORDER, GIB
+from rollout_lib.report.summary import BACKEND_ORDER
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
-
-COLOURS = {"PASS": "#276749", "FAIL": "#c53030", "INCOMPLETE": "#b7791f"}
-SELECTION_LABELS = {"local": "Local backend", "direct_gkd": "Direct GKD", "pg_k1": "PG-k1"}
-
-
-def _number(gate: dict[str, Any]) -> str:
-    """The deciding number: the conservative end of the observed range, with its unit."""
-    value = gate["observed_min"] if gate["comparison"] == ">=" else gate["observed_max"]
-    if value is None and gate.get("per_backend_passed"):  # a gate of checks (refresh), not of a number
-        return "checks " + "; ".join(f"{backend}: {'passed' if ok else 'failed'}"
-                                     for backend, ok in gate["per_backend_passed"].items())
-    if value is None:
-        return "no observation yet"
-    if gate["unit"] == "bytes":
-        return f"peak {value / GIB:.2f} GiB (gate {gate['comparison']} {gate['threshold'] / GIB:.1f} GiB)"
-    if gate["unit"] == "ratio":
-        return f"min {value:.2f}x (gate {gate['comparison']} {gate['threshold']:g}x)"
-    if gate["unit"] == "nats":
-        return f"max |d logprob| {value:.4f} (gate {gate['comparison']} {gate['threshold']:g})"
-    return f"{value:g} {gate['unit']}"
-
-
-def _covered(gate: dict[str, Any], cells: list[str]) -> str:
-    if gate["kind"] == "speedup":
-        total = sum(1 for c in cells if _response(c) in gate["response_tokens"])
-        return f"{gate.get('paired_cells', 0)} of {total} paired cells"
-    if gate["kind"] == "peak_memory":
-        backends = gate.get("backends") or list(BACKEND_ORDER)
-        total = len(backends) * sum(1 for c in cells if _response(c) in gate["response_tokens"])
-        measured = total - sum(1 for f in gate["failing_cells"] if "missing" in f["reason"])
-        return f"{measured} of {total} backend-cells"
-    used = gate.get("used_evidence") or []
-    return f"{len(used)} evidence file(s)"
-
-
-def _response(cell_id: str) -> int:
-    return int(cell_id.split("-")[1][1:])
 
 
 def coverage(aggregate: dict[str, Any], study: Preregistration) -> dict[str, Any]:
