@@ -163,10 +163,10 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
                 if g and g["kind"] == "conformance":
                     reasons.append(exactness_reading(aggregate, study, failed)["sentence"])
                 elif g and g["kind"] == "speedup":
-                    reasons.append(f"its speed gate {gate_outcome(g)} ({_ratio_range(g)} the oracle, "
+                    reasons.append(f"its speed gate is {gate_outcome(g)} ({_ratio_range(g)} the oracle, "
                                    f"gate ≥ {g['threshold']:g}×)")
                 else:
-                    reasons.append(f"{failed} {gate_outcome(g) if g else 'missing'}")
+                    reasons.append(f"{failed} is {gate_outcome(g) if g else 'missing'}")
             faster = (f"{candidate} is {_ratio_range(speed)} faster ({rate_range(aggregate, candidate)}) and "
                       if speed and speed.get("observed_min") and speed["observed_min"] > 1 else f"{candidate} ")
             why = f"{faster}" + "; ".join(reasons)
@@ -193,7 +193,7 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
                 reading = exactness_reading(aggregate, study, failed)["sentence"]
                 reasons.append(f"its log-probabilities miss the gate: {reading}")
             else:
-                reasons.append(f"{failed} {gate_outcome(g).lower() if g else 'missing'}")
+                reasons.append(f"{failed} is {gate_outcome(g) if g else 'missing'}")
         out.append((label, f"stay on the local backend, {_backend_speed(aggregate, entry['backend'])}: "
                            + "; and ".join(reasons) + "."))
     return out

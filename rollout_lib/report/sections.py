@@ -46,6 +46,9 @@ def _figure_or_line(fig, alt: str, what: str, why: str) -> str:
 def _gate_phrase(g: dict[str, Any] | None) -> str:
     if g is None:
         return ""
+    if g.get("observed_min") is None:
+        return (f"{g['candidate']} / {g['baseline']}: — (no paired cell measured; gate ≥ {g['threshold']:g}×: "
+                f"{gate_outcome(g)})")
     return (f"{g['candidate']} is {answer._ratio_range(g)} {g['baseline']} "
             f"(gate ≥ {g['threshold']:g}×: {gate_outcome(g)})")
 
@@ -145,7 +148,7 @@ def exactness_html(aggregate: dict[str, Any], study: Preregistration, reproducib
              + (table_html(pd.DataFrame(repro_rows)) if repro_rows else
                 "<p>— (no valid cell with token hashes yet)</p>")
              + caveat(f"Definition: {reproducibility['definition']}. Computed from the raw files by "
-                      f"`rollout reproducibility --campaign {campaign}`; seeded stochastic samples of the oracle and "
+                      f"rollout reproducibility --campaign {campaign}; seeded stochastic samples of the oracle and "
                       "greedy tokens of vLLM that differ between repetitions make their token-level comparisons hold "
                       "for one run only.", f"outputs/raw/{campaign}/"))
     found = diagnostics.diagnostic_files(output_dir)
