@@ -619,5 +619,7 @@ def test_the_smoke_report_in_chromium_at_1280x900(smoke_html):
             assert page.locator("details").count() >= 5
             height = page.evaluate("document.documentElement.scrollHeight")
             assert height <= 8 * 900, f"the collapsed page is {height} px, more than 8 screens"
+            page.locator('#answer a[href="#failures-hf_cached_speedup"]').click()  # the gate table's "details"
+            assert page.locator("#failures-hf_cached_speedup").is_visible()  # opens the folded list it points to
         finally:
             browser.close()

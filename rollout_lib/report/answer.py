@@ -29,6 +29,14 @@ SMOKE_LINE = ("Smoke profile: these numbers are a plumbing check on a tiny synth
               "or the tiny model, never a broken product.")
 
 
+# a link to an anchor inside folded detail (the gate table's "details") opens the <details> around it
+OPEN_TARGET_SCRIPT = ("<script>document.addEventListener('click', function (event) {"
+                      " var link = event.target.closest('a[href^=\"#\"]'); if (!link) return;"
+                      " var target = document.getElementById(link.getAttribute('href').slice(1));"
+                      " for (var d = target && target.closest('details'); d; d = d.parentElement.closest('details'))"
+                      " d.open = true; });</script>")
+
+
 # ---------------------------------------------------------------- small readers
 
 
@@ -376,7 +384,7 @@ def answer_html(aggregate: dict[str, Any], study: Preregistration, campaign: str
               else f"<p><i>tokens/s per cell: — ({alt}).</i></p>")
     return (f'<div id="answer">{title}{smoke}<ul id="verdict-sentences" style="font-size:1.02em">{items}</ul>'
             f'<p id="what-would-change">{what_would_change(aggregate, study)}</p>'
-            f'{figure}{gate_rows_html(aggregate, study)}</div>')
+            f'{figure}{gate_rows_html(aggregate, study)}</div>{OPEN_TARGET_SCRIPT}')
 
 
 def median_rate(aggregate: dict[str, Any], backend: str) -> float | None:
