@@ -623,3 +623,16 @@ def test_the_smoke_report_in_chromium_at_1280x900(smoke_html):
             assert page.locator("#failures-hf_cached_speedup").is_visible()  # opens the folded list it points to
         finally:
             browser.close()
+
+
+def test_the_browser_test_skips_without_chromium_but_fails_in_ci(monkeypatch):
+    import sys
+
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "CHROMIUM", "/nonexistent/chromium")
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="chromium is missing"):
+        _browser_or_skip()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="cannot run in CI"):
+        _browser_or_skip()
