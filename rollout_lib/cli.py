@@ -311,7 +311,22 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from rollout_lib.report.summary import render
 
-    print(f"wrote {render(args.campaign, args.params, Path(args.output_dir))}")
+    print(f"wrote {render(args.campaign, args.params, Path(args.output_dir), args.cycle_campaigns)}")
+    return 0
+
+
+def cmd_reproducibility(args: argparse.Namespace) -> int:
+    """Which requests generate identical tokens across repetitions and engine starts, from the raw files."""
+    import json
+
+    from rollout_lib.evidence.reproducibility import for_campaign, summary_text
+    from rollout_lib.study.prereg import load
+
+    raw = Path(args.output_dir) / "raw" / args.campaign
+    if not raw.is_dir():
+        raise CommandError(f"campaign: no raw files for {args.campaign!r} under {raw}")
+    result = for_campaign(load(args.params), args.campaign, Path(args.output_dir))
+    print(json.dumps(result, indent=1) if args.json else summary_text(result))
     return 0
 
 
@@ -699,6 +714,8 @@ EXPLAINED: dict[str, tuple[str, str]] = {
               "rollout check --campaign h200-v2"),
     "report": ("Render a campaign's report: the summary notebook, then a self-contained HTML page.",
                "rollout report --campaign smoke --params params/profiles/smoke.yaml --output-dir outputs/smoke"),
+    "reproducibility": ("Count the requests whose tokens repeat across repetitions and engine starts; writes "
+                        "nothing.", "rollout reproducibility --campaign h200-v2"),
     "conformance": ("Measure a candidate's exactness against the NF4 oracle; writes an evidence JSON.",
                     "rollout conformance --params params/profiles/smoke.yaml --device cpu --out /tmp/conformance.json"),
     "refresh": ("Eight policy refreshes through one backend, then the teardown proof; writes an evidence JSON.",
@@ -833,7 +850,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="summary notebook -> <output-dir>/report/<campaign>.html (and .ipynb)")
     _common(p, campaign=True, output_dir=True)
+    p.add_argument("--cycle-campaigns", default="",
+                   help="comma-separated cycle campaigns shown side by side in the full-cycle section "
+                        "(default: <campaign> and <campaign>-*)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("reproducibility", help="requests whose tokens repeat across repetitions and engine starts "
+                       "(from the raw files; writes nothing), e.g. rollout reproducibility --campaign h200-v2")
+    _common(p, campaign=True, output_dir=True)
+    p.add_argument("--json", action="store_true", help="print the counts as JSON instead of sentences")
+    p.set_defaults(func=cmd_reproducibility)
 
     p = sub.add_parser("conformance", help="exactness of a candidate against the NF4 oracle; writes the JSON --out")
     _common(p)

@@ -111,9 +111,10 @@ PROFILE = """if profile_cell:
     print(f"Chrome trace: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")"""
 
 
-SUMMARY_PARAMETERS = """campaign: str = "h200-v1"
+SUMMARY_PARAMETERS = """campaign: str = "h200-v2"
 params: str = "params/rollout-runtime-v2.yaml"
 output_dir: str = "outputs"
+cycle_campaigns: str = ""  # comma-separated cycle campaigns to show side by side; empty: <campaign> and <campaign>-*
 """
 
 SUMMARY_LOAD = """import os
@@ -124,90 +125,28 @@ ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "rollout_lib").
 os.chdir(ROOT)
 sys.path.insert(0, str(ROOT))
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-from IPython.display import HTML, Markdown, display  # noqa: E402
+from IPython.display import HTML, display  # noqa: E402
 
+from rollout_lib.campaign.driver import waiting_repetitions  # noqa: E402
 from rollout_lib.evidence.publish import aggregate_path, collect_inputs, derive  # noqa: E402
-from rollout_lib.report import figures, verdict  # noqa: E402
-from rollout_lib.report import summary as report  # noqa: E402
+from rollout_lib.evidence.reproducibility import reproducibility  # noqa: E402
+from rollout_lib.report import answer, sections  # noqa: E402
 from rollout_lib.study.prereg import load  # noqa: E402
 
-pd.set_option("display.max_colwidth", None)
-pd.set_option("display.max_rows", 500)
 study = load(params)
 out = Path(output_dir)
 derived_bytes, aggregate = derive(study, campaign, out)  # refuses a calculator whose hash differs
 inputs = collect_inputs(study, campaign, out)
 stored = aggregate_path(out, campaign)
-notes = report.campaign_notes(out, campaign)
 matches = stored.exists() and stored.read_bytes() == derived_bytes
-banner = [f"**Campaign `{campaign}`** — {study.study_id}, {study.status_label}.",
-          f"Frozen calculator verified (sha256 `{aggregate['calculator_sha256'][:16]}…`).",
-          "Published aggregate " + (f"`{stored.relative_to(ROOT) if stored.is_relative_to(ROOT) else stored}` "
-                                    "re-derives byte for byte." if matches else
-                                    "**not published or stale** (run `make publish` or `rollout publish`).")]
-if not study.preregistered:
-    banner.insert(0, "> **NOT PREREGISTERED — smoke profile on a tiny synthetic model. These numbers say nothing "
-                     "about the study.**")
-display(Markdown("\\n\\n".join(banner)))"""
-
-
-FIGURE = """fig = {call}
-if fig is None:
-    display(Markdown(figures.missing_line({missing})))
-else:
-    plt.show()"""
-
-CAVEATS = """for caveat in figures.caveats(aggregate, study, notes):
-    display(Markdown(f"> **Caveat:** {caveat}"))"""
-
-FULL_CYCLE = """from rollout_lib.report import cycle as cycle_report
-
-cycles = cycle_report.load_cycle_aggregate(Path(output_dir), campaign)
-if cycles is None:
-    display(Markdown(f'No cycle campaign `{campaign}` published yet (`rollout cycle` then `rollout cycle-publish`).'))
-else:
-    display(report.styled(cycle_report.cycle_table(cycles, Path(output_dir))))
-    for make, what in ((cycle_report.cycle_phase_figure, 'phases per cycle'),
-                       (cycle_report.cycle_memory_figure, 'memory per phase')):
-        fig = make(cycles)
-        if fig is None:
-            display(Markdown(figures.missing_line(what, 'no GPU memory measured (CPU run: not_applicable)')))
-        else:
-            plt.show()
-    if cycles['missing']:
-        display(Markdown(f"Cycle runs still missing: {len(cycles['missing'])} of "
-                         f"{len(cycles['missing']) + sum(r['complete'] for r in cycles['rows'])}."))
-    not_counted = cycle_report.runs_not_counted(cycles)
-    if not_counted is not None:
-        display(Markdown('**Cycle raw files the calculator did not take** (kept, never dropped):'))
-        display(report.styled(not_counted))"""
-
-DIAGNOSTICS = """from rollout_lib.report import diagnostics
-
-found = diagnostics.diagnostic_files(Path(output_dir))
-if not found:
-    display(Markdown('No vLLM diagnostic runs in this output folder yet.'))
-ladder = diagnostics.ladder_summary(found)
-if ladder is not None:
-    display(Markdown('**precision ladder for PG-k1, newest measurement of each setting** (from the files '
-                     'below; a setting never measured shows its newest failure)'))
-    display(report.styled(ladder))
-for path, diagnostic in found:
-    display(Markdown(diagnostics.caption(path, diagnostic)))
-    display(report.styled(diagnostics.diagnostic_table(path, diagnostic)))"""
-
-CONFORMANCE = """table = report.conformance_table(aggregate)
-display(report.styled(table) if len(table) else Markdown("No conformance evidence for this campaign yet."))
-refresh_rows = report.refresh_table(aggregate)
-display(report.styled(refresh_rows) if len(refresh_rows) else Markdown("No policy-refresh evidence yet."))
-for gate in (g for g in aggregate["gates"] if g["kind"] == "policy_refresh"):
-    reasons = ", ".join(f["reason"] for f in gate["failing_cells"]) or "ok"
-    display(Markdown(f"Policy refresh gate `{gate['id']}`: **{'PASS' if gate['passed'] else 'FAIL'}** ({reasons})"))"""
+notes_file = out / "notes" / f"{campaign}.md"
+waiting = {backend: waiting_repetitions(out, campaign, backend, cells)
+           for backend, cells in aggregate["missing_cells"].items() if cells}"""
 
 
 def summary_notebook() -> nbformat.NotebookNode:
+    """The report in a reader's order: the answer first, then speed, exactness, memory, refresh, full cycle,
+    setup and evidence; every cell's code hidden, each shows one HTML block built in rollout_lib/report."""
     hide = {"tags": ["hide-input"]}
 
     def code(source: str) -> nbformat.NotebookNode:
@@ -215,83 +154,18 @@ def summary_notebook() -> nbformat.NotebookNode:
 
     nb = new_notebook()
     nb.cells = [
-        new_markdown_cell("# Rollout Runtime v2 — campaign report\n\nHow fast, how exactly and in how much GPU "
-                          "memory the rollout backends generate on the preregistered workload; every number below "
-                          "is computed from the raw files by the frozen calculator."),
         new_code_cell(SUMMARY_PARAMETERS, metadata={"tags": ["parameters", "remove-cell"]}),
         code(SUMMARY_LOAD),
-        code("display(HTML(verdict.verdict_html(aggregate, study)))"),
-        new_markdown_cell("## Frozen setup\n\nWhat every number below is bound to: the preregistration and the "
-                          "calculator (SHA-256), the models and their source, the memory budget, the protocol, and "
-                          "per raw file the GPU, driver, packages and source commit."),
-        code("display(report.styled(report.setup_table(study, aggregate, inputs)))"),
-        new_markdown_cell("## Throughput per cell\n\nTokens/s = actual generated tokens / median wall time of "
-                          "the measured repetitions (colour on a log scale)."),
-        code(FIGURE.format(call="figures.throughput_heatmap(aggregate, study)",
-                           missing="'tokens/s per cell', 'no cell measured yet'")),
-        code("display(report.styled(report.throughput_table(aggregate)))"),
-        new_markdown_cell("### Cells measured by more than one process\n\nA cell cut at a lease's deadline keeps "
-                          "its measured repetitions and a later process continues it (a fresh cold start and "
-                          "warmup), often in another machine hold on another host: its spread then includes the "
-                          "difference between holds. Walls per process (run id), in the calculator's order."),
-        code("display(Markdown(report.segment_summary(aggregate)))\n"
-             "table = report.segment_table(aggregate)\n"
-             "if len(table):\n"
-             "    display(report.styled(table))"),
-        new_markdown_cell("## Speedups per paired cell, against the gate lines"),
-        code(CAVEATS + "\n" + FIGURE.format(call="report.speedup_figure(aggregate, study)",
-                                            missing="'speedups', 'no paired cell measured yet'")
-             + "\nfor pair in report.missing_speedup_pairs(aggregate) if fig is not None else []:\n"
-               "    display(Markdown(figures.missing_line(pair, 'no paired cell measured yet')))"),
-        new_markdown_cell("## Memory against budget and gate"),
-        code(FIGURE.format(call="report.memory_figure(aggregate, study)",
-                           missing="'peak GPU memory', 'no NVML peak measured (CPU run: not_applicable)'")),
-        new_markdown_cell("## Phase breakdown\n\nMedians over measured repetitions; a phase the backend "
-                          "cannot expose shows its status (`not_measured`), never 0."),
-        code(FIGURE.format(call="figures.phase_figure(aggregate)",
-                           missing="'phase breakdown', 'no backend exposed prefill and decode in these cells'")),
-        code("display(report.styled(report.phase_table(aggregate)))"),
-        new_markdown_cell("### Cold start\n\nPer raw file the calculator uses: the backend's cold start (this "
-                          "process's timer) and the start-up phases it exposes (vLLM: the mirror snapshot, the "
-                          "server until healthy, and its own log's model load, compile, graph capture and engine "
-                          "init; the compile cache's state at start). Read from the raw files' `cold_start` "
-                          "records."),
-        code("table = report.cold_start_table(aggregate, inputs)\n"
-             "display(report.styled(table) if len(table) else\n"
-             "        Markdown('No cold start recorded in the raw files this campaign uses.'))"),
-        new_markdown_cell("## Conformance and policy refresh"),
-        code(CONFORMANCE),
-        code(FIGURE.format(call="figures.refresh_figure(aggregate)",
-                           missing="'refresh sync-time series', 'no policy-refresh evidence for this campaign'")),
-        new_markdown_cell("## Full cycle\n\nOne RL cycle per backend, algorithm and cell (cycle study, frozen cycle "
-                          "calculator): rollout, teacher scoring, actor scoring, one optimizer step, policy sync. "
-                          "Complete-cycle time and full-cycle tokens/s stand beside rollout tokens/s, never combined."),
-        code(FULL_CYCLE),
-        new_markdown_cell("## vLLM diagnostics\n\nSide-by-side runs beside the gates, never part of them "
-                          "(`rollout vllm-diagnostic`, `rollout vllm-compare`, files under `<output_dir>/perf/`)."),
-        code(DIAGNOSTICS),
-        new_markdown_cell("## Gate outcome\n\nConservative: every covered cell must be present, valid and pass. "
-                          "INCOMPLETE: the gate fails only for lack of evidence."),
-        code("display(report.styled(report.gate_table(aggregate)))"),
-        new_markdown_cell("## Backend selection (fail closed)"),
-        code("display(report.styled(report.selection_table(aggregate)))"),
-        new_markdown_cell("## Cells still missing\n\nA cell cut at a lease's deadline keeps its measured "
-                          "repetitions: how many, and the measurement identity a later process must have to "
-                          "continue it (`rollout missing` prints the same)."),
-        code("from rollout_lib.campaign.driver import waiting_repetitions\n\n"
-             "waiting = {backend: waiting_repetitions(out, campaign, backend, cells)\n"
-             "           for backend, cells in aggregate['missing_cells'].items() if cells}\n"
-             "display(report.styled(report.missing_table(aggregate, waiting, "
-             "study.protocol.measured_repetitions)))"),
-        new_markdown_cell("## Campaign notes"),
-        code("display(Markdown(notes or 'No notes for this campaign.'))"),
-        new_markdown_cell("## Earlier and failed candidates\n\nEvery raw file stays listed: excluded files with "
-                          "their reason, superseded and failed cells counted."),
-        code("display(report.styled(report.candidates_table(aggregate)))"),
-        new_markdown_cell("## Failing and missing entries, per gate"),
-        code("display(HTML(report.all_failures_html(aggregate)))"),
-        new_markdown_cell("## Integrity"),
-        code("display(report.styled(report.integrity_table(study, aggregate, stored if matches else None)))"),
+        code("display(HTML(answer.answer_html(aggregate, study, campaign)))"),
+        code("display(HTML(sections.speed_html(aggregate, study, inputs)))"),
+        code("display(HTML(sections.exactness_html(aggregate, study, reproducibility(aggregate, inputs), campaign, "
+             "out)))"),
+        code("display(HTML(sections.memory_html(aggregate, study)))"),
+        code("display(HTML(sections.refresh_html(aggregate)))"),
+        code("display(HTML(sections.cycle_html(out, campaign, cycle_campaigns)))"),
+        code("display(HTML(sections.setup_html(study, aggregate, inputs)))"),
+        code("display(HTML(sections.evidence_html(study, aggregate, campaign, matches, stored, waiting,\n"
+             "                                    notes_file if notes_file.is_file() else None)))"),
     ]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}

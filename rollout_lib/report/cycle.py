@@ -17,11 +17,6 @@ def load_cycle_aggregate(output_dir: Path, campaign: str) -> dict[str, Any] | No
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _label(row: dict[str, Any]) -> str:
-    backend = row["backend"] + (f" ({row['vllm_memory_mode']})" if row.get("vllm_memory_mode") else "")
-    return f"{backend}\n{row['algorithm']}\n{row['cell_id']}"
-
-
 def _gib(value: Any) -> str:
     return f"{value / 2**30:.2f}" if isinstance(value, (int, float)) else "—"
 
@@ -155,27 +150,44 @@ def _ratio(mismatch: dict[str, Any]) -> str:
     return f"{mismatch['importance_ratio_min']:.3f} / {mismatch['importance_ratio_max']:.3f}"
 
 
+def row_label(row: dict[str, Any]) -> str:
+    """One line per run: `vllm (sleep) · pg_k1 · p512-r512` (the cell's sampling and n are the study's)."""
+    mode = f" ({row['vllm_memory_mode']})" if row.get("vllm_memory_mode") else ""
+    return f"{row['backend']}{mode} · {row['algorithm']} · {row['cell_id'].rsplit('-', 2)[0]}"
+
+
 def cycle_phase_figure(aggregate: dict[str, Any]):
-    """Stacked median seconds per phase, one bar per (backend, algorithm, cell); `other` is the
-    complete cycle minus the phases (bookkeeping between them)."""
+    """One cycle campaign's phase breakdown (`cycle_phase_figure_side_by_side` with one panel)."""
+    return cycle_phase_figure_side_by_side([(aggregate.get("campaign", ""), aggregate)])
+
+
+def cycle_phase_figure_side_by_side(campaigns: list[tuple[str, dict[str, Any]]]):
+    """One panel per cycle campaign, side by side, sharing the time axis: a horizontal stacked bar per run
+    (rollout, teacher scoring, actor scoring, actor update, policy sync, and `other`: the complete cycle minus
+    the phases, bookkeeping between them). None when no campaign has a complete run."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in aggregate["rows"] if r["complete_cycle_median_s"] is not None]
-    if not rows:
+    shown = [(n, [r for r in a["rows"] if r.get("complete_cycle_median_s") is not None]) for n, a in campaigns]
+    shown = [(n, rows) for n, rows in shown if rows]
+    if not shown:
         return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 3), 3.8))
-    bottoms = [0.0] * len(rows)
-    for name in PHASES:
-        values = [r["phases"][name].get("median_s", 0.0) if r["phases"][name]["status"] == "measured" else 0.0
-                  for r in rows]
-        ax.bar(range(len(rows)), values, bottom=bottoms, label=name.replace("_", " "), color=COLOURS[name])
-        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
-    other = [max(0.0, r["complete_cycle_median_s"] - b) for r, b in zip(rows, bottoms, strict=True)]
-    ax.bar(range(len(rows)), other, bottom=bottoms, label="other", color=COLOURS["other"])
-    ax.set_xticks(range(len(rows)), [_label(r) for r in rows], fontsize=7)
-    ax.set_ylabel("seconds per cycle (median over cycles)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title("one RL cycle, by phase")
+    height = max(len(rows) for _, rows in shown)
+    fig, axes = plt.subplots(1, len(shown), figsize=(12.6, 0.32 * height + 1.5), sharex=True, squeeze=False)
+    for ax, (name, rows) in zip(axes[0], shown, strict=True):
+        rows = sorted(rows, key=lambda r: (r["backend"], r.get("vllm_memory_mode") or "", r["algorithm"], r["cell_id"]))
+        left = [0.0] * len(rows)
+        for phase in PHASES:
+            values = [r["phases"][phase].get("median_s", 0.0) if r["phases"][phase]["status"] == "measured" else 0.0
+                      for r in rows]
+            ax.barh(range(len(rows)), values, left=left, color=COLOURS[phase], label=phase.replace("_", " "))
+            left = [a + b for a, b in zip(left, values, strict=True)]
+        other = [max(0.0, r["complete_cycle_median_s"] - b) for r, b in zip(rows, left, strict=True)]
+        ax.barh(range(len(rows)), other, left=left, color=COLOURS["other"], label="other")
+        ax.set_yticks(range(len(rows)), [row_label(r) for r in rows], fontsize=8.5)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds per cycle (median over cycles)")
+        ax.set_title(f"cycle campaign {name}" if name else "one RL cycle, by phase", fontsize=10)
+    axes[0][-1].legend(fontsize=8.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -187,7 +199,7 @@ def cycle_memory_figure(aggregate: dict[str, Any]):
     rows = [r for r in aggregate["rows"] if any(m["status"] == "measured" for m in r["memory"].values())]
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) + 3), 3.8))
+    fig, ax = plt.subplots(figsize=(12.6, 4.2))
     width = 0.8 / len(PHASES)
     for k, name in enumerate(PHASES):
         values = [r["memory"][name].get("peak_process_tree_bytes", 0) / 2**30 for r in rows]
@@ -196,7 +208,8 @@ def cycle_memory_figure(aggregate: dict[str, Any]):
     ax.axhline(aggregate["budget_bytes"] / 2**30, color="black", linestyle="--", linewidth=1, label="budget")
     ax.axhline(aggregate["gate_peak_total_bytes"] / 2**30, color="#e53e3e", linestyle=":", linewidth=1.5,
                label="gate")
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [_label(r) for r in rows], fontsize=7)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [row_label(r) for r in rows], fontsize=8,
+                  rotation=30, ha="right")
     ax.set_ylabel("peak GiB (process tree, NVML)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("memory per phase against the budget and the gate")

@@ -235,11 +235,6 @@ def speedup_figure(aggregate: dict[str, Any], study: Preregistration):
     return fig
 
 
-def missing_speedup_pairs(aggregate: dict[str, Any]) -> list[str]:
-    return [f"{c} / {b}" for c, b in (("hf_cached", "hf_reference"), ("vllm", "hf_cached"))
-            if not any(s["candidate"] == c and s["baseline"] == b for s in aggregate["speedups"])]
-
-
 def memory_figure(aggregate: dict[str, Any], study: Preregistration):
     import matplotlib.pyplot as plt
 
@@ -300,27 +295,6 @@ def cold_start_table(aggregate: dict[str, Any], inputs: dict[str, Any]):
     return pd.DataFrame(rows).fillna("—").set_index(["backend", "run"]) if rows else pd.DataFrame()
 
 
-def gate_table(aggregate: dict[str, Any]):
-    import pandas as pd
-
-    rows = []
-    for g in aggregate["gates"]:
-        def fmt(v, unit=g["unit"]):
-            if v is None:
-                return "—"
-            return f"{v / GIB:.3f} GiB" if unit == "bytes" else f"{v:.4g}"
-        failing = "; ".join(_failure_text(f) for f in g["failing_cells"][:3])
-        more = len(g["failing_cells"]) - 3
-        rows.append({"gate": g["id"], "rule": f"{g['candidate']} {g['comparison']} "
-                     f"{fmt(g['threshold']) if g['unit'] == 'bytes' else g['threshold']}"
-                     f"{'x' if g['unit'] == 'ratio' else ''}", "response": ", ".join(map(str, g["response_tokens"])),
-                     "outcome": gate_outcome(g), "observed min": fmt(g["observed_min"]),
-                     "observed max": fmt(g["observed_max"]),
-                     "failing": (f"{failing_count_text(g)}: " if g["failing_cells"] else "none") + failing
-                     + (f"; … {more} more (see 'Failing and missing entries, per gate')" if more > 0 else "")})
-    return pd.DataFrame(rows).set_index("gate")
-
-
 def _failure_text(failure: dict[str, Any]) -> str:
     where = " ".join(x for x in (failure.get("backend"), failure.get("cell_id")) if x)
     return f"{where}: {failure['reason']}" if where else failure["reason"]
@@ -363,17 +337,6 @@ def all_failures_html(aggregate: dict[str, Any]) -> str:
         parts.append(f'<h4 id="failures-{g["id"]}">{g["id"]} — {gate_outcome(g)}, '
                      f'{failing_count_text(g)}</h4><ul>{items}</ul>')
     return "".join(parts) or "<p>No gate has a failing cell.</p>"
-
-
-def selection_table(aggregate: dict[str, Any]):
-    import pandas as pd
-
-    labels = {"local": "local backend", "direct_gkd": "direct GKD", "pg_k1": "PG-k1"}
-    rows = [{"selection for": labels.get(name, name), "selected backend": s["backend"],
-             "candidate": s.get("candidate", ""), "candidate qualified": "yes" if s["candidate_qualified"] else "no",
-             "decided by": s.get("decided_by") or (", ".join(s["failed_requirements"]) or "every gate passed")}
-            for name, s in aggregate["selection"].items()]
-    return pd.DataFrame(rows).set_index("selection for")
 
 
 def cut_cell_text(cell_id: str, segments: list[tuple[str, int]], measured_repetitions: int | None = None) -> str:
@@ -425,17 +388,27 @@ def conformance_table(aggregate: dict[str, Any]):
         rows.append({"evidence": entry["path"], "kind": entry["kind"], "accepted": text(entry["accepted"]),
                      "candidate options": ", ".join(f"{k}={v}" for k, v in sorted(options.items())) or "as measured",
                      "passed": "PASS" if verdict.get("passed") else "FAIL",
-                     "float32 greedy identical": f"{f32.get('greedy_free_running_identical')}/"
-                                                 f"{f32.get('greedy_free_running_requests')}",
-                     "float32 partitions identical": f"{f32.get('partitions_identical')}/"
-                                                     f"{f32.get('partitions_requests')}",
-                     "bf16 free-running identical": f"{verdict.get('bf16_free_running_identical')}/"
-                                                    f"{verdict.get('bf16_free_running_requests')}",
+                     "float32 greedy identical": _count_of(f32.get("greedy_free_running_identical"),
+                                                           f32.get("greedy_free_running_requests"),
+                                                           (report.get("float32_free_running") or {}).get("reason")),
+                     "float32 partitions identical": _count_of(f32.get("partitions_identical"),
+                                                               f32.get("partitions_requests"), "no float32 run"),
+                     "bf16 free-running identical": _count_of(
+                         verdict.get("bf16_free_running_identical", verdict.get("greedy_free_running_identical")),
+                         verdict.get("bf16_free_running_requests", verdict.get("greedy_free_running_requests")),
+                         "not in this evidence"),
                      "bf16 teacher-forced argmax agreement": text(tf.get("argmax_agreement_rate")),
                      "beyond tie margin": text(tf.get("disagreements_beyond_tie_margin")),
                      "max |d logprob| bf16": text(verdict.get("max_abs_logprob_diff")),
                      "max |d logprob| float32": text(f32.get("sampled_logprob", {}).get("max_abs_diff"))})
     return pd.DataFrame(rows).set_index("evidence") if rows else pd.DataFrame()
+
+
+def _count_of(same: Any, total: Any, reason: str | None) -> str:
+    """`3/16`, or a dash with the reason when the evidence has no such count (never `None/None`)."""
+    if same is None or total is None:
+        return f"— ({reason or 'not in this evidence'})"
+    return f"{same}/{total}"
 
 
 def refresh_reports(aggregate: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -496,13 +469,14 @@ def integrity_table(study: Preregistration, aggregate: dict[str, Any], aggregate
     return pd.DataFrame(rows, columns=["artifact", "path", "sha256"]).set_index("artifact")
 
 
-def campaign_notes(output_dir: Path, campaign: str) -> str | None:
-    path = output_dir / "notes" / f"{campaign}.md"
-    return path.read_text() if path.exists() else None
+def render(campaign: str, params: str, output_dir: Path, cycle_campaigns: str = "") -> Path:
+    """Execute notebooks/summary.ipynb with papermill, render HTML with code hidden and images embedded.
 
+    Atomic: papermill writes the executed notebook to a temp file in the report folder and the HTML is
+    written to another; both are fsynced and renamed over the report only when everything succeeded. A
+    failed render leaves the previous good report and no partial file."""
+    import os
 
-def render(campaign: str, params: str, output_dir: Path) -> Path:
-    """Execute notebooks/summary.ipynb with papermill, render HTML with code hidden and images embedded."""
     import nbformat
     import papermill as pm
     from nbconvert import HTMLExporter
@@ -510,18 +484,36 @@ def render(campaign: str, params: str, output_dir: Path) -> Path:
 
     report_dir = output_dir / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
-    executed = report_dir / f"{campaign}.ipynb"
-    pm.execute_notebook(str(REPO_ROOT / "notebooks" / "summary.ipynb"), str(executed),
-                        parameters={"campaign": campaign, "params": params, "output_dir": str(output_dir)},
-                        cwd=str(REPO_ROOT), progress_bar=False, kernel_name="python3")
-    nb = nbformat.read(str(executed), as_version=4)
-    exporter = HTMLExporter(exclude_input_prompt=True, exclude_output_prompt=True)
-    hide = TagRemovePreprocessor(remove_input_tags={"hide-input"},
-                                 remove_cell_tags={"remove-cell", "injected-parameters"})
-    exporter.register_preprocessor(hide, enabled=True)
-    body, _ = exporter.from_notebook_node(nb)
-    html = report_dir / f"{campaign}.html"
-    html.write_text(offline_html(body), encoding="utf-8")
+    executed, html = report_dir / f"{campaign}.ipynb", report_dir / f"{campaign}.html"
+    tmp_notebook = report_dir / f".{campaign}.tmp-{os.getpid()}.ipynb"
+    tmp_html = report_dir / f".{campaign}.tmp-{os.getpid()}.html"
+    from rollout_lib.core import notebook_kernel_options, project_root
+
+    root = project_root()  # the notebook is the project's, found from the working directory, not the package
+    parameters = {"campaign": campaign, "params": str(Path(params).resolve()),
+                  "output_dir": str(Path(output_dir).resolve()), "cycle_campaigns": cycle_campaigns}
+    try:
+        with notebook_kernel_options() as kernel_options:
+            pm.execute_notebook(str(root / "notebooks" / "summary.ipynb"), str(tmp_notebook), parameters=parameters,
+                                cwd=str(root), progress_bar=False, kernel_name="python3", **kernel_options)
+        nb = nbformat.read(str(tmp_notebook), as_version=4)
+        exporter = HTMLExporter(exclude_input_prompt=True, exclude_output_prompt=True)
+        hide = TagRemovePreprocessor(remove_input_tags={"hide-input"},
+                                     remove_cell_tags={"remove-cell", "injected-parameters"})
+        exporter.register_preprocessor(hide, enabled=True)
+        body, _ = exporter.from_notebook_node(nb)
+        page = offline_html(body, title=f"Rollout report — {campaign}")
+        with open(tmp_html, "w", encoding="utf-8") as handle:
+            handle.write(page)
+            handle.flush()
+            os.fsync(handle.fileno())
+        with open(tmp_notebook, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp_notebook, executed)
+        os.replace(tmp_html, html)
+    finally:
+        for leftover in (tmp_notebook, tmp_html):
+            leftover.unlink(missing_ok=True)
     return html
 
 
@@ -541,7 +533,7 @@ def external_references(soup) -> list[str]:
     return found
 
 
-def offline_html(body: str) -> str:
+def offline_html(body: str, title: str | None = None) -> str:
     """nbconvert's page loads require.js, MathJax and mermaid from a CDN; the report needs none of
     them (no widgets, no maths, no diagrams), so those tags go: the file opens fully offline."""
     import re
@@ -560,6 +552,8 @@ def offline_html(body: str) -> str:
     for style in soup.find_all("style"):  # comments in the theme CSS cite URLs; drop the comments
         if style.string:
             style.string = re.sub(r"/\*.*?\*/", "", style.string, flags=re.S)
+    if title and soup.title is not None:  # nbconvert names the page after the temp notebook file
+        soup.title.string = title
     left = external_references(soup)
     if left:
         raise RuntimeError(f"the report still references external URLs: {left[:5]}")

@@ -1,55 +1,15 @@
-"""The top of the report: one line per gate, the selection and what decided it, coverage at a glance.
+"""Coverage at a glance: per cell and backend, measured, invalid or missing (the evidence section).
 
 Everything here is read from the aggregate the frozen calculator produced; nothing is recomputed.
-A gate reads INCOMPLETE (not FAIL) when it fails only for lack of evidence (missing cells or no
-accepted evidence file): the study has not decided it yet.
 """
 
 from __future__ import annotations
 
-import html
 from typing import Any
 
-from rollout_lib.report.summary import BACKEND_ORDER, GIB, failing_count_text, gate_outcome
+from rollout_lib.report.summary import BACKEND_ORDER
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
-
-COLOURS = {"PASS": "#276749", "FAIL": "#c53030", "INCOMPLETE": "#b7791f"}
-SELECTION_LABELS = {"local": "Local backend", "direct_gkd": "Direct GKD", "pg_k1": "PG-k1"}
-
-
-def _number(gate: dict[str, Any]) -> str:
-    """The deciding number: the conservative end of the observed range, with its unit."""
-    value = gate["observed_min"] if gate["comparison"] == ">=" else gate["observed_max"]
-    if value is None and gate.get("per_backend_passed"):  # a gate of checks (refresh), not of a number
-        return "checks " + "; ".join(f"{backend}: {'passed' if ok else 'failed'}"
-                                     for backend, ok in gate["per_backend_passed"].items())
-    if value is None:
-        return "no observation yet"
-    if gate["unit"] == "bytes":
-        return f"peak {value / GIB:.2f} GiB (gate {gate['comparison']} {gate['threshold'] / GIB:.1f} GiB)"
-    if gate["unit"] == "ratio":
-        return f"min {value:.2f}x (gate {gate['comparison']} {gate['threshold']:g}x)"
-    if gate["unit"] == "nats":
-        return f"max |d logprob| {value:.4f} (gate {gate['comparison']} {gate['threshold']:g})"
-    return f"{value:g} {gate['unit']}"
-
-
-def _covered(gate: dict[str, Any], cells: list[str]) -> str:
-    if gate["kind"] == "speedup":
-        total = sum(1 for c in cells if _response(c) in gate["response_tokens"])
-        return f"{gate.get('paired_cells', 0)} of {total} paired cells"
-    if gate["kind"] == "peak_memory":
-        backends = gate.get("backends") or list(BACKEND_ORDER)
-        total = len(backends) * sum(1 for c in cells if _response(c) in gate["response_tokens"])
-        measured = total - sum(1 for f in gate["failing_cells"] if "missing" in f["reason"])
-        return f"{measured} of {total} backend-cells"
-    used = gate.get("used_evidence") or []
-    return f"{len(used)} evidence file(s)"
-
-
-def _response(cell_id: str) -> int:
-    return int(cell_id.split("-")[1][1:])
 
 
 def coverage(aggregate: dict[str, Any], study: Preregistration) -> dict[str, Any]:
@@ -67,25 +27,8 @@ def coverage(aggregate: dict[str, Any], study: Preregistration) -> dict[str, Any
     return {"matrix": matrix, "counts": counts, "total": len(cells) * len(BACKEND_ORDER)}
 
 
-def verdict_html(aggregate: dict[str, Any], study: Preregistration) -> str:
-    """The verdict block (HTML with its own id, so tests and readers find it first)."""
-    cell_ids = Workload(study).cell_ids()
-    gates = []
-    for gate in aggregate["gates"]:
-        outcome = gate_outcome(gate)
-        link = f' <a href="#failures-{gate["id"]}">{failing_count_text(gate)}</a>' \
-            if gate["failing_cells"] else ""
-        gates.append(f'<tr><td><b style="color:{COLOURS[outcome]}">{outcome}</b></td><td>{html.escape(gate["id"])}'
-                     f'</td><td>{html.escape(_number(gate))}</td><td>{html.escape(_covered(gate, cell_ids))}'
-                     f"{link}</td></tr>")
-    selection = []
-    for key, label in SELECTION_LABELS.items():
-        entry = aggregate["selection"].get(key)
-        if entry is None:
-            continue
-        decided = entry.get("decided_by") or ("every required gate passed" if entry["candidate_qualified"] else
-                                              "failed: " + ", ".join(entry["failed_requirements"]))
-        selection.append(f"<li><b>{label}: {html.escape(entry['backend'])}</b> — {html.escape(decided)}</li>")
+def coverage_html(aggregate: dict[str, Any], study: Preregistration) -> str:
+    """How many backend-cells are measured, invalid or missing, and the cells-by-backend matrix."""
     cov = coverage(aggregate, study)
     symbols = {"valid": ("&#10003;", "#276749"), "invalid": ("&#10007;", "#c53030"), "missing": ("&middot;", "#a0aec0")}
     head = "".join(f"<th>{b}</th>" for b in BACKEND_ORDER)
@@ -95,14 +38,6 @@ def verdict_html(aggregate: dict[str, Any], study: Preregistration) -> str:
             for s in (states[b] for b in BACKEND_ORDER)) + "</tr>"
         for cell_id, states in cov["matrix"].items())
     counts = cov["counts"]
-    banner = "" if study.preregistered else (
-        '<p style="color:#c53030"><b>Not preregistered: a smoke profile on a tiny synthetic model. '
-        "These numbers say nothing about the study.</b></p>")
-    return (f'<div id="verdict"><h2>Verdict</h2>{banner}'
-            f'<table><thead><tr><th>outcome</th><th>gate</th><th>deciding number</th><th>covers</th></tr></thead>'
-            f'<tbody>{"".join(gates)}</tbody></table>'
-            f'<h3>Selection (fails closed to the oracle)</h3><ul>{"".join(selection)}</ul>'
-            f'<h3>Coverage: {counts["valid"]} measured, {counts["invalid"]} invalid, {counts["missing"]} missing of '
-            f'{cov["total"]} backend-cells</h3>'
-            f'<details><summary>cells by backend (&#10003; measured, &#10007; invalid, &middot; missing)</summary>'
-            f"<table><thead><tr><th>cell</th>{head}</tr></thead><tbody>{rows}</tbody></table></details></div>")
+    return (f'<p id="coverage">Coverage: {counts["valid"]} measured, {counts["invalid"]} invalid, {counts["missing"]} '
+            f'missing of {cov["total"]} backend-cells (&#10003; measured, &#10007; invalid, &middot; missing)</p>'
+            f"<table><thead><tr><th>cell</th>{head}</tr></thead><tbody>{rows}</tbody></table>")
