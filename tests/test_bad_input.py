@@ -2,7 +2,7 @@
 clear refusal that names the field or file (and what is allowed, or the expected and found hashes),
 and must lose nothing: evidence bytes stay as they were.
 
-`tools/reliability_table.py` renders CASES as the README's reliability table; a test keeps them equal.
+`tools/reliability_table.py` renders CASES as the reliability table of docs/evidence.md; a test keeps them equal.
 """
 
 from __future__ import annotations
@@ -564,12 +564,12 @@ def test_the_suite_is_large_enough_and_ids_unique():
     assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
 
 
-def test_readme_reliability_table_is_the_suite():
+def test_reliability_table_is_the_suite():
     sys.path.insert(0, str(REPO / "tools"))
-    from reliability_table import render
+    from reliability_table import TABLE_FILE, render
 
-    readme = (REPO / "README.md").read_text()
-    assert render(CASES) in readme, "README reliability table is stale: run `python tools/reliability_table.py`"
+    assert render(CASES) in TABLE_FILE.read_text(), (
+        f"{TABLE_FILE.relative_to(REPO)}: reliability table is stale: run `python tools/reliability_table.py --write`")
 
 
 def test_publish_refuses_nothing_on_untouched_evidence(ctx):

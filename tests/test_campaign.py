@@ -465,9 +465,9 @@ def test_fresh_cells_are_calibrated_on_their_own_sampling_mode(three_reps):
 
 
 def test_the_backtest_scores_fresh_cells_against_estimates_from_earlier_files(three_reps):
-    """tools/backtest_estimates.py: a later file's fresh cells, estimated from the earlier files only; at
+    """tools/lab/backtest_estimates.py: a later file's fresh cells, estimated from the earlier files only; at
     the modes' own ratios the per-mode calibration is exact and the one ratio is not."""
-    from tools.backtest_estimates import backtest, summary
+    from tools.lab.backtest_estimates import backtest, summary
 
     study, _ = three_reps
 

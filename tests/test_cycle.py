@@ -412,9 +412,9 @@ def _utc(stamp: str) -> float:
 
 
 def test_the_cycle_memory_probe_runs_both_settings_with_the_same_gradient(tmp_path):
-    """The device probe of the update's memory (tools/device/cycle_memory_probe.py), on CPU with the
+    """The device probe of the update's memory (tools/lab/cycle_memory_probe.py), on CPU with the
     tiny study: both settings run, and they compute the same gradient (only memory and time differ)."""
-    from tools.device import cycle_memory_probe
+    from tools.lab import cycle_memory_probe
 
     out = tmp_path / "probe.json"
     assert cycle_memory_probe.main(["--params", str(SMOKE_CYCLE), "--cell", "p16-r24-n2-stochastic", "--device", "cpu",

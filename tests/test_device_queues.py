@@ -1,6 +1,6 @@
-"""The device queue files (tools/device/queues/*.tsv) are checked on CPU before a lease spends GPU
+"""The device queue files (tools/lab/queues/*.tsv) are checked on CPU before a lease spends GPU
 minutes on them: each line is `name<TAB>timeout_s<TAB>command`, names are unique, every
-`rollout_lib.cli` (and tools/side_by_side.py) command parses with the real parser (cells known to the
+`rollout_lib.cli` (and tools/lab/side_by_side.py) command parses with the real parser (cells known to the
 preregistered workload), the probe's variants are ones it accepts, and named test files exist."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rollout_lib.core import REPO_ROOT
 from rollout_lib.study.prereg import load
 from rollout_lib.study.workload import Workload
 
-QUEUES = sorted((REPO_ROOT / "tools" / "device" / "queues").glob("*.tsv"))
+QUEUES = sorted((REPO_ROOT / "tools" / "lab" / "queues").glob("*.tsv"))
 
 
 def _jobs(path: Path) -> list[tuple[str, int, str]]:
@@ -57,7 +57,7 @@ def _shell_words(command: str) -> list[str]:
 
 def _check_command(where: str, command: str, parser, known_cells: set[str]) -> None:
     """One shell command of a job, parsed as its program would parse it."""
-    from tools import fast_path_probe
+    from tools.lab import fast_path_probe
 
     words = _shell_words(command)
     env = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if re.fullmatch(r"[A-Z_]+=.*", w)}
@@ -81,14 +81,14 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
             from rollout_lib.checks.vllm_compare import chosen_rungs
 
             chosen_rungs(args.comparison, args.rungs.split(","))
-    elif words[:2] == ["python3", "tools/side_by_side.py"]:
-        from tools import side_by_side
+    elif words[:2] == ["python3", "tools/lab/side_by_side.py"]:
+        from tools.lab import side_by_side
 
         args = side_by_side.build_parser().parse_args(words[2:])
         unknown = set(args.cells.split(",")) - known_cells
         assert not unknown, f"{where}: unknown cells {sorted(unknown)}"
-    elif words[:2] == ["python3", "tools/device/cycle_memory_probe.py"]:
-        from tools.device import cycle_memory_probe
+    elif words[:2] == ["python3", "tools/lab/cycle_memory_probe.py"]:
+        from tools.lab import cycle_memory_probe
 
         args = cycle_memory_probe.build_parser().parse_args(words[2:])
         assert args.cell in known_cells, f"{where}: unknown cell {args.cell}"
@@ -101,7 +101,7 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
             if word.startswith("tests/") or word.startswith("--ignore=tests/"):
                 target = word.split("=", 1)[-1]
                 assert (REPO_ROOT / target).exists(), f"{where}: {target} does not exist"
-    elif words[:2] == ["bash", "tools/device/fast_path_evidence.sh"]:
+    elif words[:2] == ["bash", "tools/lab/fast_path_evidence.sh"]:
         for variant in env.get("VARIANTS", "before,inductor").split(","):
             base, *suffixes = variant.split("+")
             assert base in ("before", "off", "inductor", "eager"), f"{where}: variant {variant}"
@@ -126,7 +126,7 @@ def test_queue_file_is_runnable(path):
             _check_command(f"{path.name}/{name}", command, parser, known_cells)
 
 
-@pytest.mark.parametrize("script", sorted((REPO_ROOT / "tools" / "device").glob("*.sh")), ids=lambda p: p.name)
+@pytest.mark.parametrize("script", sorted((REPO_ROOT / "tools" / "lab").glob("*.sh")), ids=lambda p: p.name)
 def test_device_scripts_parse(script):
     """A syntax error in a device script would cost a machine start to find: `bash -n` finds it here."""
     import subprocess
@@ -156,9 +156,9 @@ def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
     import subprocess
 
     checkout = tmp_path / "checkout"
-    (checkout / "tools" / "device").mkdir(parents=True)
+    (checkout / "tools" / "lab").mkdir(parents=True)
     for script in ("queue.sh", "work_copy.sh"):
-        shutil.copy(REPO_ROOT / "tools" / "device" / script, checkout / "tools" / "device" / script)
+        shutil.copy(REPO_ROOT / "tools" / "lab" / script, checkout / "tools" / "lab" / script)
     write = "mkdir -p outputs/perf && echo $JOB_DEADLINE_S $QUEUE_LEASE_S > outputs/perf/{}.txt"
     (checkout / "q.tsv").write_text(
         "# name\ttimeout_s\tcommand\n"
@@ -168,7 +168,7 @@ def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
         f"too-late\t100\t{write.format('too-late')}\n")
     env = {**os.environ, "QUEUE": "q.tsv", "QUEUE_WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
            "LEASE_S": "70", "MIN_JOB_S": "60", "JOB_MARGIN_S": "10", "CALL_S": "60"}
-    result = subprocess.run(["bash", "tools/device/queue.sh", "start"], cwd=checkout, env=env,
+    result = subprocess.run(["bash", "tools/lab/queue.sh", "start"], cwd=checkout, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "queue: finished" in result.stdout, result.stdout

@@ -1,4 +1,4 @@
-"""tools/fast_path_probe.py on CPU with the smoke profile: a variant that fails is recorded with its
+"""tools/lab/fast_path_probe.py on CPU with the smoke profile: a variant that fails is recorded with its
 error and the probe goes on with the next one (a lease's probe must not lose the other variants)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tools import fast_path_probe
+from tools.lab import fast_path_probe
 
 from .conftest import SMOKE
 

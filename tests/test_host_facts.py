@@ -1,4 +1,4 @@
-"""tools/device/host_facts.py: the host record each device queue writes beside its logs."""
+"""tools/lab/host_facts.py: the host record each device queue writes beside its logs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_cpu_model_is_read_from_cpuinfo():
 
 
 def test_host_facts_on_a_cpu_machine_say_what_they_could_not_measure():
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "device" / "host_facts.py")],
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "lab" / "host_facts.py")],
                             capture_output=True, text=True, check=True, timeout=120)
     facts = json.loads(result.stdout)
     assert facts["logical_cpus"] >= 1 and facts["python_loop_ns_per_iteration"] > 0

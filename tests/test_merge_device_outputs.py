@@ -1,4 +1,4 @@
-"""tools/merge_device_outputs.py: what a device call brings back is merged append-only; a returned file
+"""tools/lab/merge_device_outputs.py: what a device call brings back is merged append-only; a returned file
 that would overwrite checked-in bytes stops the whole merge before anything is written."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from tools import merge_device_outputs
+from tools.lab import merge_device_outputs
 
 
 def _archive(path, files: dict[str, bytes]):

@@ -1,7 +1,8 @@
-"""Render the bad-input suite (tests/test_bad_input.py CASES) as the README's reliability table.
+"""Render the bad-input suite (tests/test_bad_input.py CASES) as the reliability table in TABLE_FILE
+(docs/evidence.md: the README stays short).
 
     python tools/reliability_table.py            # prints the table
-    python tools/reliability_table.py --write    # replaces the table between the README markers
+    python tools/reliability_table.py --write    # replaces the table between the markers in TABLE_FILE
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TABLE_FILE = ROOT / "docs" / "evidence.md"
 BEGIN, END = "<!-- reliability-table:begin -->", "<!-- reliability-table:end -->"
 
 
@@ -25,10 +27,9 @@ def main() -> int:
 
     table = render(CASES)
     if "--write" in sys.argv:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
+        text = TABLE_FILE.read_text()
         start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
-        readme.write_text(text[:start] + "\n" + table + "\n" + text[stop:])
+        TABLE_FILE.write_text(text[:start] + "\n" + table + "\n" + text[stop:])
     print(table)
     return 0
 

@@ -4,7 +4,7 @@ Same process, same backend, same cell; per-step decode ms of hf_cached with (a) 
 (b) the first runner's sampling (two samplers, 5 ms, /proc walk every sample), (c) the current
 sampler (one, 20 ms, tree cached 1 s). Prints and writes JSON.
 
-    python3 tools/nvml_overhead.py OUT.json [cell_id] [repeats]
+    python3 tools/lab/nvml_overhead.py OUT.json [cell_id] [repeats]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 evidence): 1 warmup + N measured repetitions per cell, tokens/s = generated tokens / median wall, and the
 ratio vllm / hf_cached per cell. Writes JSON as it goes and prints a markdown table.
 
-    python tools/side_by_side.py --out side-by-side.json [--cells ...] [--repetitions 3] [--profile-params P]
+    python tools/lab/side_by_side.py --out side-by-side.json [--cells ...] [--repetitions 3] [--profile-params P]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rollout_lib.backends import create_backend
 from rollout_lib.models.policy import policy_versions

@@ -6,7 +6,7 @@ by `rollout_lib.campaign.driver.estimate_costs` from the earlier files only, onc
 sampling mode and once with one ratio for all; each measured repetition and each warm-up is then compared
 with its estimate as |log(observed / estimated)| (0.10 = about 10% off either way).
 
-    .venv/bin/python tools/backtest_estimates.py --campaign h200-v2 [--backend hf_reference] [--json OUT]
+    .venv/bin/python tools/lab/backtest_estimates.py --campaign h200-v2 [--backend hf_reference] [--json OUT]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def backtest(study, backend: str, files: list[list[dict]], by_sampling_mode: bool) -> dict[str, list[float]]:

@@ -1,7 +1,7 @@
 """Quick probe of the hf_cached fast path on one GPU: capture time, ms per decode step and tok/s for
 the graph path (and optionally the eager path) on a few cells, float32 greedy equality of the two.
 
-    python tools/fast_path_probe.py --params params/rollout-runtime-v2.yaml --out probe.json \
+    python tools/lab/fast_path_probe.py --params params/rollout-runtime-v2.yaml --out probe.json \
         [--variants off,inductor,eager] [--before FILE] [--profile DIR]
 
 Variants: `off` / `inductor` are the graph path with the step uncompiled / compiled by inductor
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rollout_lib.backends import create_backend
 from rollout_lib.models.policy import policy_versions

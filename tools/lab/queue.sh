@@ -2,8 +2,8 @@
 # A queue of device jobs that outlives the 10-minute command limit: started detached (its own process
 # session) on the warm machine, polled by back-to-back calls (the machine stays warm 30 s after each),
 # so the GPU stays busy between calls and a job longer than one call (conformance: ~9 min) finishes.
-#   start: QUEUE=tools/device/queues/lease.tsv bash tools/device/queue.sh start
-#   poll:  bash tools/device/queue.sh poll
+#   start: QUEUE=tools/lab/queues/lease.tsv bash tools/lab/queue.sh start
+#   poll:  bash tools/lab/queue.sh poll
 # Each call waits until the queue ends or ~CALL_S seconds pass, prints each job's state, and packs
 # $OUT/queue.tgz: the job logs and the evidence directories the jobs write (outputs/conformance,
 # outputs/perf, outputs/cycles, outputs/raw, outputs/campaigns). Merge seal manifests as for the
@@ -28,7 +28,7 @@ if [ "${1:-poll}" = start ]; then
   if [ -f "$WORK/state/running" ]; then
     echo "a queue is already running (pid $(cat "$WORK/state/running")); poll it" >&2; exit 2
   fi
-  source tools/device/work_copy.sh
+  source tools/lab/work_copy.sh
   work_copy "$WORK"  # a second start on the same machine keeps the outputs of the first
   mkdir -p "$WORK/state" "$WORK/logs"
   cp "$queue" "$WORK/state/queue.tsv"
@@ -42,7 +42,7 @@ if [ "${1:-poll}" = start ]; then
     echo $$ > '"$WORK"'/state/running
     cd '"$WORK"'/src
     # the host beside the logs (CPU model, launch cost): the eager paths are host-bound
-    timeout 120 python3 tools/device/host_facts.py > '"$WORK"'/state/host.json 2> '"$WORK"'/logs/host_facts.log
+    timeout 120 python3 tools/lab/host_facts.py > '"$WORK"'/state/host.json 2> '"$WORK"'/logs/host_facts.log
     while IFS=$'"'"'\t'"'"' read -r name timeout_s command; do
       case "$name" in ""|\#*) continue ;; esac
       left=$(( QUEUE_ENDS_AT - $(date +%s) ))

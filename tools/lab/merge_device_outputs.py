@@ -1,7 +1,7 @@
-"""Merge what a device call brought back (`queue.tgz` of tools/device/queue.sh, `campaign.tgz` of
+"""Merge what a device call brought back (`queue.tgz` of tools/lab/queue.sh, `campaign.tgz` of
 campaign.sh) into this checkout's outputs/, append-only.
 
-    python tools/merge_device_outputs.py /work/.device/4/queue.tgz [--logs-to outputs/perf/queue-lease6] [--dry-run]
+    python tools/lab/merge_device_outputs.py /work/.device/4/queue.tgz [--logs-to outputs/perf/queue-lease6] [--dry-run]
 
 Every file under the archive's `outputs/` is compared with the checkout's:
 - absent here: copied (new evidence);
@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The campaign over a lease, in back-to-back device calls (the machine stays warm 30 s after a call).
-#   start: BACKEND=hf_reference DEADLINE_S=1300 bash tools/device/campaign.sh start
+#   start: BACKEND=hf_reference DEADLINE_S=1300 bash tools/lab/campaign.sh start
 #          copies the tree to /tmp/rr/src without .git (the carried .source-commit binds the commit),
 #          starts the detached driver, polls until ~540 s into the call, then packs what exists
-#   poll:  bash tools/device/campaign.sh poll   (in the next calls: status until the driver ends
+#   poll:  bash tools/lab/campaign.sh poll   (in the next calls: status until the driver ends
 #          or ~540 s pass, then pack)
 # Each call leaves $OUT/campaign.tgz (outputs/raw/<campaign> + outputs/campaigns/<campaign>): untar it,
 # copy the new raw files and SEALS.jsonl (the local one must be its prefix), publish, check, commit.
@@ -15,7 +15,7 @@ CALL_S=${CALL_S:-540}
 started=$(date +%s)
 export PYTHONPATH=/tmp/site
 if [ "${1:-poll}" = start ]; then
-  source tools/device/work_copy.sh
+  source tools/lab/work_copy.sh
   work_copy /tmp/rr  # a second start on the same machine keeps what the first measured
   cd /tmp/rr/src
   python3 -m rollout_lib.cli campaign run --campaign "$CAMPAIGN" --backend "$BACKEND" --gpus "$GPUS" \

@@ -1,7 +1,7 @@
 """Cut a torch.profiler chrome trace down to a time window (e.g. a few decode steps), so that a
 before/after pair can be committed and opened in Perfetto; writes gzipped JSON and a kernel summary.
 
-    python tools/trim_trace.py TRACE.json OUT.json.gz --start-fraction 0.5 --window-ms 20
+    python tools/lab/trim_trace.py TRACE.json OUT.json.gz --start-fraction 0.5 --window-ms 20
 """
 
 from __future__ import annotations

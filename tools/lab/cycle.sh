@@ -2,7 +2,7 @@
 # Cycle runs of issue 15 on the lab H200 (hf_cached and hf_reference need only the extras; vllm needs
 # vLLM installed too), each with its own timeout; raw files and seals come back as $OUT/cycles.tgz.
 #   RUNS="hf_cached:pg_k1:p128-r256-n4-stochastic hf_cached:direct_gkd:p128-r256-n4-stochastic" \
-#     bash tools/device/cycle.sh
+#     bash tools/lab/cycle.sh
 #   vllm entries carry the memory mode: vllm:pg_k1:p128-r256-n4-stochastic:sleep
 # A run cut by its timeout leaves an unsealed raw file with no writer: `rollout seal FILE --reason ...`
 # before publishing (the cut run is then listed, never used as complete).

@@ -10,7 +10,7 @@ host beside its logs, with two small timings that make leases comparable:
 - `eager_launch_us_per_op`: one tiny CUDA op launched eagerly, synchronized once at the end (the
   per-launch host cost that bounds the eager decode loops); `not_measured` without CUDA.
 
-    python3 tools/device/host_facts.py > host.json
+    python3 tools/lab/host_facts.py > host.json
 """
 
 from __future__ import annotations

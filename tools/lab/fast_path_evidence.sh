@@ -2,7 +2,7 @@
 # One device call for issue 12's evidence on the lab H200, from the repository root, after the
 # extras are installed (`eval "$(bash .stage/extras/install-extras.sh)"`). Every step has its own
 # timeout and writes under $OUT as it goes (at most 8 files come back):
-#   probe.json / probe.log   before vs after in one process (tools/fast_path_probe.py)
+#   probe.json / probe.log   before vs after in one process (tools/lab/fast_path_probe.py)
 #   trace-*.json.gz          20 ms profiler windows of p128-r64-n1-greedy, before and after
 #   gpu-tests.log            the GPU-marked fast-path tests
 #   evidence.tgz             outputs/conformance after hf_cached conformance (float32 + bf16) and the
@@ -15,11 +15,11 @@ CAMPAIGN=${CAMPAIGN:-h200-v2}
 STEPS=${STEPS:-probe,tests,refresh}   # conformance takes a call of its own: STEPS=conformance
 mkdir -p "$OUT" /tmp/prof
 if [[ $STEPS == *probe* ]]; then
-  timeout "${PROBE_TIMEOUT_S:-300}" python3 tools/fast_path_probe.py --variants "${VARIANTS:-before,inductor}" --before "$BEFORE" \
+  timeout "${PROBE_TIMEOUT_S:-300}" python3 tools/lab/fast_path_probe.py --variants "${VARIANTS:-before,inductor}" --before "$BEFORE" \
     --cells p128-r64-n1-greedy,p128-r64-n4-stochastic,p512-r256-n4-greedy --repetitions 3 \
     --profile /tmp/prof --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1
   for trace in /tmp/prof/*.json; do
-    [ -e "$trace" ] && python3 tools/trim_trace.py "$trace" "$OUT/trace-$(basename "$trace" .json)-20ms.json.gz" >> "$OUT/probe.log"
+    [ -e "$trace" ] && python3 tools/lab/trim_trace.py "$trace" "$OUT/trace-$(basename "$trace" .json)-20ms.json.gz" >> "$OUT/probe.log"
   done
 fi
 if [[ $STEPS == *tests* ]]; then
