@@ -129,6 +129,55 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_train(args: argparse.Namespace) -> int:
+    """`rollout models train`: a trained stand-in snapshot (rollout_lib/models/train_standin.py)."""
+    from rollout_lib.core import write_json_atomic
+    from rollout_lib.models.train_standin import TrainError, fingerprint_mismatches, plan_training, train_standin
+    from rollout_lib.study.bpe_tokenizer import TokenizerError
+    from rollout_lib.study.corpus import CorpusError
+
+    expected = None
+    try:
+        if args.expect is not None:
+            if not Path(args.expect).is_file():
+                raise CommandError(f"expect: {args.expect!r} is not a file (a rollout_trained.json record)")
+            expected = json.loads(Path(args.expect).read_text())
+            if not isinstance(expected, dict) or "fingerprint" not in expected:
+                raise CommandError(f"expect: {args.expect} has no fingerprint (not a rollout_trained.json record)")
+        if Path(args.out).exists() and not args.replace:
+            raise CommandError(f"out: {args.out} exists; choose a new directory or pass --replace")
+        plan = plan_training(args.arch, role=args.role, seed=args.seed, corpus=args.corpus,
+                             bpe_vocab_size=args.bpe_vocab_size, steps=args.steps, device=args.device,
+                             compute_dtype=args.compute_dtype, attention=args.attention)
+    except (TrainError, CorpusError, TokenizerError) as err:
+        raise CommandError(str(err)) from err
+    print(f"training {plan.arch.name} ({plan.role}, init seed {plan.seed}) on corpus {plan.manifest.name}: "
+          f"{plan.recipe.steps} steps x {plan.recipe.tokens_per_step} tokens = {plan.recipe.planned_tokens} tokens, "
+          f"{plan.device} {plan.compute_dtype}", file=sys.stderr)
+    record = train_standin(plan, args.out, replace_existing=args.replace,
+                           log=lambda line: print(f"  {line}", file=sys.stderr))
+    if args.record:
+        write_json_atomic(args.record, record, overwrite=True)
+    final, init = record["final_metrics"], record["init_metrics"]
+    print(f"payload_digest={record['payload_digest']} held-out loss {final['heldout_loss_nats']:.4f} "
+          f"(init {init['heldout_loss_nats']:.4f}) entropy {final['mean_entropy_nats']:.4f} nats "
+          f"(init {init['mean_entropy_nats']:.4f}) top-1 p {final['mean_top1_probability']:.3f} "
+          f"train {record['train_wall_s']:.1f} s ({record['train_tokens_per_s']:.0f} tok/s) out={args.out}",
+          file=sys.stderr)
+    print(record["payload_digest"])
+    if expected is not None:
+        if expected.get("payload_digest") == record["payload_digest"]:
+            print("expect: payload digest identical (bit-exact reproduction)", file=sys.stderr)
+            return 0
+        problems = fingerprint_mismatches(expected, record)
+        if problems:
+            print(f"rollout models train: fingerprint differs from {args.expect}: {'; '.join(problems[:5])}",
+                  file=sys.stderr)
+            return 1
+        print(f"expect: payload digest differs, fingerprint within tolerance of {args.expect}", file=sys.stderr)
+    return 0
+
+
 def _verify_local_snapshot(args: argparse.Namespace) -> int:
     """A downloaded snapshot against a study's actor or teacher architecture (and a digest, if given)."""
     from dataclasses import asdict
@@ -701,6 +750,8 @@ EXPLAINED: dict[str, tuple[str, str]] = {
                       "rollout models digest /tmp/tiny-actor"),
     "models verify": ("Check a local (e.g. downloaded) snapshot against a study's actor or teacher.",
                       "rollout models verify ~/models/Qwen3-0.6B --role actor --params params/rollout-runtime-v2.yaml"),
+    "models train": ("Train a Qwen3-shape stand-in on the offline corpus; write its HF snapshot, print its digest.",
+                     "rollout models train --arch tiny --out /tmp/tiny-trained"),
     "models calibrate": ("Measure next-token entropy on the workload and pick the logit scale (prints JSON).",
                          "rollout models calibrate --arch tiny --device cpu"),
     "measure": ("Measure one backend over a campaign's cells through notebooks/measure.ipynb (or --direct).",
@@ -816,6 +867,27 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--target-nats", type=float, default=None)
     for p in (build, digest, verify, calibrate):
         p.set_defaults(func=cmd_models)
+    train = msub.add_parser("train", help="train a stand-in from its seeded init on the offline corpus (held-out "
+                                          "loss curve, entropy, top-1 histogram in rollout_trained.json)")
+    train.add_argument("--arch", required=True, choices=("qwen3-0.6b", "qwen3-1.7b", "tiny"))
+    train.add_argument("--out", required=True, help="snapshot directory to write (atomically; must not exist)")
+    train.add_argument("--role", choices=("actor", "teacher"), default=None,
+                       help="picks the init seed (default: teacher for qwen3-1.7b, actor otherwise)")
+    train.add_argument("--seed", type=int, default=None, help="override the init seed (also the data order)")
+    train.add_argument("--corpus", default=None, help="corpus manifest (default: params/corpora/transformers-5.17.0"
+                                                      ".json; the -generation one for tiny)")
+    train.add_argument("--bpe-vocab-size", type=int, default=None, help="regular BPE tokens (default 32768; 512 tiny)")
+    train.add_argument("--steps", type=int, default=None, help="override the recipe's optimizer steps")
+    train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    train.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default=None,
+                       help="default: bfloat16 autocast on CUDA, float32 on CPU")
+    train.add_argument("--attention", choices=("eager", "sdpa"), default="eager",
+                       help="attention in training (eager: no fused backward with atomics; the default)")
+    train.add_argument("--record", default=None, help="also write the record JSON here")
+    train.add_argument("--expect", default=None, help="a previous rollout_trained.json: exit 1 unless the digest "
+                                                      "matches or the fingerprint is within tolerance")
+    train.add_argument("--replace", action="store_true", help="replace an existing --out after success")
+    train.set_defaults(func=cmd_models_train)
 
     p = sub.add_parser("measure", help="measure one backend through notebooks/measure.ipynb; raw JSONL under "
                                        "<output-dir>/raw/<campaign>/<backend>/<run-id>.jsonl, a new executed "

@@ -17,6 +17,7 @@ from typing import Literal
 from rollout_lib.core import REPO_ROOT, sha256_bytes, sha256_file
 from rollout_lib.study.arch import ARCHITECTURES, Qwen3Arch
 from rollout_lib.study.model_source import SHA256_PATTERN, SYNTHETIC_ONLY_KEYS
+from rollout_lib.study.real_prompts import PromptSourceSpec
 from rollout_lib.study.strict import StrictLoadError, from_mapping, load_yaml
 
 DEFAULT_PREREG = REPO_ROOT / "params" / "rollout-runtime-v2.yaml"
@@ -140,6 +141,8 @@ class WorkloadSpec:
     measured_partition: tuple[int, ...] = field(metadata=_m(min_items=1, min=1))
     batch_partitions: tuple[tuple[int, ...], ...] = field(metadata=_m(min_items=1))
     stop_rule: StopRule
+    # absent (the frozen v2 studies): prompts are seeded random ids; heldout_text: real corpus text
+    prompt_source: PromptSourceSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -353,6 +356,18 @@ def _validate(study: Preregistration) -> None:
     for index, token in enumerate(work.stop_rule.eos_token_ids):
         if token >= vocab:
             raise err(f"workload.stop_rule.eos_token_ids[{index}]", f"{token} is outside the vocabulary (< {vocab})")
+    if work.prompt_source is not None:
+        from rollout_lib.study.bpe_tokenizer import MIN_BPE_VOCAB
+        from rollout_lib.study.corpus import CorpusError, load_manifest
+
+        bpe = work.prompt_source.bpe_vocab_size
+        if not MIN_BPE_VOCAB <= bpe <= actor.architecture.first_special_id:
+            raise err("workload.prompt_source.bpe_vocab_size", f"{bpe}; allowed {MIN_BPE_VOCAB}.."
+                      f"{actor.architecture.first_special_id} (regular ids stop at the first special id)")
+        try:
+            load_manifest(work.prompt_source.corpus_manifest)
+        except CorpusError as exc:
+            raise err("workload.prompt_source.corpus_manifest", str(exc)) from None
     max_len = max(work.prompt_tokens) + max(work.response_tokens)
     if max_len > actor.architecture.max_position_embeddings:
         raise err("workload.response_tokens", f"prompt + response ({max_len}) exceeds max_position_embeddings")

@@ -98,6 +98,11 @@ class Workload:
         return [c for c in self.cells() if c.cell_id in wanted]
 
     def prompt(self, prompt_index: int, length: int) -> tuple[int, ...]:
+        if self.spec.prompt_source is not None:  # real text (rollout_lib/study/real_prompts.py)
+            from rollout_lib.study.real_prompts import heldout_prompt
+
+            return heldout_prompt(self.spec.prompt_source, self.spec.prompt_seeds[prompt_index], prompt_index,
+                                  length, max(self.spec.prompt_tokens))
         return _prompt_tokens(self.spec.prompt_seeds[prompt_index], prompt_index, length,
                               max(self.spec.prompt_tokens), self.arch.first_special_id)
 
