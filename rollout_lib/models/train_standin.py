@@ -10,8 +10,9 @@ Deterministic by construction where the hardware allows:
 - fixed seeds: the init is the synthetic one (bit-identical everywhere); the data order is a
   permutation per epoch from `tensor_stream(seed, "standin-data-order-epoch-E")`;
 - fixed data: sequences are consecutive, non-overlapping windows of the concatenated train-split ids;
-- `torch.use_deterministic_algorithms(True, warn_only=True)` with `CUBLAS_WORKSPACE_CONFIG=:4096:8`
-  and eager attention (plain matmul + softmax; no fused attention backward with atomics); any
+- `torch.use_deterministic_algorithms(True, warn_only=True)` with `CUBLAS_WORKSPACE_CONFIG=:4096:8`,
+  TF32 off, one intra-op thread on CPU (a reduction's order can follow the thread count), and eager
+  attention (plain matmul + softmax; no fused attention backward with atomics); any
   warning about a nondeterministic op is recorded in the result, never hidden.
 Bit-exact reproduction on a *second* GPU machine is not known (different GPUs or drivers may pick
 other cuBLAS kernels), so besides the payload digest the record carries a tolerance-checked
@@ -105,8 +106,8 @@ RECIPES: dict[str, TrainRecipe] = {
                               min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, eval_every_steps=32,
                               eval_sequences=16),
     # CPU tests: seconds on two cores
-    "tiny": TrainRecipe(steps=60, batch_sequences=8, sequence_tokens=64, peak_lr=1e-2, warmup_steps=6,
-                        min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, eval_every_steps=20, eval_sequences=16),
+    "tiny": TrainRecipe(steps=240, batch_sequences=8, sequence_tokens=64, peak_lr=1e-2, warmup_steps=12,
+                        min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0, eval_every_steps=40, eval_sequences=16),
 }
 
 
@@ -333,6 +334,9 @@ def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: boo
     arch, recipe, device = plan.arch, plan.recipe, plan.device
     _deterministic_setup(device)
     torch.manual_seed(plan.seed)
+    threads = torch.get_num_threads()
+    if device == "cpu":  # a CPU reduction's order can follow the thread count: one thread, one order
+        torch.set_num_threads(1)
     started = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
@@ -401,6 +405,7 @@ def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: boo
         _publish(tmp, out, replace_existing)
         return record
     finally:
+        torch.set_num_threads(threads)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
