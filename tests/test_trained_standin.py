@@ -9,6 +9,7 @@ token sequences; and the whole chain runs: train tiny -> snapshot -> prompts -> 
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -191,7 +192,7 @@ def test_held_out_loss_goes_down_and_entropy_ends_below_the_random_init(trained_
     curve = [point["heldout_loss_nats"] for point in record["heldout_loss_curve"]]
     assert record["heldout_loss_curve"][0]["step"] == 0 and len(curve) == 7  # 240 steps, every 40
     assert curve[-1] < curve[0] - 1.5, curve  # ln(1024) = 6.93 at init
-    assert all(b < a for a, b in zip(curve, curve[1:], strict=False)), curve
+    assert all(b < a for a, b in itertools.pairwise(curve)), curve
     init, final = record["init_metrics"], record["final_metrics"]
     assert final["mean_entropy_nats"] < init["mean_entropy_nats"] - 1.5, (init, final)
     assert final["mean_top1_probability"] > init["mean_top1_probability"]
