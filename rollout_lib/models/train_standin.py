@@ -376,7 +376,10 @@ def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: boo
                        "package": f"{plan.manifest.package}=={plan.manifest.package_version}",
                        "train_tokens": len(train_ids), "heldout_tokens": len(heldout_ids),
                        "train_bytes": plan.manifest.total_bytes("train"),
-                       "heldout_bytes": plan.manifest.total_bytes("heldout")},
+                       "heldout_bytes": plan.manifest.total_bytes("heldout"),
+                       # nats/token -> bits/byte (tokenizer-free, comparable with published byte-level
+                       # figures): loss / ln 2 / heldout_bytes_per_token
+                       "heldout_bytes_per_token": round(plan.manifest.total_bytes("heldout") / len(heldout_ids), 6)},
             "bpe_vocab_size": plan.bpe_vocab_size, "vocab_size": arch.vocab_size,
             "recipe": asdict(recipe) | {"tokens_per_step": recipe.tokens_per_step,
                                         "planned_tokens": recipe.planned_tokens,

@@ -4,7 +4,8 @@ A cell is (prompt length x response length x samples per prompt x sampling), e.g
 `p512-r256-n4-stochastic`; the full grid has 2 x 3 x 2 x 2 = 24 cells. Each cell asks for
 `logical_prompts x n` requests; `n` means n *independently repeated* requests per prompt (not a
 group). Prompt `i` of length L is the first L ids of the token stream seeded by `prompt_seeds[i]`,
-drawn uniformly from the regular vocabulary (special ids are never drawn). A stochastic request
+drawn uniformly from the regular vocabulary (special ids are never drawn); a workload with a
+`prompt_source` (issue 42) takes token ids of held-out corpus text instead (study/real_prompts.py). A stochastic request
 for (prompt i, sample j) carries `sample_seeds[i][j]`; greedy requests carry no seed.
 """
 
