@@ -139,6 +139,22 @@ def test_the_tokenizer_trains_to_identical_bytes_twice_and_in_another_process():
     assert padded.id_to_token(arch.eos_token_id) == "<|im_end|>" and padded.id_to_token(700) == "<|pad_700|>"
 
 
+def test_the_qwen3_shape_tokenizer_is_padded_to_151936_and_loads_through_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from rollout_lib.study.bpe_tokenizer import padded_tokenizer_json, tokenizer_config
+
+    arch = get_architecture("qwen3-0.6b")
+    (tmp_path / "tokenizer.json").write_bytes(padded_tokenizer_json(load_manifest(FULL_CORPUS), 32768, arch))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(arch, 32768)))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True, trust_remote_code=False)
+    assert len(tokenizer) == 151936 and tokenizer.eos_token_id == arch.eos_token_id == 151645
+    assert tokenizer.convert_ids_to_tokens([151643, 40000, 151935]) == ["<|endoftext|>", "<|pad_40000|>",
+                                                                         "<|extra_292|>"]
+    ids = tokenizer("def f(x):\n    return x + 1\n", add_special_tokens=False)["input_ids"]
+    assert max(ids) < 32768 and tokenizer.decode(ids) == "def f(x):\n    return x + 1\n"
+
+
 def test_padding_ids_are_never_produced_and_text_round_trips():
     from tokenizers import Tokenizer
 
@@ -259,6 +275,11 @@ def test_the_draft_keeps_the_v2_cells_and_refuses_to_load_until_its_digests_are_
                    .replace("TO-BE-FILLED-teacher-digest-from-tools/lab/train_standins.sh", "b" * 64))
     v2 = load(V2)
     assert Workload(filled).cell_ids() == Workload(v2).cell_ids()
+    work = Workload(filled)  # the full corpus has held-out files long enough for 512-token prompts
+    for i in range(4):
+        long = work.prompt(i, 512)
+        assert len(long) == 512 and long[:128] == work.prompt(i, 128) and max(long) < 32768
+        assert long != Workload(v2).prompt(i, 512)
     assert (filled.actor.source, filled.teacher.source) == ("snapshot", "snapshot")
     assert filled.workload.prompt_source.bpe_vocab_size == 32768 and v2.workload.prompt_source is None
     assert filled.actor.logit_scale is None and filled.gates == v2.gates
