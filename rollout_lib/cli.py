@@ -840,6 +840,10 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_lib.safe_read import UnsafeInput
 
     name = f"rollout {args.command}"
+    if args.command in CHILD_STARTING_COMMANDS:  # servers, engines, kernels die with this process
+        from rollout_lib.lifetime import start_reaper
+
+        start_reaper()
     try:
         return func(args)
     except (CalculatorHashMismatch, PublishCheckFailed, EvidenceRefused) as exc:
@@ -860,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# `campaign run` is left out: its workers are detached on purpose and outlive the command
+CHILD_STARTING_COMMANDS = ("measure", "conformance", "refresh", "vllm-diagnostic", "vllm-compare", "cycle", "report")
 _FILE_SYSTEM_ERRNOS = {errno.ENOSPC: "free space on the output's file system", errno.EDQUOT: "raise the disk quota",
                        errno.EROFS: "the output folder is read-only: choose a writable --output-dir",
                        errno.EACCES: "no permission to write there: choose a writable --output-dir",
