@@ -71,7 +71,7 @@ def read_bytes(path: str | os.PathLike[str], *, kind: str, root: str | os.PathLi
             raise UnsafeInput(f"{shown}: is {_what(info.st_mode)}, not a regular file: a {kind} is read only "
                               "from a regular file")
         if info.st_size > cap:
-            raise UnsafeInput(f"{shown}: {info.st_size} bytes; a {kind} file is at most {cap} bytes")
+            raise UnsafeInput(f"{shown}: {info.st_size} bytes, over the {kind} limit of {cap} bytes")
         chunks, total = [], 0
         while True:
             chunk = os.read(fd, min(1 << 20, cap + 1 - total))
@@ -80,7 +80,7 @@ def read_bytes(path: str | os.PathLike[str], *, kind: str, root: str | os.PathLi
             chunks.append(chunk)
             total += len(chunk)
             if total > cap:
-                raise UnsafeInput(f"{shown}: grew past {cap} bytes while read; a {kind} file is at most {cap} bytes")
+                raise UnsafeInput(f"{shown}: grew past the {kind} limit of {cap} bytes while it was read")
         return b"".join(chunks)
     finally:
         os.close(fd)

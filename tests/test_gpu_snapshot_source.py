@@ -23,7 +23,7 @@ from rollout_lib.study.workload import Workload
 
 from .conftest import PREREG, copy_as_local_snapshot, snapshot_source_study, started_backends
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_part4]  # docs/reliability.md: GPU suite parts
 
 CELL = "p128-r64-n1-greedy"
 LOCAL = "models/qwen3-0.6b-local"  # relative to the study file

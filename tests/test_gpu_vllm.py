@@ -14,7 +14,7 @@ from rollout_lib.backends import create_backend
 from rollout_lib.checks.conformance import ConformanceSettings, vllm_conformance
 from rollout_lib.checks.refresh import run_refresh
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_part3,  # docs/reliability.md: GPU suite parts
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable here")]
 
 

@@ -3,7 +3,7 @@
 Two rules, applied by publish (raw and evidence files) and cycle-publish (cycle raw files):
 
 1. **Every number is valid before arithmetic.** The calculators are frozen and trust their records,
-   so the loader checks each record first: times (`wall_s`) finite and > 0; other seconds
+   so the loader checks each record first: times (`wall_s`) finite and > 0 (at least MIN_WALL_S); other seconds
    (`seconds`, `*_s`) finite and >= 0; token counts (`*_tokens`) and memory (`*_bytes`) integers
    >= 0; no NaN or Infinity anywhere; the fields the calculator indexes present with their types.
    The first record that breaks a rule makes its file not accepted, with the reason named
@@ -27,6 +27,9 @@ from rollout_lib.safe_read import UnsafeInput, read_bytes
 
 ALLOWLIST_PATH = REPO_ROOT / "params" / "evidence-allowlist.yaml"
 _HEX = set("0123456789abcdef")
+# No repetition runs in less than a nanosecond (below any clock's resolution): a smaller wall time
+# (1e-300) is a unit error or a fabricated record, and would make a rate without bound.
+MIN_WALL_S = 1e-9
 
 
 class AllowlistError(ValueError):
@@ -52,8 +55,8 @@ def _field_problem(key: str, value: Any) -> str | None:
     if value is None:
         return None
     if key == "wall_s":
-        if not _is_number(value) or not value > 0:
-            return "must be a finite number > 0 (seconds)"
+        if not _is_number(value) or not value >= MIN_WALL_S:
+            return f"must be a finite number > 0 (seconds; at least {MIN_WALL_S:g})"
     elif key == "seconds" or key.endswith("_s"):
         if not _is_number(value) or value < 0:
             return "must be a finite number >= 0 (seconds)"
