@@ -238,6 +238,16 @@ def _fault(errno_name: str, on: str = "mkstemp") -> str:
     """)
 
 
+# A guard for cases whose command must be refused before any work: building a model snapshot (1.2 GB
+# for the GPU study) fails at once instead of filling the repository's .cache while the case times out.
+NO_MODEL_BUILD = textwrap.dedent("""
+    import rollout_lib.core
+    def _no_build(*a, **k):
+        raise SystemExit("adversarial guard: a model snapshot build started before the refusal")
+    rollout_lib.core.build_directory_once = _no_build
+""")
+
+
 def _edit_manifest(edit: Callable[[list[bytes]], list[bytes]]) -> Callable[[Ctx], None]:
     def mutate(c: Ctx) -> None:
         lines = c.seals.read_bytes().splitlines(keepends=True)
@@ -550,7 +560,7 @@ CASES: list[Case] = [
          "refused up front; nothing written", lambda c: [
              "measure", "--direct", "--backend", "hf_reference", "--campaign", "gpu-on-cpu", "--output-dir",
              str(c.out), "--cells", "p128-r64-n1-greedy"], 2, r"^rollout measure: error: .*(GPU|gpu|CUDA|cuda)",
-         seconds=20, marks=(VALIDATION_XFAIL,),
+         seconds=20, marks=(VALIDATION_XFAIL,), prelude=NO_MODEL_BUILD,
          post=lambda c: not (c.out / "raw" / "gpu-on-cpu").exists() or pytest.fail("wrote into the output tree")),
     Case("papermill-type", "input-validation", "a measure-notebook parameter of the wrong type (cells = 5)",
          "one line naming the parameter", lambda c: [
