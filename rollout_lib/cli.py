@@ -608,7 +608,8 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     if args.campaign_command == "run":  # refused before a log, a state or a raw file exists
         from rollout_lib.measure.runner import check_machine_for
 
-        check_machine_for(args.backend, output_dir, args.campaign)
+        check_machine_for(args.backend, output_dir, args.campaign, preregistered=study.preregistered,
+                          params_path=str(args.params))
     cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.campaign_command == "plan":
         identity = None
