@@ -170,13 +170,16 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
                 g = gate(aggregate, failed)
                 if g and g["kind"] == "conformance":
                     reasons.append(exactness_reading(aggregate, study, failed)["sentence"])
+                elif g and g["kind"] == "speedup" and g.get("observed_min") is None:
+                    reasons.append(f"its speed gate is {gate_outcome(g)}: no paired cell measured yet "
+                                   f"(gate ≥ {g['threshold']:g}× the oracle)")
                 elif g and g["kind"] == "speedup":
                     reasons.append(f"its speed gate is {gate_outcome(g)} ({_ratio_range(g)} the oracle, "
                                    f"gate ≥ {g['threshold']:g}×)")
                 else:
                     reasons.append(f"{failed} is {gate_outcome(g) if g else 'missing'}")
             faster = (f"{candidate} is {_ratio_range(speed)} faster ({rate_range(aggregate, candidate)}) and "
-                      if speed and speed.get("observed_min") and speed["observed_min"] > 1 else f"{candidate} ")
+                      if speed and speed.get("observed_min") and speed["observed_min"] > 1 else f"{candidate}: ")
             why = f"{faster}" + "; ".join(reasons)
         out.append(("Local rollouts", f"use {_backend_speed(aggregate, chosen)}, the oracle: {why}."))
     for key, label in (("direct_gkd", "Direct GKD"), ("pg_k1", "PG-k1")):
