@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.core import REPO_ROOT, sha256_file
+from rollout_lib.core import REPO_ROOT, project_root, sha256_file
 from rollout_lib.study.prereg import Preregistration
 
 GIB = 2**30
@@ -378,7 +378,7 @@ def conformance_table(aggregate: dict[str, Any]):
     for entry in aggregate["evidence_files"]:
         if "conformance" not in entry["kind"]:  # local, vllm, and the diagnostics beside them
             continue
-        report = json.loads((REPO_ROOT / entry["path"]).read_text()) if not Path(entry["path"]).is_absolute() \
+        report = json.loads((project_root() / entry["path"]).read_text()) if not Path(entry["path"]).is_absolute() \
             else json.loads(Path(entry["path"]).read_text())
         verdict = report.get("verdict", {})
         measured = report.get("bfloat16") or report.get("float32", {})
@@ -416,7 +416,7 @@ def refresh_reports(aggregate: dict[str, Any]) -> list[tuple[dict[str, Any], dic
     out = []
     for entry in aggregate["evidence_files"]:
         if entry["kind"] == "policy_refresh":
-            path = Path(entry["path"]) if Path(entry["path"]).is_absolute() else REPO_ROOT / entry["path"]
+            path = Path(entry["path"]) if Path(entry["path"]).is_absolute() else project_root() / entry["path"]
             out.append((entry, json.loads(path.read_text())))
     return out
 
@@ -487,7 +487,7 @@ def render(campaign: str, params: str, output_dir: Path, cycle_campaigns: str = 
     executed, html = report_dir / f"{campaign}.ipynb", report_dir / f"{campaign}.html"
     tmp_notebook = report_dir / f".{campaign}.tmp-{os.getpid()}.ipynb"
     tmp_html = report_dir / f".{campaign}.tmp-{os.getpid()}.html"
-    from rollout_lib.core import notebook_kernel_options, project_root
+    from rollout_lib.core import notebook_kernel_options
 
     root = project_root()  # the notebook is the project's, found from the working directory, not the package
     parameters = {"campaign": campaign, "params": str(Path(params).resolve()),
