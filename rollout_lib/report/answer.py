@@ -12,13 +12,12 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from rollout_lib.core import project_root
-from rollout_lib.report.summary import BACKEND_ORDER, GIB, gate_outcome
+from rollout_lib.report.summary import BACKEND_ORDER, GIB, gate_outcome, read_evidence
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
 
@@ -43,11 +42,11 @@ OPEN_TARGET_SCRIPT = ("<script>document.addEventListener('click', function (even
 def evidence_report(path: str) -> dict[str, Any] | None:
     """An evidence file the aggregate names (relative to the repository, or absolute); None when absent."""
     file = Path(path) if Path(path).is_absolute() else project_root() / path
-    if not file.is_file() or file.stat().st_size > 64 * 2**20:
+    if not file.is_file():
         return None
     try:
-        return json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError):
+        return read_evidence(path)
+    except (ValueError, UnicodeDecodeError):  # UnsafeInput is a ValueError
         return None
 
 
