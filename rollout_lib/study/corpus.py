@@ -35,9 +35,11 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
-from rollout_lib.core import REPO_ROOT, sha256_bytes
+from rollout_lib.core import find_project_root, sha256_bytes
+from rollout_lib.safe_read import UnsafeInput, read_bytes
 
 MANIFEST_SCHEMA = "rollout-corpus/v1"
+MANIFEST_LIMIT_BYTES = 4 << 20  # the full manifest is 46 KB
 CORPORA_DIR = Path("params") / "corpora"
 Split = Literal["train", "heldout"]
 
@@ -89,19 +91,25 @@ def package_dir(package: str) -> Path:
 
 
 def resolve_manifest_path(path: str | Path) -> Path:
-    """As written if absolute or existing from the working directory, else relative to the project root."""
+    """As written if absolute or existing from the working directory, else relative to the project root
+    found from the working directory (DESIGN decision 16: never from where the package is installed)."""
     candidate = Path(path)
     if candidate.is_absolute() or candidate.exists():
         return candidate
-    return REPO_ROOT / candidate
+    root = find_project_root()
+    return root / candidate if root is not None else candidate
 
 
 def load_manifest(path: str | Path) -> Manifest:
     """Parse and check a manifest's fields (not the installed files: `verify_corpus` does that)."""
     file = resolve_manifest_path(path)
-    if not file.is_file():
-        raise CorpusError(f"corpus manifest: {path} is not a file")
-    raw = file.read_bytes()
+    if not file.exists():
+        raise CorpusError(f"corpus manifest: {path} does not exist (paths resolve from the working directory, "
+                          "then the project root)")
+    try:  # a regular file, size-checked before a byte is read
+        raw = read_bytes(file, kind="corpus manifest", limit=MANIFEST_LIMIT_BYTES)
+    except UnsafeInput as err:
+        raise CorpusError(f"corpus manifest: {err}") from None
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as err:
@@ -148,9 +156,13 @@ def verify_corpus(manifest: Manifest) -> Path:
 
 def _read_verified(root: Path, manifest: Manifest, entry: CorpusFile) -> bytes:
     file = root / entry.path
-    if not file.is_file():
+    if not file.exists():
         raise CorpusMismatch(f"corpus {manifest.name}: {manifest.package}/{entry.path} is missing here")
-    data = file.read_bytes()
+    try:  # a regular file no larger than pinned, checked before a byte is read
+        data = read_bytes(file, kind="corpus file", limit=entry.size_bytes)
+    except UnsafeInput as err:
+        raise CorpusMismatch(f"corpus {manifest.name}: {manifest.package}/{entry.path} differs from the manifest "
+                             f"({err})") from None
     if len(data) != entry.size_bytes or sha256_bytes(data) != entry.sha256:
         raise CorpusMismatch(f"corpus {manifest.name}: {manifest.package}/{entry.path} differs from the manifest "
                              f"(sha256 {sha256_bytes(data)[:16]}..., pinned {entry.sha256[:16]}...); refusing it")
