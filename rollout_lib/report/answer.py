@@ -366,7 +366,13 @@ def _observed(g: dict[str, Any]) -> str:
     checks = g.get("per_backend_passed") or {}
     if gate_outcome(g) == "INCOMPLETE" and not g.get("used_evidence"):
         return "— (no accepted evidence)"
-    return ", ".join(f"{b}: {'passed' if ok else 'failed'}" for b, ok in checks.items()) or "— (no evidence)"
+    missing = {reason.partition(":")[0] for reason in (c.get("reason", "") for c in g.get("failing_cells") or [])
+               if "no accepted" in reason}
+
+    def word(backend: str, ok: bool) -> str:
+        return "passed" if ok else ("— (no accepted evidence)" if backend in missing else "failed")
+
+    return ", ".join(f"{b}: {word(b, ok)}" for b, ok in checks.items()) or "— (no evidence)"
 
 
 def _missing(g: dict[str, Any]) -> str:
