@@ -14,16 +14,21 @@ import tempfile
 from pathlib import Path
 
 
+def write_fully(fd: int, data: bytes) -> None:
+    """Every byte of `data` to the open descriptor (os.write may write less than asked), then fsync."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            write_fully(fd, data)
         finally:
             os.close(fd)
         os.chmod(tmp, 0o644)

@@ -28,6 +28,7 @@ from typing import Any
 
 from rollout_lib.core import canonical_json, sha256_bytes
 from rollout_lib.safe_read import UnsafeInput, is_regular, read_bytes
+from rollout_lib.safe_write import write_fully
 
 SEAL_MANIFEST = "SEALS.jsonl"
 SEAL_ENDINGS = ("teardown", "complete", "abandoned", "after_the_fact")
@@ -268,10 +269,7 @@ def _append_chained(manifest: Path, entry: dict[str, Any]) -> dict[str, Any]:
     out += (canonical_json(entry) + "\n").encode("utf-8")
     fd = os.open(manifest, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(out)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        write_fully(fd, out)
     finally:
         os.close(fd)
     return entry
