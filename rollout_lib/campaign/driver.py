@@ -868,7 +868,8 @@ def status(study: Preregistration, campaign: str, output_dir: Path, backend: str
             lines.append(f"  GPU {worker['gpu']}{where} pid {worker['pid']} {state_word}{then}: "
                          f"{len(finished)}/{len(worker['cells'])} cells ended"
                          + (f" ({_count_words(s.split(' (')[0] for _, s in progress['done'])})" if finished else "")
-                         + (f"; now {progress['cell']} {progress['repetition']}" if progress["cell"] else "")
+                         + (f"; {'now' if running or not worker.get('lost') else 'cut in'} {progress['cell']} "
+                            f"{progress['repetition']}" if progress["cell"] else "")
                          + (f"; ETA {eta:.0f} s" if running else "") + f"; {raw.name}")
     if len(lines) == 0:
         lines.append(f"campaign {campaign}: no driver state under {campaign_dir(output_dir, campaign)}")
