@@ -1,23 +1,27 @@
-"""Campaign driver: what is still missing, scheduled longest-first over the visible GPUs, one measuring
-process per GPU, bounded by a deadline, resumable across GPU leases.
+"""Campaign driver: what is still missing, scheduled longest-first over GPU slots, one measuring
+process per GPU, bounded by a deadline, resumable across GPU jobs.
 
     rollout campaign plan   --campaign h200-v2 --backend hf_reference --gpus 2 --deadline-s 1500
-    rollout campaign run    --campaign h200-v2 --backend hf_reference --gpus 2 --deadline-s 1500 [--detach]
+    rollout campaign run    --campaign h200-v2 --backend hf_reference --deadline-s 1500 [--detach]
+    rollout campaign run    --campaign h200-v2 --backend hf_reference --deadline-s 1500 --executor ray --address auto
     rollout campaign status --campaign h200-v2 [--backend hf_reference]
 
 `run` reads the cells still to measure (the frozen calculator's definition, as `rollout missing`),
 estimates each (a prior per backend, calibrated by the median observed/prior ratio of earlier raw
-files on the same GPU model) and plans them longest-first onto the least-loaded GPU. Each GPU gets
-one `rollout measure --direct` process (`CUDA_VISIBLE_DEVICES=<gpu>`, its own run id and raw file,
-the deadline and the estimates); the runner starts no repetition that would end after the deadline
-and leaves a cut cell as a segment that the next lease continues. The driver itself never touches
+files on the same GPU model) and plans them longest-first onto the least-loaded GPU slot. Each slot gets
+one `rollout measure --direct` process (its own run id and raw file, the deadline and the estimates),
+started by an executor (`executors.py`): `local` (one GPU of this machine via CUDA_VISIBLE_DEVICES, or
+its CPU; no Ray) or `ray` (a Ray task with num_gpus=1 per slot, on any node of a Ray cluster; more than
+one GPU always runs there, DESIGN decision 14). The runner starts no repetition that would end after the
+deadline and leaves a cut cell as a segment that the next job continues; a Ray worker lost mid-cell is
+sealed by the driver and its unfinished cells continued by a replacement. The driver itself never touches
 CUDA (a CUDA context in it would be a foreign GPU process to the workers' NVML check).
 
 State lives in `<output-dir>/campaigns/<campaign>/<backend>-driver-<stamp>.json` (workers, pids,
-plan; one file per driver run) and logs beside it; `status` reads that and the raw files: done /
-running / to-measure cells, the current cell and repetition of each worker, and an ETA.
-`--detach` starts the driver in its own process session (it outlives the command that started
-it) and returns at once.
+plan, executor and Ray cluster; one file per driver run), logs beside it and, for Ray workers, the
+worker records (node, GPU) under `workers/`; `status` reads those and the raw files: done / running /
+to-measure cells, the current cell and repetition of each worker, and an ETA. `--detach` starts the
+driver in its own process session (it outlives the command that started it) and returns at once.
 """
 
 from __future__ import annotations
@@ -497,7 +501,7 @@ def resolve_executor(executor: str | None, gpus: int | None, visible: list[int])
     `local` with more than one GPU is refused (no home-made multi-GPU scheduling)."""
     if executor is not None and executor not in EXECUTORS:
         raise ValueError(f"executor: {executor!r} is not allowed; allowed: {', '.join(EXECUTORS)}")
-    wanted = gpus if gpus is not None else (len(visible) if executor != "ray" else None)
+    wanted = gpus if gpus is not None else (len(visible) if executor is None else None)
     if executor is None:
         return "ray" if wanted is not None and wanted > 1 else "local"
     if executor == "local" and wanted is not None and wanted > 1:
