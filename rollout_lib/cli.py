@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import errno
 import json
 import os
 import re
@@ -565,20 +566,25 @@ def _cell_ids(study) -> list[str]:
 
 
 def cmd_seal(args: argparse.Namespace) -> int:
-    from rollout_lib.measure.rawfile import seal_abandoned, seal_file
+    from rollout_lib.measure.rawfile import seal_abandoned, seal_file, seal_folder_of
 
     ended = "after_the_fact" if args.after_the_fact else "abandoned"
-    for name in args.paths:
+    if not args.reason.strip():
+        raise CommandError("reason: must say why the file is sealed by hand (a non-empty text)")
+    targets = []
+    for name in args.paths:  # every target is checked before the first seal is written
         path = Path(name)
-        if not path.is_file():
-            raise CommandError(f"paths: {name!r} is not a file")
+        if path.suffix not in (".jsonl", ".json"):
+            raise CommandError(f"paths: {name!r} is neither a raw file (.jsonl) nor an evidence file (.json)")
+        targets.append((path, seal_folder_of(path)))
+    for path, folder in targets:
         if path.suffix == ".jsonl":
             entry = seal_abandoned(path, reason=args.reason, ended=ended)
-        elif path.suffix == ".json":
-            entry = seal_file(path, path.parent, ended="after_the_fact", reason=args.reason)
         else:
-            raise CommandError(f"paths: {name!r} is neither a raw file (.jsonl) nor an evidence file (.json)")
-        print(f"sealed {path} sha256 {entry['sha256']} ({entry['ended']})")
+            entry = seal_file(path, folder, ended="after_the_fact", reason=args.reason)
+        mark = " (sealed after the fact: listed in the aggregate; counts toward a gate only if " \
+            "params/evidence-allowlist.yaml names its sha256)" if entry["ended"] == "after_the_fact" else ""
+        print(f"sealed {path} sha256 {entry['sha256']} ({entry['ended']}){mark}")
     return 0
 
 
@@ -611,7 +617,8 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         if args.address is not None and args.address != "auto" and not re.fullmatch(r"[\w.\-]+:\d{1,5}", args.address):
             raise CommandError(f"address: {args.address!r} is not allowed; auto or HOST:PORT (e.g. 10.0.0.5:6379)")
         if executor == "local":  # a Ray worker's machine is checked by its own measuring process
-            check_machine_for(args.backend, output_dir, args.campaign)
+            check_machine_for(args.backend, output_dir, args.campaign, preregistered=study.preregistered,
+                              params_path=str(args.params))
         else:
             from rollout_lib.campaign.executors import ExecutorError, import_ray
 
@@ -1075,13 +1082,19 @@ def _require_raw_files(output_dir: Path, campaign: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    from rollout_lib.evidence.publish import CalculatorHashMismatch, EvidenceRefused, PublishCheckFailed
+    from rollout_lib.evidence.admission import AllowlistError
+    from rollout_lib.evidence.publish import CalculatorHashMismatch, EvidenceRefused, NoRawFiles, PublishCheckFailed
     from rollout_lib.measure.runner import RawIdentityDrift
+    from rollout_lib.safe_read import UnsafeInput
 
     name = f"rollout {args.command}"
     from rollout_lib.core import quiet_known_warnings
 
     quiet_known_warnings()
+    if args.command in CHILD_STARTING_COMMANDS:  # servers, engines, kernels die with this process
+        from rollout_lib.lifetime import start_reaper
+
+        start_reaper()
     try:
         _resolve_project_defaults(args)
         _check_names(args)
@@ -1092,9 +1105,24 @@ def main(argv: list[str] | None = None) -> int:
     except RawIdentityDrift as exc:
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 3
-    except _bad_input_types() as exc:
+    except (*_bad_input_types(), NoRawFiles, UnsafeInput, AllowlistError) as exc:
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the file system refused: one line, exit 2 (outputs are atomic: nothing partial)
+        if exc.errno not in _FILE_SYSTEM_ERRNOS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"{name}: error: {exc.strerror or _one_line(exc)}{where}: {_FILE_SYSTEM_ERRNOS[exc.errno]}; "
+              "the previous outputs are unchanged", file=sys.stderr)
+        return 2
+
+
+# `campaign run` is left out: its workers are detached on purpose and outlive the command
+CHILD_STARTING_COMMANDS = ("measure", "conformance", "refresh", "vllm-diagnostic", "vllm-compare", "cycle", "report")
+_FILE_SYSTEM_ERRNOS = {errno.ENOSPC: "free space on the output's file system", errno.EDQUOT: "raise the disk quota",
+                       errno.EROFS: "the output folder is read-only: choose a writable --output-dir",
+                       errno.EACCES: "no permission to write there: choose a writable --output-dir",
+                       errno.EPERM: "no permission to write there: choose a writable --output-dir"}
 
 
 if __name__ == "__main__":

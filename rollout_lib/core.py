@@ -179,11 +179,15 @@ def write_json_atomic(path: str | os.PathLike[str], value: Any, *, overwrite: bo
     target.parent.mkdir(parents=True, exist_ok=True)
     data = canonical_json_bytes(value)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:  # a full disk or an interrupt leaves no partial file beside the previous output
+        tmp.unlink(missing_ok=True)
+        raise
     return sha256_bytes(data)
 
 

@@ -7,6 +7,7 @@ and must lose nothing: evidence bytes stay as they were.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -381,22 +382,26 @@ def changed_calculator(c: Ctx) -> None:
 def tampered_seal_manifest(c: Ctx) -> None:
     manifest = c.out / "raw" / "pub" / "SEALS.jsonl"
     manifest.write_text(manifest.read_text().replace('"record":"seal"', '"record":"seal",GARBAGE', 1))
-    with pytest.raises(EvidenceRefused, match=r"SEALS\.jsonl: line 1 is not JSON"):
+    with pytest.raises(EvidenceRefused, match=r"SEALS\.jsonl: line \d+ is not JSON"):
         publish(c.study, "pub", c.out)
 
 
 def resealed_with_other_hash(c: Ctx) -> None:
     manifest = c.out / "raw" / "pub" / "SEALS.jsonl"
-    first = json.loads(manifest.read_text().splitlines()[0])
-    with open(manifest, "a") as handle:
-        handle.write(json.dumps(first | {"sha256": "e" * 64}) + "\n")
+    lines = manifest.read_bytes().splitlines(keepends=True)
+    first = next(json.loads(line) for line in lines if b'"record":"seal"' in line)
+    chained = first | {"sha256": "e" * 64, "previous_line_sha256": hashlib.sha256(lines[-1]).hexdigest()}
+    with open(manifest, "a") as handle:  # a well-chained second seal: the chain holds, the hashes clash
+        handle.write(json.dumps(chained) + "\n")
     with pytest.raises(EvidenceRefused, match="is sealed twice with different hashes"):
         publish(c.study, "pub", c.out)
 
 
 def concurrent_publish(c: Ctx) -> None:
     before = aggregate_path(c.out, "pub").read_bytes()
-    with FileLock(aggregate_path(c.out, "pub"), what="publish"), \
+    from rollout_lib.evidence.publish import publish_lock_target
+
+    with FileLock(publish_lock_target(c.out, "publish-pub"), what="publish"), \
             pytest.raises(WriterBusy, match=rf"being written by pid {os.getpid()}"):
         publish(c.study, "pub", c.out)
     assert aggregate_path(c.out, "pub").read_bytes() == before

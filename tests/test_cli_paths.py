@@ -78,3 +78,23 @@ def test_outside_a_project_a_default_is_refused_in_one_line_and_explicit_paths_w
     explicit = rollout("prereg", str(SMOKE), cwd=tmp_path)
     assert explicit.returncode == 0 and explicit.stdout.startswith(f"valid: {SMOKE} (sha256 ")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_snapshot_cache_follows_the_project_never_the_installed_package(tmp_path, monkeypatch):
+    """Synthetic snapshots (GBs) are built under the project found from the working directory, under
+    $ROLLOUT_CACHE_DIR when set, and under the user's cache outside any project: never beside the package."""
+    from rollout_lib.models.synthetic import default_cache_dir
+
+    project = tmp_path / "project"
+    (project / "params").mkdir(parents=True)
+    (project / "sub").mkdir()
+    monkeypatch.delenv("ROLLOUT_CACHE_DIR", raising=False)
+    monkeypatch.chdir(project / "sub")
+    assert default_cache_dir() == project.resolve() / ".cache" / "snapshots"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    monkeypatch.chdir(outside)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "rollout-runtime" / "snapshots"
+    monkeypatch.setenv("ROLLOUT_CACHE_DIR", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"

@@ -18,7 +18,7 @@ from rollout_lib.measure.cycle import PHASES, cycle_raw_dir
 from rollout_lib.measure.rawfile import read_raw
 from rollout_lib.study.cycle import load
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_part2]  # docs/reliability.md: GPU suite parts
 
 
 @pytest.mark.parametrize(("algorithm", "cell"), [("direct_gkd", "p128-r256-n4-stochastic"),

@@ -10,7 +10,7 @@ from rollout_lib.backends import counter_noise, create_backend
 from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.workload import Workload
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_part2]  # docs/reliability.md: GPU suite parts
 
 CELL = "p128-r64-n1-greedy"
 

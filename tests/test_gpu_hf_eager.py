@@ -15,7 +15,7 @@ from rollout_lib.study.workload import Workload
 
 from .conftest import started_backends
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_part1]  # docs/reliability.md: GPU suite parts
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,19 @@ from rollout_lib.study.workload import Workload
 
 from .conftest import PREREG, copy_as_local_snapshot, snapshot_source_study, started_backends
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_part4]  # docs/reliability.md: GPU suite parts
 
 CELL = "p128-r64-n1-greedy"
 LOCAL = "models/qwen3-0.6b-local"  # relative to the study file
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _servers_die_with_this_process():
+    """A test killed at its time limit must not leave its vLLM server holding GPU memory (issue 40): the
+    reaper kills this process's descendants when it dies (rollout_lib/lifetime.py)."""
+    from rollout_lib.lifetime import start_reaper
+
+    start_reaper()
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,17 @@ from rollout_lib.backends import create_backend
 from rollout_lib.checks.conformance import ConformanceSettings, vllm_conformance
 from rollout_lib.checks.refresh import run_refresh
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_part3,  # docs/reliability.md: GPU suite parts
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not importable here")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _servers_die_with_this_process():
+    """A test killed at its time limit must not leave its vLLM server holding GPU memory (issue 40): the
+    reaper kills this process's descendants when it dies (rollout_lib/lifetime.py)."""
+    from rollout_lib.lifetime import start_reaper
+
+    start_reaper()
 
 
 def test_eight_refreshes_and_teardown_proof_full_size(prereg_study, tmp_path):

@@ -43,8 +43,13 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+FOUNDATION = ("safe_read", "safe_write", "lifetime")  # standard library only, beside core: the same layer
+
+
 def layer_of(module: str) -> str:
     parts = module.split(".")
+    if len(parts) > 1 and parts[1] in FOUNDATION:
+        return "core"
     return parts[1] if len(parts) > 1 else "<root>"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rollout_lib.core import sha256_file
@@ -109,3 +111,144 @@ def test_the_committed_campaigns_re_derive(prereg_study, name):
     """The committed evidence stays valid: each committed aggregate re-derives byte for byte from the
     committed raw and evidence files (a later campaign's evidence must not change an earlier one)."""
     check(prereg_study, name, REPO / "outputs")
+
+
+# ------------------------------------------------------------------------------------------
+# Issue 40: after-the-fact seals and the allowlist, the manifest's chain, the record rules
+# ------------------------------------------------------------------------------------------
+
+def _after_the_fact_copy(out, run_id="r9"):
+    """A copy of a genuine raw file under a new run id, sealed after the fact (as `rollout seal
+    --after-the-fact` does)."""
+    import json
+
+    from rollout_lib.measure.rawfile import seal_abandoned
+
+    source = out / "raw" / "pub" / "hf_cached" / "r1.jsonl"
+    records = [json.loads(line) for line in source.read_text().splitlines()]
+    records[0]["run_id"] = run_id
+    target = source.with_name(f"{run_id}.jsonl")
+    target.write_text("".join(json.dumps(r) + "\n" for r in records))
+    seal_abandoned(target, reason="an older file, found later", ended="after_the_fact")
+    return target
+
+
+def _allowlist(path, entries):
+    body = "".join(f"  - file: {f}\n    sha256: {s}\n    reason: \"{r}\"\n" for f, s, r in entries)
+    path.write_text("allowlist_version: 1\nentries:" + ("\n" + body if entries else " []\n"))
+    return path
+
+
+def test_an_after_the_fact_file_counts_only_when_the_allowlist_names_its_hash(campaign, tmp_path):
+    import json
+
+    study, out, _ = campaign
+    target = _after_the_fact_copy(out)
+    empty = _allowlist(tmp_path / "empty.yaml", [])
+    aggregate = json.loads(publish(study, "pub", out, allowlist_path=empty).read_bytes())
+    row = next(r for r in aggregate["raw_files"] if r["run_id"] == "r9")
+    assert row["accepted"] is False and "sealed after the fact" in row["excluded_reason"]
+    [marked] = aggregate["sealed_after_the_fact"]
+    assert marked["sha256"] == sha256_file(target) and marked["allowlisted"] is False
+    assert marked["reason"] == "an older file, found later" and marked["sealed_at"]
+    assert aggregate["evidence_allowlist"] == {"status": "bound", "path": str(empty), "sha256": sha256_file(empty)}
+    check(study, "pub", out, allowlist_path=empty)
+
+    listed = _allowlist(tmp_path / "listed.yaml",
+                        [("r9.jsonl", sha256_file(target), "re-measured copy, reviewed by hand")])
+    aggregate = json.loads(publish(study, "pub", out, allowlist_path=listed).read_bytes())
+    row = next(r for r in aggregate["raw_files"] if r["run_id"] == "r9")
+    assert row["accepted"] is True
+    assert aggregate["sealed_after_the_fact"][0]["allowlist_reason"] == "re-measured copy, reviewed by hand"
+    import shutil
+
+    shutil.copy(empty, listed)  # the allowlist edited after publish: the aggregate no longer re-derives
+    with pytest.raises(PublishCheckFailed, match="does not re-derive byte for byte"):
+        check(study, "pub", out, allowlist_path=listed)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("allowlist_version: 2\nentries: []\n", "allowlist_version: 1"),
+    ("allowlist_version: 1\nentries:\n  - {file: x, sha256: abc, reason: long enough reason}\n", "not a lowercase hex"),
+    ("allowlist_version: 1\nentries:\n  - {file: x, sha256: " + "a" * 64 + ", reason: short}\n", "10 characters"),
+    ("allowlist_version: 1\nentries:\n  - {file: x, sha256: " + "a" * 64 + "}\n", "exactly the keys"),
+])
+def test_a_malformed_allowlist_is_refused_with_the_entry_named(tmp_path, text, needle):
+    from rollout_lib.evidence.admission import AllowlistError, load_allowlist
+
+    path = tmp_path / "allowlist.yaml"
+    path.write_text(text)
+    with pytest.raises(AllowlistError, match=needle):
+        load_allowlist(path)
+
+
+def test_the_committed_allowlist_names_exactly_the_h200_v1_pilot_seals():
+    import json
+
+    from rollout_lib.evidence.admission import load_allowlist
+
+    allowlist, _ = load_allowlist()
+    sealed = {}
+    for manifest in (REPO / "outputs").rglob("SEALS.jsonl"):
+        for line in manifest.read_text().splitlines():
+            entry = json.loads(line)
+            if entry.get("ended") == "after_the_fact":
+                sealed[entry["sha256"]] = entry["path"]
+    assert set(allowlist) == set(sealed) and len(sealed) == 4
+    assert all(Path(REPO / row["file"]).name == Path(sealed[sha]).name for sha, row in allowlist.items())
+
+
+def test_every_committed_seal_manifest_still_verifies_and_chains_on(tmp_path):
+    """Legacy manifests verify as they are; a new seal appends an anchor over their lines, then any
+    edit of a legacy line is named against the anchor."""
+    import shutil
+
+    from rollout_lib.measure.rawfile import SealError, read_manifest, read_seals, seal_file
+
+    manifests = sorted((REPO / "outputs").rglob("SEALS.jsonl"))
+    assert len(manifests) >= 5
+    for manifest in manifests:
+        assert read_seals(manifest.parent)
+    copy = tmp_path / "raw" / "c" / "SEALS.jsonl"
+    copy.parent.mkdir(parents=True)
+    shutil.copy(REPO / "outputs" / "raw" / "h200-v2" / "SEALS.jsonl", copy)
+    legacy = copy.read_bytes()
+    new = copy.parent / "b" / "new.jsonl"
+    new.parent.mkdir()
+    new.write_text('{"record":"header"}\n')
+    seal_file(new, copy.parent, ended="teardown")
+    assert copy.read_bytes().startswith(legacy)  # the committed lines keep their bytes
+    entries = read_manifest(copy.parent)
+    assert entries[-2]["record"] == "chain_anchor" and len(entries[-2]["legacy_line_sha256"]) == legacy.count(b"\n")
+    lines = copy.read_bytes().splitlines(keepends=True)
+    lines[4] = lines[4].replace(b'"teardown"', b'"complete"')
+    copy.write_bytes(b"".join(lines))
+    with pytest.raises(SealError, match=r"line 5: does not match the chain anchor"):
+        read_seals(copy.parent)
+
+
+def test_a_fifo_in_a_raw_folder_does_not_hang_publish(campaign):
+    import os
+    import time
+
+    study, out, _ = campaign
+    os.mkfifo(out / "raw" / "pub" / "hf_cached" / "x.jsonl")
+    started = time.monotonic()
+    with pytest.raises(EvidenceRefused, match=r"x\.jsonl: not a regular file"):
+        publish(study, "pub", out)
+    assert time.monotonic() - started < 10
+    assert not (out / "aggregate").exists()
+
+
+def test_a_record_breaking_a_number_rule_excludes_its_file_with_the_reason(campaign):
+    import json
+
+    from rollout_lib.evidence.admission import record_problem
+
+    _, out, _ = campaign
+    records = [json.loads(line) for line in (out / "raw" / "pub" / "hf_cached" / "r1.jsonl").read_text().splitlines()]
+    assert record_problem(records) is None
+    number = next(i for i, r in enumerate(records) if r.get("record") == "repetition")
+    records[number]["wall_s"] = 0
+    assert record_problem(records) == (f"record {number + 1} (repetition): wall_s = 0 must be a finite number > 0 "
+                                       "(seconds; at least 1e-09)")

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.vllm_managed import LORA_RANKS
+from rollout_lib.lifetime import run_bound
 from rollout_lib.models.policy import policy_versions, write_peft_adapter
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
@@ -38,8 +38,8 @@ def _job_requests(workload: Workload, cells: list[str]) -> dict[str, list[dict[s
 
 
 def run_child(python: str, job: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
-    done = subprocess.run([python, str(CHILD)], input=json.dumps(job), capture_output=True, text=True,
-                          timeout=timeout_s)
+    # bound: own process group, SIGKILL on our death, a watchdog for the engine's own children
+    done = run_bound([python, str(CHILD)], input=json.dumps(job), timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"in-process vLLM child failed (exit {done.returncode}): {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -26,10 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.core import canonical_json, sha256_bytes, sha256_file
+from rollout_lib.core import canonical_json, sha256_bytes
+from rollout_lib.safe_read import UnsafeInput, is_regular, read_bytes
 
 SEAL_MANIFEST = "SEALS.jsonl"
 SEAL_ENDINGS = ("teardown", "complete", "abandoned", "after_the_fact")
+CHAIN_VERSION = 1
+CHAIN_GENESIS = "0" * 64  # the previous-line hash of a manifest's first line
 
 
 class RawFileError(ValueError):
@@ -52,17 +55,29 @@ def _utc() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
-def read_raw(path: str | Path) -> tuple[list[dict[str, Any]], bytes]:
-    """Complete records of a raw file, and the bytes of a torn last line (b'' if none)."""
-    data = Path(path).read_bytes()
+def read_raw(path: str | Path, *, kind: str = "raw", root: str | Path | None = None
+             ) -> tuple[list[dict[str, Any]], bytes]:
+    """Complete records of a raw file, and the bytes of a torn last line (b'' if none).
+
+    Read through `safe_read` (a regular file, inside `root` when given, within the kind's size limit);
+    an unsafe file raises RawFileError naming why."""
+    try:
+        data = read_bytes(path, kind=kind, root=root)
+    except UnsafeInput as exc:
+        raise RawFileError(str(exc)) from None
+    return parse_raw(data, path)
+
+
+def parse_raw(data: bytes, path: str | Path) -> tuple[list[dict[str, Any]], bytes]:
+    """`read_raw` on bytes already read (and hashed) by the caller."""
     end = data.rfind(b"\n") + 1
     records = []
     for number, line in enumerate(data[:end].splitlines(), start=1):
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RawFileError(f"{path}: line {number} is not JSON ({exc}); only a torn last line is "
-                               "repairable: this file was damaged or edited") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise RawFileError(f"{path}: line {number} is not JSON ({type(exc).__name__}: {exc}); only a torn "
+                               "last line is repairable: this file was damaged or edited") from None
         if not isinstance(record, dict):
             raise RawFileError(f"{path}: line {number} is not a JSON object")
         records.append(record)
@@ -151,19 +166,84 @@ def manifest_path(folder: str | Path) -> Path:
     return Path(folder) / SEAL_MANIFEST
 
 
-def read_seals(folder: str | Path) -> dict[str, dict[str, Any]]:
-    """relative path -> seal entry; a path sealed twice with different bytes is an error."""
-    path = manifest_path(folder)
-    if not path.exists():
-        return {}
-    records, torn = read_raw(path)
-    if torn:
-        raise SealError(f"{path}: torn last line ({len(torn)} bytes): the manifest is append-only and "
+def _manifest_lines(path: Path) -> list[bytes]:
+    """The manifest's complete lines (each with its newline); a torn last line is damage."""
+    try:
+        data = read_bytes(path, kind="seal_manifest")
+    except UnsafeInput as exc:
+        raise SealError(str(exc)) from None
+    end = data.rfind(b"\n") + 1
+    if data[end:]:
+        raise SealError(f"{path}: torn last line ({len(data) - end} bytes): the manifest is append-only and "
                         "fsynced; this is damage, not a crash")
+    return data[:end].splitlines(keepends=True)
+
+
+def _verify_chain(path: Path, lines: list[bytes], entries: list[dict[str, Any]]) -> None:
+    """The hash chain of a manifest (version 1). Lines written before the chain existed (no
+    `chain_version`) are legacy; the first chained line is a `chain_anchor` that lists the SHA-256 of
+    every legacy line, and every later line carries `previous_line_sha256`, the SHA-256 of the line
+    before it (newline included). So an inserted, removed, reordered or edited line is named."""
+    anchor_at = None
+    for number, entry in enumerate(entries, start=1):
+        previous = sha256_bytes(lines[number - 2]) if number > 1 else CHAIN_GENESIS
+        if anchor_at is None:
+            if "chain_version" not in entry:
+                continue  # legacy line, covered by the anchor once one is written
+            if entry.get("record") != "chain_anchor":
+                raise SealError(f"{path}: line {number} is chained but no chain_anchor precedes it: a line was "
+                                "inserted or the anchor removed")
+            anchor_at = number
+            legacy = entry.get("legacy_line_sha256")
+            found = [sha256_bytes(x) for x in lines[:number - 1]]
+            if not isinstance(legacy, list) or legacy != found:
+                legacy = legacy if isinstance(legacy, list) else []
+                differs = next((i + 1 for i, (a, b) in enumerate(zip(legacy, found, strict=False)) if a != b),
+                               min(len(legacy), len(found)) + 1)
+                raise SealError(f"{path}: line {differs}: does not match the chain anchor at line {number} "
+                                f"({len(legacy)} legacy lines anchored, {len(found)} found): a line before the "
+                                "anchor was inserted, removed, reordered or edited")
+        if entry.get("chain_version") != CHAIN_VERSION:
+            raise SealError(f"{path}: line {number} has chain_version {entry.get('chain_version')!r} after the chain "
+                            f"started at line {anchor_at}; allowed: {CHAIN_VERSION} (an unchained line was inserted "
+                            "or edited)")
+        if entry.get("previous_line_sha256") != previous:
+            raise SealError(f"{path}: line {number}: its previous_line_sha256 {entry.get('previous_line_sha256')} "
+                            f"does not match line {number - 1} (sha256 {previous}): line {number - 1} or "
+                            f"{number} was inserted, removed, reordered or edited")
+
+
+def read_manifest(folder: str | Path) -> list[dict[str, Any]]:
+    """Every entry of `folder/SEALS.jsonl` after its chain is verified ([] when there is none)."""
+    path = manifest_path(folder)
+    if not os.path.lexists(path):
+        return []
+    lines = _manifest_lines(path)
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            entry = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise SealError(f"{path}: line {number} is not JSON ({type(exc).__name__})") from None
+        if not isinstance(entry, dict):
+            raise SealError(f"{path}: line {number} is not a JSON object")
+        entries.append(entry)
+    _verify_chain(path, lines, entries)
+    return entries
+
+
+def read_seals(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """relative path -> seal entry; a path sealed twice with different bytes is an error, and so is a
+    broken hash chain (see `_verify_chain`)."""
+    path = manifest_path(folder)
     seals: dict[str, dict[str, Any]] = {}
-    for number, entry in enumerate(records, start=1):
+    for number, entry in enumerate(read_manifest(folder), start=1):
+        if entry.get("record") == "chain_anchor":
+            continue
         if entry.get("record") != "seal" or not isinstance(entry.get("path"), str) or "sha256" not in entry:
             raise SealError(f"{path}: line {number} is not a seal entry")
+        if entry.get("ended") not in SEAL_ENDINGS:
+            raise SealError(f"{path}: line {number}: ended {entry.get('ended')!r}; allowed: {', '.join(SEAL_ENDINGS)}")
         previous = seals.get(entry["path"])
         if previous is not None and previous["sha256"] != entry["sha256"]:
             raise SealError(f"{path}: {entry['path']} is sealed twice with different hashes "
@@ -172,33 +252,84 @@ def read_seals(folder: str | Path) -> dict[str, dict[str, Any]]:
     return seals
 
 
+def _append_chained(manifest: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """Append `entry` with its chain link (writing the chain anchor first when the manifest has none)."""
+    lines = _manifest_lines(manifest) if os.path.lexists(manifest) else []
+    chained = any(b'"chain_version"' in line for line in lines)
+    out = b""
+    previous = sha256_bytes(lines[-1]) if lines else CHAIN_GENESIS
+    if not chained:
+        anchor = {"record": "chain_anchor", "chain_version": CHAIN_VERSION, "previous_line_sha256": previous,
+                  "legacy_line_sha256": [sha256_bytes(line) for line in lines], "utc": _utc()}
+        anchor_line = (canonical_json(anchor) + "\n").encode("utf-8")
+        out += anchor_line
+        previous = sha256_bytes(anchor_line)
+    entry = entry | {"chain_version": CHAIN_VERSION, "previous_line_sha256": previous}
+    out += (canonical_json(entry) + "\n").encode("utf-8")
+    fd = os.open(manifest, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(out)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return entry
+
+
+RAW_TREE_SHAPES = ("<output-dir>/raw/<campaign>/<backend>/<run>.jsonl",
+                   "<output-dir>/cycles/raw/<campaign>/<backend>/<run>.jsonl",
+                   "<output-dir>/conformance/<name>.json")
+
+
+def seal_folder_of(target: str | Path) -> Path:
+    """The folder whose SEALS.jsonl seals `target`: only a regular file inside a raw tree (see
+    RAW_TREE_SHAPES) may be sealed; anything else is refused before a byte is written."""
+    target = Path(target)
+    if not is_regular(target):
+        what = "a symlink" if target.is_symlink() else "missing" if not os.path.lexists(target) else \
+            "not a regular file"
+        raise SealError(f"{target}: {what}; only a regular raw or evidence file is sealed")
+    real = Path(os.path.realpath(target))
+    if real.suffix == ".jsonl" and len(real.parents) >= 4 and real.parents[2].name == "raw":
+        return real.parents[1]
+    if real.suffix == ".json" and real.parent.name == "conformance":
+        return real.parent
+    raise SealError(f"{target}: not inside a raw tree; a sealed file lives at one of: {'; '.join(RAW_TREE_SHAPES)}")
+
+
 def seal_file(target: str | Path, folder: str | Path, *, ended: str, reason: str | None = None,
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Append `target`'s SHA-256 to `folder/SEALS.jsonl` (under the manifest's lock); returns the entry."""
+    """Append `target`'s SHA-256 to `folder/SEALS.jsonl` (under the manifest's lock); returns the entry.
+
+    An `after_the_fact` seal needs a reason: it is kept in the entry beside its time, and
+    publish lists every after-the-fact seal (it counts toward a gate only when allowlisted)."""
     if ended not in SEAL_ENDINGS:
         raise ValueError(f"ended: {ended!r} is not allowed; allowed: {', '.join(SEAL_ENDINGS)}")
+    if ended == "after_the_fact" and not (reason or "").strip():
+        raise SealError(f"reason: a seal that ends {ended!r} must say why (a non-empty --reason)")
     target, folder = Path(target), Path(folder)
     relative = target.resolve().relative_to(folder.resolve()).as_posix()
     manifest = manifest_path(folder)
     lock = FileLock(manifest, what="seal manifest").acquire(blocking=True)
     try:
         existing = read_seals(folder).get(relative)
-        digest = sha256_file(target)
+        try:
+            data = read_bytes(target, kind="raw" if target.suffix == ".jsonl" else "evidence", root=folder)
+        except UnsafeInput as exc:
+            raise SealError(str(exc)) from None
+        digest = sha256_bytes(data)
         if existing is not None:
             if existing["sha256"] != digest:
                 raise SealError(f"{relative} is already sealed with sha256 {existing['sha256']}; "
                                 f"it now has {digest}: a sealed file must not change")
             return existing
-        entry = {"record": "seal", "path": relative, "sha256": digest, "bytes": target.stat().st_size,
+        entry = {"record": "seal", "path": relative, "sha256": digest, "bytes": len(data),
                  "ended": ended, "utc": _utc(), "host": socket.gethostname(), "pid": os.getpid()}
         if reason:
             entry["reason"] = reason
         entry.update(extra or {})
-        with open(manifest, "ab") as handle:
-            handle.write((canonical_json(entry) + "\n").encode("utf-8"))
-            handle.flush()
-            os.fsync(handle.fileno())
-        return entry
+        return _append_chained(manifest, entry)
     finally:
         lock.release()
 

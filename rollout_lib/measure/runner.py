@@ -211,11 +211,11 @@ def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any 
                    cells=tuple(c.cell_id for c in workload.select(cell_ids)), run_id=run_id,
                    output_dir=str(output_dir), device=device or None)
     if check_machine:
-        check_machine_can_run(spec)
+        check_machine_can_run(spec, preregistered=study.preregistered)
     return spec, study, workload
 
 
-def check_machine_can_run(spec: RunSpec) -> None:
+def check_machine_can_run(spec: RunSpec, preregistered: bool = False) -> None:
     """Refuse, before any file exists, a run this machine cannot do (see `validate_parameters`)."""
     if spec.device and spec.device.startswith("cuda"):
         import torch
@@ -226,12 +226,22 @@ def check_machine_can_run(spec: RunSpec) -> None:
             allowed = ", ".join(["'' (auto)", "'cpu'"] + [f"'cuda:{i}'" for i in range(count)])
             raise ParameterError(f"device: {spec.device!r} is not available on this machine ({count} CUDA "
                                  f"device(s)); allowed: {allowed}")
-    check_machine_for(spec.backend, spec.output_dir, spec.campaign)
+    check_machine_for(spec.backend, spec.output_dir, spec.campaign, preregistered=preregistered,
+                      params_path=spec.params_path)
 
 
-def check_machine_for(backend: str, output_dir: str | Path, campaign: str) -> None:
-    """vLLM importable for the vllm backend; this machine's GPU (or CPU) the one the campaign's raw
+def check_machine_for(backend: str, output_dir: str | Path, campaign: str, preregistered: bool = False,
+                      params_path: str = "") -> None:
+    """vLLM importable for the vllm backend; a preregistered study (a GPU study: its memory gate reads
+    GPU memory through NVML) only where CUDA is; this machine's GPU (or CPU) the one the campaign's raw
     files are bound to. The same GPU check run() makes, made before the first file or folder exists."""
+    if preregistered:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ParameterError(f"params: {params_path or 'the study'} is preregistered for a GPU (its gates read GPU "
+                                 "memory through NVML) and this machine has no CUDA device; allowed here: a profile "
+                                 "such as params/profiles/smoke.yaml")
     if backend == "vllm":
         problem = vllm_interpreter_problem()
         if problem:

@@ -24,14 +24,31 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollout_lib.core import REPO_ROOT, build_directory_once
+from rollout_lib.core import build_directory_once, find_project_root
 from rollout_lib.study.arch import INIT_STD, QWEN3_SPECIAL_TOKENS, Qwen3Arch, get_architecture
 from rollout_lib.study.seeds import tensor_stream
 
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "snapshots"
+
+
+def default_cache_dir() -> Path:
+    """Where synthetic snapshots are built (rebuilt bit-identically from seeds, never committed):
+    $ROLLOUT_CACHE_DIR, else `.cache/snapshots` under the project root found from the working directory,
+    else ~/.cache/rollout-runtime/snapshots. Never inside the installed package: a regular install would
+    otherwise write 2.4 GB into site-packages."""
+    import os
+
+    if os.environ.get("ROLLOUT_CACHE_DIR"):
+        return Path(os.environ["ROLLOUT_CACHE_DIR"])
+    root = find_project_root()
+    if root is not None:
+        return root / ".cache" / "snapshots"
+    return Path.home() / ".cache" / "rollout-runtime" / "snapshots"
+
+
+DEFAULT_CACHE_DIR = default_cache_dir()  # at import, for modules that take it as a constant
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +232,7 @@ def ensure_snapshot(arch_name: str, seed: int, logit_scale: float, expected_dige
     """Build (once) and verify a synthetic snapshot in the cache; a digest mismatch is an error."""
     arch = get_architecture(arch_name)
     stored_scale = bf16_round(logit_scale)
-    root = Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
     # the architecture's config is part of the key: a changed shape must never reuse an old build
     arch_key = hashlib.sha256(json.dumps(arch.hf_config(), sort_keys=True).encode()).hexdigest()[:10]
     out = root / f"{arch.name}-{arch_key}-seed{seed}-scale{stored_scale!r}"

@@ -12,13 +12,12 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.core import REPO_ROOT
-from rollout_lib.report.summary import BACKEND_ORDER, GIB, gate_outcome
+from rollout_lib.core import project_root
+from rollout_lib.report.summary import BACKEND_ORDER, GIB, gate_outcome, read_evidence
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
 
@@ -42,12 +41,12 @@ OPEN_TARGET_SCRIPT = ("<script>document.addEventListener('click', function (even
 
 def evidence_report(path: str) -> dict[str, Any] | None:
     """An evidence file the aggregate names (relative to the repository, or absolute); None when absent."""
-    file = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
-    if not file.is_file() or file.stat().st_size > 64 * 2**20:
+    file = Path(path) if Path(path).is_absolute() else project_root() / path
+    if not file.is_file():
         return None
     try:
-        return json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError):
+        return read_evidence(path)
+    except (ValueError, UnicodeDecodeError):  # UnsafeInput is a ValueError
         return None
 
 
@@ -170,13 +169,16 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
                 g = gate(aggregate, failed)
                 if g and g["kind"] == "conformance":
                     reasons.append(exactness_reading(aggregate, study, failed)["sentence"])
+                elif g and g["kind"] == "speedup" and g.get("observed_min") is None:
+                    reasons.append(f"its speed gate is {gate_outcome(g)}: no paired cell measured yet "
+                                   f"(gate ≥ {g['threshold']:g}× the oracle)")
                 elif g and g["kind"] == "speedup":
                     reasons.append(f"its speed gate is {gate_outcome(g)} ({_ratio_range(g)} the oracle, "
                                    f"gate ≥ {g['threshold']:g}×)")
                 else:
                     reasons.append(f"{failed} is {gate_outcome(g) if g else 'missing'}")
             faster = (f"{candidate} is {_ratio_range(speed)} faster ({rate_range(aggregate, candidate)}) and "
-                      if speed and speed.get("observed_min") and speed["observed_min"] > 1 else f"{candidate} ")
+                      if speed and speed.get("observed_min") and speed["observed_min"] > 1 else f"{candidate}: ")
             why = f"{faster}" + "; ".join(reasons)
         out.append(("Local rollouts", f"use {_backend_speed(aggregate, chosen)}, the oracle: {why}."))
     for key, label in (("direct_gkd", "Direct GKD"), ("pg_k1", "PG-k1")):

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rollout_lib.safe_read import read_json, read_text
+
 PHASES = ("rollout", "teacher_scoring", "actor_scoring", "actor_update", "policy_sync")
 COLOURS = {"rollout": "#2b6cb0", "teacher_scoring": "#805ad5", "actor_scoring": "#38a169",
            "actor_update": "#dd6b20", "policy_sync": "#e53e3e", "other": "#a0aec0"}
@@ -14,7 +16,7 @@ COLOURS = {"rollout": "#2b6cb0", "teacher_scoring": "#805ad5", "actor_scoring": 
 
 def load_cycle_aggregate(output_dir: Path, campaign: str) -> dict[str, Any] | None:
     path = Path(output_dir) / "cycles" / "aggregate" / f"{campaign}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path, kind="aggregate", root=output_dir) if path.is_file() else None
 
 
 def _gib(value: Any) -> str:
@@ -43,8 +45,8 @@ def _raw_facts(output_dir: Path | None, raw_file: str) -> dict[str, str]:
     if output_dir is None:
         return {"source commit": "—", "trainer memory": "—"}
     try:
-        with (Path(output_dir) / raw_file).open() as handle:
-            records = [json.loads(line) for line in handle if line.strip()]
+        text = read_text(Path(output_dir) / raw_file, kind="cycle_raw", root=output_dir)
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
         header = records[0]
     except (OSError, ValueError, IndexError):
         return {"source commit": "unreadable", "trainer memory": "unreadable"}
@@ -53,6 +55,10 @@ def _raw_facts(output_dir: Path | None, raw_file: str) -> dict[str, str]:
     strategy = header.get("training_memory")
     if strategy is None:
         trainer = "every activation kept (before the memory strategy)"
+    elif strategy.get("path") == "fused_mirror":  # the fast training path (issue 41)
+        parts = ["fused mirror", f"{strategy.get('logprob_kernel')} head",
+                 f"micro-batches <= {strategy.get('max_tokens_per_micro_batch'):,} tokens"]
+        trainer = ", ".join((["checkpointed layers"] if strategy.get("gradient_checkpointing") else []) + parts)
     else:
         parts = (["checkpointed layers"] if strategy.get("gradient_checkpointing") else []) + [
             f"head chunks of {strategy.get('logprob_chunk_tokens')}"]

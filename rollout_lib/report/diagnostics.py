@@ -7,13 +7,13 @@ reader can re-derive every number from it, but no gate or selection reads these 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from rollout_lib.backends.server import root_cause_in
 from rollout_lib.core import sha256_file
+from rollout_lib.safe_read import read_json
 
 KINDS = ("vllm_inprocess_diagnostic", "vllm_refresh_paths", "vllm_ladder")
 
@@ -22,7 +22,7 @@ def diagnostic_files(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     out = []
     for path in sorted((Path(output_dir) / "perf").glob("*.json")):
         try:
-            report = json.loads(path.read_text())
+            report = read_json(path, kind="evidence", root=output_dir)
         except (ValueError, UnicodeDecodeError):
             continue
         if isinstance(report, dict) and report.get("kind") in KINDS:

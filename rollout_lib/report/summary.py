@@ -8,12 +8,12 @@ hash-checked frozen calculator; nothing here changes a number, it only lays numb
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.core import REPO_ROOT, sha256_file
+from rollout_lib.core import REPO_ROOT, project_root, sha256_file
+from rollout_lib.safe_read import read_json
 from rollout_lib.study.prereg import Preregistration
 
 GIB = 2**30
@@ -378,8 +378,7 @@ def conformance_table(aggregate: dict[str, Any]):
     for entry in aggregate["evidence_files"]:
         if "conformance" not in entry["kind"]:  # local, vllm, and the diagnostics beside them
             continue
-        report = json.loads((REPO_ROOT / entry["path"]).read_text()) if not Path(entry["path"]).is_absolute() \
-            else json.loads(Path(entry["path"]).read_text())
+        report = read_evidence(entry["path"])
         verdict = report.get("verdict", {})
         measured = report.get("bfloat16") or report.get("float32", {})
         tf = measured.get("teacher_forced", {})
@@ -411,13 +410,20 @@ def _count_of(same: Any, total: Any, reason: str | None) -> str:
     return f"{same}/{total}"
 
 
+def read_evidence(path: str) -> Any:
+    """An evidence file an aggregate names: a relative path is the project's (and must stay inside it),
+    an absolute one is taken as named; either way a regular file, size-checked before it is read."""
+    if Path(path).is_absolute():
+        return read_json(path, kind="evidence")
+    return read_json(project_root() / path, kind="evidence", root=project_root())
+
+
 def refresh_reports(aggregate: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(aggregate entry, evidence report) of every policy-refresh evidence file of the campaign."""
     out = []
     for entry in aggregate["evidence_files"]:
         if entry["kind"] == "policy_refresh":
-            path = Path(entry["path"]) if Path(entry["path"]).is_absolute() else REPO_ROOT / entry["path"]
-            out.append((entry, json.loads(path.read_text())))
+            out.append((entry, read_evidence(entry["path"])))
     return out
 
 
@@ -487,7 +493,7 @@ def render(campaign: str, params: str, output_dir: Path, cycle_campaigns: str = 
     executed, html = report_dir / f"{campaign}.ipynb", report_dir / f"{campaign}.html"
     tmp_notebook = report_dir / f".{campaign}.tmp-{os.getpid()}.ipynb"
     tmp_html = report_dir / f".{campaign}.tmp-{os.getpid()}.html"
-    from rollout_lib.core import notebook_kernel_options, project_root
+    from rollout_lib.core import notebook_kernel_options
 
     root = project_root()  # the notebook is the project's, found from the working directory, not the package
     parameters = {"campaign": campaign, "params": str(Path(params).resolve()),

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rollout_lib.core import REPO_ROOT, sha256_bytes, sha256_file
+from rollout_lib.core import REPO_ROOT, sha256_bytes
+from rollout_lib.safe_read import UnsafeInput, read_bytes, read_text
 from rollout_lib.study.prereg import CalculatorSpec, Preregistration
 from rollout_lib.study.prereg import load as load_rollout
 from rollout_lib.study.strict import StrictLoadError, from_mapping, load_yaml
@@ -148,7 +149,7 @@ def loads(text: str, source_path: str = "<string>", root: Path = REPO_ROOT) -> C
         else Path(study.rollout_preregistration)
     if not rollout_path.is_file():
         raise CycleStudyError("rollout_preregistration", f"{rollout_path} is not a file")
-    found = sha256_file(rollout_path)
+    found = sha256_bytes(read_bytes(rollout_path, kind="preregistration"))
     if found != study.rollout_preregistration_sha256:
         raise CycleStudyError("rollout_preregistration_sha256",
                               f"{rollout_path} has SHA-256 {found}; the cycle study pins "
@@ -174,6 +175,10 @@ def loads(text: str, source_path: str = "<string>", root: Path = REPO_ROOT) -> C
 
 def load(path: str | Path) -> CycleStudy:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"cycle preregistration {path} does not exist")
-    return loads(path.read_text(encoding="utf-8"), str(path))
+    try:  # a regular file, size checked before reading
+        text = read_text(path, kind="preregistration")
+    except UnsafeInput as exc:
+        raise CycleStudyError("<file>", str(exc)) from None
+    return loads(text, str(path))

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rollout_lib.core import REPO_ROOT, sha256_bytes, sha256_file
+from rollout_lib.core import REPO_ROOT, sha256_bytes
+from rollout_lib.safe_read import UnsafeInput, read_bytes
 from rollout_lib.study.arch import ARCHITECTURES, Qwen3Arch
 from rollout_lib.study.model_source import SHA256_PATTERN, SYNTHETIC_ONLY_KEYS
 from rollout_lib.study.strict import StrictLoadError, from_mapping, load_yaml
@@ -420,9 +421,12 @@ def load(path: str | Path = DEFAULT_PREREG) -> Preregistration:
     path = Path(path)
     if path.is_dir():
         raise PreregistrationError("<file>", f"{path} is a directory, not a preregistration file (a YAML file)")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"preregistration {path} does not exist")
-    data = path.read_bytes()
+    try:  # a regular file, size checked with fstat before a byte is read (a sparse 3 GiB file is refused)
+        data = read_bytes(path, kind="preregistration", limit=MAX_STUDY_FILE_BYTES)
+    except UnsafeInput as exc:
+        raise PreregistrationError("<file>", str(exc)) from None
     if len(data) > MAX_STUDY_FILE_BYTES:
         raise PreregistrationError("<file>", f"{path} is {len(data)} bytes; a study file is at most "
                                              f"{MAX_STUDY_FILE_BYTES} bytes")
@@ -434,5 +438,5 @@ def load(path: str | Path = DEFAULT_PREREG) -> Preregistration:
     if "\x00" in text:
         raise PreregistrationError("<file>", f"{path} contains NUL bytes: a binary file, not YAML")
     study = loads(text, str(path))
-    assert study.sha256 == sha256_file(path)
+    assert study.sha256 == sha256_bytes(data)
     return study
