@@ -204,6 +204,7 @@ class RayExecutor:
         return self._result(handle)
 
     def close(self) -> None:
-        self.token_path.unlink(missing_ok=True) if self.token else None
+        if self.token:
+            self.token_path.unlink(missing_ok=True)
         if self._started_ray:
             self.ray.shutdown()
