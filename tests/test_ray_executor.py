@@ -224,3 +224,23 @@ def test_the_local_path_never_imports_ray_and_a_missing_ray_is_named():
     loaded = subprocess.run([sys.executable, "-c", "import sys, rollout_lib.cli, rollout_lib.campaign.driver; "
                              "print('ray' in sys.modules)"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert loaded.stdout.strip() == "False", loaded.stderr
+
+
+def test_the_command_joins_a_running_cluster_by_address(ray_cluster, tmp_path):
+    """`rollout campaign run --executor ray --address HOST:PORT` from another process joins this module's
+    cluster (token authentication on: the token file this user's cluster wrote), measures, and leaves the
+    cluster running; `campaign status` names the executor and the cluster."""
+    address = ray_cluster.get_runtime_context().gcs_address
+    out = tmp_path / "out"
+    base = ["--campaign", "joined", "--params", str(SMOKE), "--output-dir", str(out)]
+    env = dict(os.environ, TQDM_DISABLE="1")
+    env.pop("RAY_ADDRESS", None)
+    done = _cli("campaign", "run", *base, "--backend", "hf_cached", "--deadline-s", "600", "--executor", "ray",
+                "--address", address, "--cells", "p16-r8-n1-greedy,p16-r8-n2-greedy", env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("(ray on ") == 2 and done.stdout.count("): exit 0; raw file ") == 2, done.stdout
+    assert ray_cluster.is_initialized() and ray_cluster.cluster_resources().get("GPU") == 2, "the cluster stays up"
+    status = _cli("campaign", "status", *base, env=env)
+    assert status.returncode == 0, status.stderr
+    assert f"executor ray: cluster {address}, 1 node(s); dashboard " in status.stdout, status.stdout
+    assert "hf_cached: 2 valid, 14 to measure" in status.stdout, status.stdout
