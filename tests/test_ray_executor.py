@@ -32,9 +32,12 @@ def ray_cluster():
     """One local Ray instance for the module: 2 CPUs, 2 fake GPUs, no dashboard; token auth left on."""
     if ray.is_initialized():
         ray.shutdown()
+    environment = dict(os.environ)  # ray.init exports RAY_AUTH_MODE, PYTHONBREAKPOINT, ...: not for later tests
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 1024 ** 2)
     yield ray
     ray.shutdown()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 @pytest.fixture()
