@@ -49,8 +49,8 @@ CAMPAIGN_ARGS = --campaign $(CAMPAIGN) --backend $(BACKEND) --params $(PARAMS) -
   --deadline-s $(DEADLINE_S) $(if $(GPUS),--gpus $(GPUS)) $(if $(CELLS),--cells "$(CELLS)") \
   $(if $(LEASE_S),--lease-s $(LEASE_S))
 
-campaign: setup  ## measure what is missing of CAMPAIGN for BACKEND over GPUS until DEADLINE_S (DETACH=1: background)
-	$(ROLLOUT) campaign run $(CAMPAIGN_ARGS) $(if $(DETACH),--detach)
+campaign: setup  ## measure what is missing of CAMPAIGN for BACKEND over GPUS until DEADLINE_S (DETACH=1: background; EXECUTOR=ray ADDRESS=auto: a Ray cluster)
+	$(ROLLOUT) campaign run $(CAMPAIGN_ARGS) $(if $(DETACH),--detach) $(if $(EXECUTOR),--executor $(EXECUTOR)) $(if $(ADDRESS),--address $(ADDRESS))
 
 campaign-plan: setup  ## the schedule `make campaign` would run, with its estimates (FORECAST=1: lease after lease)
 	$(ROLLOUT) campaign plan $(CAMPAIGN_ARGS) $(if $(FORECAST),--forecast) $(if $(AS_IDENTITY),--as-identity $(AS_IDENTITY))

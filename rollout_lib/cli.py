@@ -657,8 +657,24 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     if args.campaign_command == "run":  # refused before a log, a state or a raw file exists
         from rollout_lib.measure.runner import check_machine_for
 
-        check_machine_for(args.backend, output_dir, args.campaign, preregistered=study.preregistered,
-                          params_path=str(args.params))
+        try:
+            executor = driver.resolve_executor(args.executor, args.gpus, driver.visible_gpus())
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        if args.address is not None and executor != "ray":
+            raise CommandError("address: only with --executor ray (the address of a Ray cluster: auto or HOST:PORT)")
+        if args.address is not None and args.address != "auto" and not re.fullmatch(r"[\w.\-]+:\d{1,5}", args.address):
+            raise CommandError(f"address: {args.address!r} is not allowed; auto or HOST:PORT (e.g. 10.0.0.5:6379)")
+        if executor == "local":  # a Ray worker's machine is checked by its own measuring process
+            check_machine_for(args.backend, output_dir, args.campaign, preregistered=study.preregistered,
+                              params_path=str(args.params))
+        else:
+            from rollout_lib.campaign.executors import ExecutorError, import_ray
+
+            try:
+                import_ray()
+            except ExecutorError as exc:
+                raise CommandError(str(exc)) from None
     cells = _campaign_cells_option(study, args.campaign, args.backend, output_dir, args.cells, args.exclude_cells)
     if args.campaign_command == "plan":
         identity = None
@@ -696,13 +712,20 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         argv += ["--exclude-cells", args.exclude_cells] if args.exclude_cells else []
         argv += ["--expect-identity", args.expect_identity] if args.expect_identity else []
         argv += ["--lease-s", repr(args.lease_s)] if args.lease_s is not None else []
+        argv += ["--executor", args.executor] if args.executor else []
+        argv += ["--address", args.address] if args.address else []
         pid = driver.detach(argv, log)
         print(f"campaign driver started detached: pid {pid}; log {log}; "
               f"poll with: rollout campaign status --campaign {args.campaign}")
         return 0
-    return driver.run_campaign(study, args.campaign, args.backend, output_dir, gpus=args.gpus,
-                               deadline_s=args.deadline_s, cells=cells, expect_identity=args.expect_identity,
-                               lease_s=args.lease_s)
+    from rollout_lib.campaign.executors import ExecutorError
+
+    try:
+        return driver.run_campaign(study, args.campaign, args.backend, output_dir, gpus=args.gpus,
+                                   deadline_s=args.deadline_s, cells=cells, expect_identity=args.expect_identity,
+                                   lease_s=args.lease_s, executor=args.executor, address=args.address)
+    except ExecutorError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _require_identity_prefix(option: str, value: str | None) -> None:
@@ -778,12 +801,13 @@ EXPLAINED: dict[str, tuple[str, str]] = {
                     "rollout conformance --params params/profiles/smoke.yaml --device cpu --out /tmp/conformance.json"),
     "refresh": ("Eight policy refreshes through one backend, then the teardown proof; writes an evidence JSON.",
                 "rollout refresh --backend hf_cached --params params/profiles/smoke.yaml --out /tmp/refresh.json"),
-    "campaign": ("A campaign over GPU leases: plan what is missing, run it (one process per GPU), follow it.",
+    "campaign": ("A campaign over GPU jobs: plan what is missing, run it (one GPU here, or a Ray cluster), follow it.",
                  "rollout campaign status --campaign h200-v2"),
     "campaign plan": ("Print the longest-first schedule of what is missing, with estimates; writes nothing.",
                       "rollout campaign plan --campaign h200-v2 --backend hf_cached --deadline-s 1500"),
-    "campaign run": ("Measure what is missing, one process per GPU, until --deadline-s (--detach: background).",
-                     "rollout campaign run --campaign h200-v2 --backend hf_cached --deadline-s 1500 --detach"),
+    "campaign run": ("Measure what is missing, one process per GPU (local, or --executor ray), until --deadline-s.",
+                     "rollout campaign run --campaign h200-v2 --backend hf_cached --deadline-s 1500 --executor ray "
+                     "--address auto"),
     "campaign status": ("Show done / running / to-measure cells, each driver's state and when it was written.",
                         "rollout campaign status --campaign h200-v2"),
     "vllm-diagnostic": ("Compare managed vLLM with the in-process engine on the same requests (diagnostic).",
@@ -978,7 +1002,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--backend", default=None if action == "status" else "hf_reference",
                        help="hf_reference, hf_cached or vllm")
         if action != "status":
-            p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 1 on a CPU)")
+            p.add_argument("--gpus", type=int, default=None,
+                           help="GPUs to use (default: 1 with the local executor; every GPU of the Ray cluster with "
+                                "--executor ray); more than one means --executor ray")
             p.add_argument("--deadline-s", type=float, default=1500.0,
                            help="seconds from now after which no repetition may end (default 1500)")
             p.add_argument("--lease-s", type=float, default=None,
@@ -995,6 +1021,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "under a known identity must not start them afresh under another one")
         if action == "run":
             p.add_argument("--detach", action="store_true", help="run in its own process session and return")
+            p.add_argument("--executor", choices=("local", "ray"), default=None,
+                           help="local: one GPU (or the CPU) of this machine, no Ray; ray: one worker per GPU of a "
+                                "Ray cluster (docs/ray.md). Default: local for one GPU, ray for more")
+            p.add_argument("--address", default=None, metavar="auto|HOST:PORT",
+                           help="(--executor ray) the Ray cluster to join; default: RAY_ADDRESS, a cluster started "
+                                "on this machine, else a new local one")
         if action == "plan":
             p.add_argument("--as-identity", default=None, metavar="SHA256_PREFIX",
                            help="cost cut cells' continuations under this measurement identity of the campaign's "

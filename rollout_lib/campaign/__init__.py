@@ -1,3 +1,4 @@
-"""Campaigns: the preregistered workload measured over many GPU leases. The schedule (cost estimates,
-longest-first over GPUs, deadline-bounded) and the driver (one measuring process per GPU, detached,
-with a status a later command can read)."""
+"""Campaigns: the preregistered workload measured over many GPU jobs. The schedule (cost estimates,
+longest-first over GPUs, deadline-bounded), the executors (local: one GPU, no Ray; ray: one worker per GPU
+of a Ray cluster) and the driver (one measuring process per GPU, detached, with a status a later command
+can read)."""

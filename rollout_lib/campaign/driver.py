@@ -1,23 +1,27 @@
-"""Campaign driver: what is still missing, scheduled longest-first over the visible GPUs, one measuring
-process per GPU, bounded by a deadline, resumable across GPU leases.
+"""Campaign driver: what is still missing, scheduled longest-first over GPU slots, one measuring
+process per GPU, bounded by a deadline, resumable across GPU jobs.
 
     rollout campaign plan   --campaign h200-v2 --backend hf_reference --gpus 2 --deadline-s 1500
-    rollout campaign run    --campaign h200-v2 --backend hf_reference --gpus 2 --deadline-s 1500 [--detach]
+    rollout campaign run    --campaign h200-v2 --backend hf_reference --deadline-s 1500 [--detach]
+    rollout campaign run    --campaign h200-v2 --backend hf_reference --deadline-s 1500 --executor ray --address auto
     rollout campaign status --campaign h200-v2 [--backend hf_reference]
 
 `run` reads the cells still to measure (the frozen calculator's definition, as `rollout missing`),
 estimates each (a prior per backend, calibrated by the median observed/prior ratio of earlier raw
-files on the same GPU model) and plans them longest-first onto the least-loaded GPU. Each GPU gets
-one `rollout measure --direct` process (`CUDA_VISIBLE_DEVICES=<gpu>`, its own run id and raw file,
-the deadline and the estimates); the runner starts no repetition that would end after the deadline
-and leaves a cut cell as a segment that the next lease continues. The driver itself never touches
+files on the same GPU model) and plans them longest-first onto the least-loaded GPU slot. Each slot gets
+one `rollout measure --direct` process (its own run id and raw file, the deadline and the estimates),
+started by an executor (`executors.py`): `local` (one GPU of this machine via CUDA_VISIBLE_DEVICES, or
+its CPU; no Ray) or `ray` (a Ray task with num_gpus=1 per slot, on any node of a Ray cluster; more than
+one GPU always runs there, DESIGN decision 14). The runner starts no repetition that would end after the
+deadline and leaves a cut cell as a segment that the next job continues; a Ray worker lost mid-cell is
+sealed by the driver and its unfinished cells continued by a replacement. The driver itself never touches
 CUDA (a CUDA context in it would be a foreign GPU process to the workers' NVML check).
 
 State lives in `<output-dir>/campaigns/<campaign>/<backend>-driver-<stamp>.json` (workers, pids,
-plan; one file per driver run) and logs beside it; `status` reads that and the raw files: done /
-running / to-measure cells, the current cell and repetition of each worker, and an ETA.
-`--detach` starts the driver in its own process session (it outlives the command that started
-it) and returns at once.
+plan, executor and Ray cluster; one file per driver run), logs beside it and, for Ray workers, the
+worker records (node, GPU) under `workers/`; `status` reads those and the raw files: done / running /
+to-measure cells, the current cell and repetition of each worker, and an ETA. `--detach` starts the
+driver in its own process session (it outlives the command that started it) and returns at once.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rollout_lib.campaign.executors import (
+    EXECUTORS,
+    ExecutorError,
+    LocalExecutor,
+    RayExecutor,
+    WorkerJob,
+    worker_record_path,
+)
+from rollout_lib.campaign.identity_probe import identity_differences, probe
 from rollout_lib.campaign.schedule import (
     COLD_START_S,
     DEFAULT_COLD_START_S,
@@ -53,7 +66,7 @@ from rollout_lib.campaign.schedule import (
 from rollout_lib.core import REPO_ROOT, write_json_atomic
 from rollout_lib.evidence.publish import campaign_cells
 from rollout_lib.measure.campaign_files import continuable_files, find_continuations
-from rollout_lib.measure.rawfile import RawFileError, live_holder, read_raw
+from rollout_lib.measure.rawfile import RawFileError, live_holder, read_raw, read_seals, seal_abandoned
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
 
@@ -234,21 +247,7 @@ def own_identity(study: Preregistration, backend: str, gpu: str | None = None,
     `rollout_lib.campaign.identity_probe` in a subprocess (on `gpu` via CUDA_VISIBLE_DEVICES; it exits
     before any worker starts, so this process never holds a CUDA context); sha256 None and why if it
     fails."""
-    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
-    # the child runs in the package's tree (to import it): every data path it is given is absolute
-    command = [sys.executable, "-m", "rollout_lib.campaign.identity_probe", "--params",
-               os.path.abspath(study.source_path),
-               "--backend", backend]
-    try:
-        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if done.returncode != 0:
-            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return {"sha256": None, "source": f"identity probe exited {done.returncode}: {tail}"}
-        found = json.loads(done.stdout)
-        return {"sha256": found["measurement_identity_sha256"], "key": found["measurement_identity"],
-                "source": "this machine's (identity probe)"}
-    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
-        return {"sha256": None, "source": f"identity probe failed: {type(exc).__name__}: {exc}"}
+    return probe(study.source_path, backend, gpu, timeout_s)
 
 
 class IdentityMismatch(ValueError):
@@ -414,20 +413,6 @@ def _cut_segments(backend_dir: Path, identities: list[str], todo: list[str]) -> 
             if continuation.done]
 
 
-def identity_differences(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-    """`key: theirs -> mine` for each leaf of two measurement identities that differs (`absent` where one
-    lacks it)."""
-    def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
-        if not isinstance(value, dict):
-            return {prefix: value}
-        return {k: v for key, sub in value.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
-
-    a = {k.rstrip("."): v for k, v in leaves(theirs).items()}
-    b = {k.rstrip("."): v for k, v in leaves(mine).items()}
-    return [f"{key}: {a.get(key, 'absent')} -> {b.get(key, 'absent')}" for key in sorted(set(a) | set(b))
-            if a.get(key, "absent") != b.get(key, "absent")]
-
-
 def _short(differences: list[str], most: int = 3) -> str:
     if not differences:
         return "no field differs"
@@ -511,60 +496,152 @@ def _worker_command(study_path: str, campaign: str, backend: str, output_dir: Pa
             ) + (["--device", device] if device else [])
 
 
+def resolve_executor(executor: str | None, gpus: int | None, visible: list[int]) -> str:
+    """`local` for one GPU (or the CPU), `ray` for more (DESIGN decision 14); an explicit choice is kept,
+    `local` with more than one GPU is refused (no home-made multi-GPU scheduling)."""
+    if executor is not None and executor not in EXECUTORS:
+        raise ValueError(f"executor: {executor!r} is not allowed; allowed: {', '.join(EXECUTORS)}")
+    wanted = gpus if gpus is not None else (len(visible) if executor is None else None)
+    if executor is None:
+        return "ray" if wanted is not None and wanted > 1 else "local"
+    if executor == "local" and wanted is not None and wanted > 1:
+        raise ValueError(f"gpus: {wanted} with --executor local is not allowed; the local executor runs one GPU, "
+                         "more than one GPU runs on Ray: --executor ray (--gpus 1 to use one of them here)")
+    return executor
+
+
+MAX_REPLACEMENTS_PER_SLOT = 2  # a slot whose workers keep dying is left to the next job
+REPLACEMENT_MARGIN_S = 60.0  # no replacement this close to the deadline: it could not even warm up
+
+
 def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir: Path, *, gpus: int | None,
                  deadline_s: float, cells: list[str] | None = None, progress: bool = True,
-                 expect_identity: str | None = None, lease_s: float | None = None) -> int:
-    """Plan, start one worker per GPU, wait for them; returns 0 when every worker exited 0.
+                 expect_identity: str | None = None, lease_s: float | None = None,
+                 executor: str | None = None, address: str | None = None) -> int:
+    """Plan, start one worker per GPU, wait for them; returns 0 when every worker exited 0 (a lost Ray
+    worker whose cells a replacement took over counts by its replacement).
 
-    `expect_identity` (a hex prefix): refuse before anything starts unless this machine's measurement
-    identity begins with it (`require_identity`)."""
+    `executor`: `local` (one GPU of this machine, or its CPU; no Ray) or `ray` (one Ray task with num_gpus=1
+    per GPU of the cluster at `address`; `resolve_executor` picks when None). `expect_identity` (a hex
+    prefix): refuse before anything starts unless the workers' measurement identity begins with it
+    (`require_identity`)."""
     output_dir = Path(os.path.abspath(output_dir))  # the workers run in the package's tree
     visible = visible_gpus()
-    count = gpus or max(1, len(visible))
-    if visible and count > len(visible):
-        raise ValueError(f"gpus: {count} requested, {len(visible)} visible ({visible})")
+    executor = resolve_executor(executor, gpus, visible)
     started = time.time()
     deadline_unix = started + deadline_s
-    the_plan, calibration = plan_on_this_machine(study, campaign, backend, output_dir, count, deadline_s, cells,
-                                                 expect_identity, visible, lease_s)
-    print(format_plan(the_plan, calibration), flush=True)
     folder = campaign_dir(output_dir, campaign)
+    if executor == "local":
+        count = gpus or 1
+        if visible and count > len(visible):
+            raise ValueError(f"gpus: {count} requested, {len(visible)} visible ({visible})")
+        the_plan, calibration = plan_on_this_machine(study, campaign, backend, output_dir, count, deadline_s, cells,
+                                                     expect_identity, visible, lease_s)
+        runner: Any = LocalExecutor(visible)
+    else:
+        runner = RayExecutor(address, folder, os.path.abspath(study.source_path), backend)
+        try:
+            the_plan, calibration = _plan_on_ray(runner, study, campaign, backend, output_dir, gpus, deadline_s,
+                                                 cells, expect_identity, lease_s)
+        except BaseException:
+            runner.close()
+            raise
+    try:
+        return _run_workers(runner, the_plan, calibration, study, campaign, backend, output_dir, folder, started,
+                            deadline_unix, progress)
+    finally:
+        runner.close()
+
+
+def _plan_on_ray(runner: RayExecutor, study: Preregistration, campaign: str, backend: str, output_dir: Path,
+                 gpus: int | None, deadline_s: float, cells: list[str] | None, expect_identity: str | None,
+                 lease_s: float | None) -> tuple[Plan, dict[str, Any]]:
+    """Connect, size the plan to the cluster's GPUs, plan under the identity a Ray worker has there."""
+    runner.connect()
+    available = runner.cluster_gpus()
+    if available < 1:
+        raise ExecutorError(f"executor: the Ray cluster at {runner.context.get('gcs_address')} has no GPU "
+                            "resources; start its nodes with their GPUs (ray start ... --num-gpus N)")
+    count = gpus or available
+    if count > available:
+        raise ValueError(f"gpus: {count} requested, the Ray cluster has {available}")
+    identity = runner.probe_identity()
+    identity["source"] = f"a Ray worker's on {identity.get('where', {}).get('hostname')} (identity probe)"
+    require_identity(identity, expect_identity)
+    runner.prepare(identity)
+    return make_plan(study, campaign, backend, output_dir, count, deadline_s, cells, identity, lease_s)
+
+
+def _public(worker: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in worker.items() if not k.startswith("_")}
+
+
+def _run_workers(runner: Any, the_plan: Plan, calibration: dict[str, Any], study: Preregistration, campaign: str,
+                 backend: str, output_dir: Path, folder: Path, started: float, deadline_unix: float,
+                 progress: bool) -> int:
+    print(format_plan(the_plan, calibration), flush=True)
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     stamp = _utc_stamp()
     estimates = {c: round(cost.repetition_s, 3) for c, cost in the_plan.costs.items()}
     warmup_estimates = {c: round(cost.first_s, 3) for c, cost in the_plan.costs.items()}
-    workers = []
-    for assignment in the_plan.assignments:
-        if not assignment.cells:
-            continue
-        run_id = f"{stamp}-g{assignment.gpu}"
+    study_path = os.path.abspath(study.source_path)
+    workers: list[dict[str, Any]] = []
+
+    def launch(slot: int, run_id: str, cells: list[str], replaces: str | None = None) -> None:
         log = folder / "logs" / f"{backend}-{run_id}.log"
-        env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
-        device = ""
-        if visible:
-            env["CUDA_VISIBLE_DEVICES"] = str(visible[assignment.gpu])
-        else:
-            device = "cpu"
-        command = _worker_command(os.path.abspath(study.source_path), campaign, backend, output_dir, run_id,
-                                  assignment.cells, deadline_unix, {c: estimates[c] for c in assignment.cells}, device,
-                                  {c: warmup_estimates[c] for c in assignment.cells})
-        with open(log, "ab") as handle:
-            proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        workers.append({"gpu": assignment.gpu, "pid": proc.pid, "run_id": run_id, "cells": assignment.cells,
-                        "raw_file": str(_backend_dir(output_dir, campaign, backend) / f"{run_id}.jsonl"),
-                        "log": str(log), "returncode": None, "_proc": proc})
+        raw_file = str(_backend_dir(output_dir, campaign, backend) / f"{run_id}.jsonl")
+        command = _worker_command(study_path, campaign, backend, output_dir, run_id, cells, deadline_unix,
+                                  {c: estimates[c] for c in cells}, "", {c: warmup_estimates[c] for c in cells})
+        job = WorkerJob(slot=slot, run_id=run_id, cells=cells, command=command, raw_file=raw_file, log=str(log),
+                        record=str(worker_record_path(folder, backend, run_id)))
+        handle = runner.start(job)
+        worker = {"gpu": slot, "pid": handle.get("pid"), "run_id": run_id, "cells": cells, "raw_file": raw_file,
+                  "log": str(log), "returncode": None, "_handle": handle, "_done": False}
+        if runner.name != "local":
+            worker |= {"executor": runner.name, "record": job.record, "replaces": replaces}
+        workers.append(worker)
+
+    for assignment in the_plan.assignments:
+        if assignment.cells:
+            launch(assignment.gpu, f"{stamp}-g{assignment.gpu}", assignment.cells)
     state = {"campaign": campaign, "backend": backend, "driver_pid": os.getpid(), "host": socket.gethostname(),
              "started_unix": started,
              "deadline_unix": deadline_unix, "plan": the_plan.to_json(), "calibration": calibration,
-             "workers": [{k: v for k, v in w.items() if not k.startswith("_")} for w in workers]}
+             "workers": [_public(w) for w in workers]}
+    if runner.name != "local":
+        state |= runner.describe()
     path = state_path(output_dir, campaign, backend, stamp)
     _write_state(path, state)
 
     def forward(signum, _frame):  # the workers stop at a repetition boundary's worth: teardown + seal
         for worker in workers:
-            if worker["_proc"].poll() is None:
-                os.killpg(worker["_proc"].pid, signal.SIGTERM)
+            if not worker["_done"]:
+                runner.stop(worker["_handle"])
+
+    def finish(worker: dict[str, Any], result: dict[str, Any]) -> None:
+        worker["_done"] = True
+        worker["returncode"] = result.get("returncode")
+        for key in ("ended", "lost", "refused"):
+            if result.get(key):
+                worker[key] = result[key]
+        _merge_worker_record(worker)
+        if result.get("lost") and runner.replaces_lost_workers:
+            replace_lost(worker)
+
+    def replace_lost(worker: dict[str, Any]) -> None:
+        """Seal a lost worker's raw file and continue its unfinished cells (its cut cell as a segment)."""
+        slot = worker["gpu"]
+        replaced = sum(1 for w in workers if w["gpu"] == slot and w.get("replaces"))
+        raw = Path(worker["raw_file"])
+        finished = {c for c, _ in worker_progress(raw)["done"]}
+        remaining = [c for c in worker["cells"] if c not in finished]
+        worker["sealed"] = seal_lost_raw_file(raw, f"campaign worker lost ({worker['lost'][:200]})")
+        if not remaining or replaced >= MAX_REPLACEMENTS_PER_SLOT:
+            return
+        if time.time() > deadline_unix - REPLACEMENT_MARGIN_S:
+            return
+        worker["replaced_by"] = f"{stamp}-g{slot}-r{replaced + 1}"
+        launch(slot, worker["replaced_by"], remaining, replaces=worker["run_id"])
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     total = sum(len(w["cells"]) for w in workers)
@@ -574,31 +651,81 @@ def run_campaign(study: Preregistration, campaign: str, backend: str, output_dir
 
         bar = tqdm(total=total, desc=f"{campaign}/{backend}: cells", unit="cell", disable=None)
     try:
-        while any(w["_proc"].poll() is None for w in workers):
+        while not all(w["_done"] for w in workers):
             time.sleep(POLL_S)
-            progress = [worker_progress(Path(w["raw_file"])) for w in workers]  # each file read once a poll
+            for w in list(workers):
+                if not w["_done"]:
+                    result = runner.poll(w["_handle"])
+                    if result is not None:
+                        finish(w, result)
+                    elif runner.name != "local":
+                        _merge_worker_record(w)
+            seen = [worker_progress(Path(w["raw_file"])) for w in workers]  # each file read once a poll
             if bar is not None:
-                bar.n = sum(len(p["done"]) for p in progress)
+                bar.n = len({cell for p in seen for cell, _ in p["done"]})
                 bar.set_postfix_str(" | ".join(f"g{w['gpu']}:{p['cell'] or '-'} {p['repetition'] or ''}".strip()
-                                               for w, p in zip(workers, progress, strict=True)))
+                                               for w, p in zip(workers, seen, strict=True) if not w["_done"]))
                 bar.refresh()
-            for w in workers:
-                w["returncode"] = w["_proc"].poll()
-            state["workers"] = [{k: v for k, v in w.items() if not k.startswith("_")} for w in workers]
+            state["workers"] = [_public(w) for w in workers]
             _write_state(path, state)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if bar is not None:
             bar.close()
-    for w in workers:
-        w["returncode"] = w["_proc"].wait()
-    state["workers"] = [{k: v for k, v in w.items() if not k.startswith("_")} for w in workers]
+    state["workers"] = [_public(w) for w in workers]
     state["finished_unix"] = time.time()
     _write_state(path, state)
     for w in workers:
-        print(f"GPU {w['gpu']}: exit {w['returncode']}; raw file {w['raw_file']}; log {w['log']}", flush=True)
-    return 0 if all(w["returncode"] == 0 for w in workers) else 1
+        if runner.name == "local":
+            print(f"GPU {w['gpu']}: exit {w['returncode']}; raw file {w['raw_file']}; log {w['log']}", flush=True)
+        else:
+            how = (f"refused: {w['refused']}" if w.get("refused") else f"lost: {w['lost']}" if w.get("lost")
+                   else f"exit {w['returncode']}")
+            print(f"worker {w['run_id']} ({_where_text(w)}): {how}"
+                  + (f"; continued by {w['replaced_by']}" if w.get("replaced_by") else "")
+                  + f"; raw file {w['raw_file']}; log {w['log']}", flush=True)
+    return 0 if all(w["returncode"] == 0 or w.get("replaced_by") for w in workers) else 1
+
+
+def _merge_worker_record(worker: dict[str, Any]) -> None:
+    """A Ray worker's node, GPU and measuring pid, from the record it wrote (`ray_worker.measure_slot`)."""
+    record_path = worker.get("record")
+    if not record_path:
+        return
+    try:
+        record = json.loads(Path(record_path).read_text())
+    except (OSError, ValueError):
+        return
+    worker["node"] = {k: record.get(k) for k in ("hostname", "node_ip", "node_id")}
+    worker["gpu_ids"] = record.get("ray_gpu_ids")
+    worker["cuda_visible_devices"] = record.get("cuda_visible_devices")
+    worker["pid"] = record.get("measuring_pid", worker.get("pid"))
+    worker["ray_worker_pid"] = record.get("worker_pid")
+
+
+def _where_text(worker: dict[str, Any]) -> str:
+    node = worker.get("node") or {}
+    gpus = ",".join(worker.get("gpu_ids") or []) or "?"
+    return (f"{worker.get('executor', 'local')} on {node.get('hostname') or '?'} ({node.get('node_ip') or '?'}) "
+            f"GPU {gpus}")
+
+
+def seal_lost_raw_file(raw: Path, reason: str, wait_s: float = 30.0) -> str:
+    """Seal the raw file of a worker that died (its writer is gone, so `publish` would refuse it unsealed):
+    what `rollout seal` does by hand. Waits for the dead writer's lock to be released; says what it did."""
+    if not raw.is_file():
+        return "no raw file (the worker died before it wrote one)"
+    give_up = time.time() + wait_s
+    while live_holder(raw) is not None:
+        if time.time() > give_up:
+            return "not sealed: a live writer still holds it"
+        time.sleep(0.2)
+    relative = raw.resolve().relative_to(raw.parent.parent.resolve()).as_posix()
+    if relative in read_seals(raw.parent.parent):
+        return "sealed by its writer"
+    entry = seal_abandoned(raw, reason=reason)
+    return f"sealed abandoned by the driver, sha256 {entry['sha256']}"
 
 
 def _write_state(path: Path, state: dict[str, Any]) -> None:
@@ -714,25 +841,39 @@ def status(study: Preregistration, campaign: str, output_dir: Path, backend: str
         left = state["deadline_unix"] - now
         lines.append(f"driver {state['backend']} pid {state['driver_pid']}: {words}")
         lines.append(_written_line(state, now))
+        if state.get("executor") == "ray":
+            ray_info = state.get("ray") or {}
+            lines.append(f"  executor ray: cluster {ray_info.get('gcs_address') or 'address not recorded'}, "
+                         f"{ray_info.get('nodes', '?')} node(s); dashboard "
+                         + (ray_info.get("dashboard_url") or "none (not started with this cluster)"))
         estimates = state["plan"]["estimates_s"]
         warmup_estimates = state["plan"].get("warmup_estimates_s", {})  # absent in drivers before lease 16
         for worker in state["workers"]:
             raw = _worker_raw_file(worker, output_dir, campaign, state["backend"])
             progress = worker_progress(raw)
             # a worker of a state that is not live is not probed: its pid may be another process here
-            running = alive and _alive(worker["pid"]) and live_holder(raw) is not None
+            if worker.get("executor") == "ray":  # its pid lives on its node: the driver's record says
+                running = alive and worker.get("returncode") is None and not worker.get("lost") \
+                    and not worker.get("refused") and not progress["ended"]
+            else:
+                running = alive and _alive(worker["pid"]) and live_holder(raw) is not None
             finished = {c for c, _ in progress["done"]}
             remaining = [c for c in worker["cells"] if c not in finished]
             eta = sum(warmup_estimates.get(c, estimates.get(c, 0)) * study.protocol.warmup_repetitions
                       + estimates.get(c, 0) * study.protocol.measured_repetitions for c in remaining)
             eta = min(eta, max(0.0, left)) if running else 0.0
-            state_word = ("running" if running else f"exited {worker.get('returncode')}"
+            state_word = ("running" if running else f"lost ({worker['lost'][:120]})" if worker.get("lost")
+                          else f"refused ({worker['refused'][:160]})" if worker.get("refused")
+                          else f"exited {worker.get('returncode')}"
                           if "finished_unix" in state or worker.get("returncode") is not None
                           else "not live (no exit recorded)")
-            lines.append(f"  GPU {worker['gpu']} pid {worker['pid']} {state_word}: "
+            where = f" [{_where_text(worker)}]" if worker.get("executor") == "ray" else ""
+            then = f"; continued by {worker['replaced_by']}" if worker.get("replaced_by") else ""
+            lines.append(f"  GPU {worker['gpu']}{where} pid {worker['pid']} {state_word}{then}: "
                          f"{len(finished)}/{len(worker['cells'])} cells ended"
                          + (f" ({_count_words(s.split(' (')[0] for _, s in progress['done'])})" if finished else "")
-                         + (f"; now {progress['cell']} {progress['repetition']}" if progress["cell"] else "")
+                         + (f"; {'now' if running or not worker.get('lost') else 'cut in'} {progress['cell']} "
+                            f"{progress['repetition']}" if progress["cell"] else "")
                          + (f"; ETA {eta:.0f} s" if running else "") + f"; {raw.name}")
     if len(lines) == 0:
         lines.append(f"campaign {campaign}: no driver state under {campaign_dir(output_dir, campaign)}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from typing import Any
 
@@ -32,6 +34,42 @@ def measurement_identity(study: Any, backend_name: str) -> dict[str, Any]:
     code = measurement_code(("rollout_lib.measure.runner", get_backend_class(backend_name).__module__))
     key = identity_key(environment, code["sha256"])
     return {"measurement_identity": key, "measurement_identity_sha256": identity_sha256(key)}
+
+
+def probe(params_path: str, backend: str, gpu: str | None = None, timeout_s: float = 300) -> dict[str, Any]:
+    """{"sha256", "key", "source"}: the measurement identity a worker on this machine will have, from this
+    module in a subprocess (on `gpu` via CUDA_VISIBLE_DEVICES, else the caller's; it exits before any
+    worker starts, so the caller never holds a CUDA context); sha256 None and why if it fails."""
+    from rollout_lib.core import REPO_ROOT
+
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
+    # the child runs in the package's tree (to import it): every data path it is given is absolute
+    command = [sys.executable, "-m", "rollout_lib.campaign.identity_probe", "--params", os.path.abspath(params_path),
+               "--backend", backend]
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"sha256": None, "source": f"identity probe exited {done.returncode}: {tail}"}
+        found = json.loads(done.stdout)
+        return {"sha256": found["measurement_identity_sha256"], "key": found["measurement_identity"],
+                "source": "this machine's (identity probe)"}
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+        return {"sha256": None, "source": f"identity probe failed: {type(exc).__name__}: {exc}"}
+
+
+def identity_differences(theirs: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """`key: theirs -> mine` for each leaf of two measurement identities that differs (`absent` where one
+    lacks it)."""
+    def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(value, dict):
+            return {prefix: value}
+        return {k: v for key, sub in value.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
+
+    a = {k.rstrip("."): v for k, v in leaves(theirs).items()}
+    b = {k.rstrip("."): v for k, v in leaves(mine).items()}
+    return [f"{key}: {a.get(key, 'absent')} -> {b.get(key, 'absent')}" for key in sorted(set(a) | set(b))
+            if a.get(key, "absent") != b.get(key, "absent")]
 
 
 def main(argv: list[str] | None = None) -> int:
