@@ -252,3 +252,28 @@ def test_a_record_breaking_a_number_rule_excludes_its_file_with_the_reason(campa
     records[number]["wall_s"] = 0
     assert record_problem(records) == (f"record {number + 1} (repetition): wall_s = 0 must be a finite number > 0 "
                                        "(seconds; at least 1e-09)")
+
+
+def test_writer_locks_live_outside_the_committed_evidence_folders(tmp_path):
+    """A raw file's, a cycle raw file's, a conformance file's and a seal manifest's lock go to
+    <output-dir>/.locks/ (issue 40: lock files live outside the committed evidence folders); the lock still
+    refuses a second writer and names the live holder."""
+    import pytest as _pytest
+
+    from rollout_lib.measure.rawfile import FileLock, WriterBusy, live_holder, lock_path
+
+    out = tmp_path / "outputs"
+    cases = {out / "raw" / "c" / "hf_cached" / "r.jsonl": out / ".locks" / "raw" / "c" / "hf_cached" / "r.jsonl.lock",
+             out / "cycles" / "raw" / "c" / "vllm" / "x.jsonl": out / ".locks" / "cycles" / "raw" / "c" / "vllm"
+             / "x.jsonl.lock",
+             out / "conformance" / "SEALS.jsonl": out / ".locks" / "conformance" / "SEALS.jsonl.lock",
+             tmp_path / "elsewhere" / "f.jsonl": tmp_path / "elsewhere" / "f.jsonl.lock"}
+    for target, expected in cases.items():
+        assert lock_path(target) == expected
+    target = out / "raw" / "c" / "hf_cached" / "r.jsonl"
+    with FileLock(target, what="raw"):
+        assert live_holder(target)["pid"] > 0
+        with _pytest.raises(WriterBusy, match="second raw writer"):
+            FileLock(target, what="raw").acquire()
+        assert not list((out / "raw").rglob("*.lock")), "no lock file inside the evidence folder"
+    assert live_holder(target) is None

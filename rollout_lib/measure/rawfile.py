@@ -1,6 +1,7 @@
 """Raw evidence files: one writer each, crash-safe appends, and an append-only seal manifest.
 
-- **One writer.** `RawWriter` takes an exclusive `flock` on `<file>.lock` before it reads, repairs or
+- **One writer.** `RawWriter` takes an exclusive `flock` on the file's lock (`<output-dir>/.locks/...`,
+  see `lock_path`) before it reads, repairs or
   appends; a second writer (a concurrent run, or a resume racing a live run) is refused at once with
   the holder's pid, host and start time. The kernel drops the lock when the holder dies, even on
   kill -9, so a crashed run never blocks its own resume.
@@ -90,6 +91,16 @@ def parse_raw(data: bytes, path: str | Path) -> tuple[list[dict[str, Any]], byte
 # ------------------------------------------------------------------------------------------
 
 def lock_path(target: Path) -> Path:
+    """Where the writer's lock of `target` lives: outside the committed evidence folders (issue 40), in
+    `<output-dir>/.locks/` mirroring the target's path, for a target in a raw or conformance tree
+    (`<output-dir>/raw/...`, `<output-dir>/cycles/raw/...`, `<output-dir>/conformance/...`); beside the
+    target (`<target>.lock`) for any other file. On the output tree, so writers on several nodes of a shared
+    filesystem see the same lock."""
+    target = Path(target)
+    for tree in target.parents:
+        if tree.name in ("raw", "conformance"):
+            root = tree.parent.parent if tree.name == "raw" and tree.parent.name == "cycles" else tree.parent
+            return root / ".locks" / target.relative_to(root).parent / (target.name + ".lock")
     return target.with_name(target.name + ".lock")
 
 
