@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rollout_lib.safe_write import write_bytes_atomic  # the one atomic writer (same foundation layer)
+
 # The library's own source tree: for code only (measurement-code digests, the pinned calculator files,
 # the source stamp). Data paths (params, outputs, notebooks) are never resolved from it: an editable install
 # would write into the checkout whatever the working directory, a regular one into site-packages.
@@ -176,18 +178,8 @@ def write_json_atomic(path: str | os.PathLike[str], value: Any, *, overwrite: bo
     target = Path(path)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} exists; evidence files are never rewritten (choose a new run id)")
-    target.parent.mkdir(parents=True, exist_ok=True)
     data = canonical_json_bytes(value)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:  # a full disk or an interrupt leaves no partial file beside the previous output
-        tmp.unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(target, data)
     return sha256_bytes(data)
 
 
