@@ -129,7 +129,8 @@ def fast_training_plan(study: CycleStudy, actor, cell) -> dict[str, int]:
     and one fused-head chunk."""
     training = study.training
     layer_params = sum(o * i for o, i in actor.linear_shapes().values())
-    rows_tokens = min(training.max_tokens_per_micro_batch, 16 * (cell.prompt_tokens + cell.response_tokens))
+    rows = study.rollout.workload.logical_prompts * cell.samples_per_prompt
+    rows_tokens = min(training.max_tokens_per_micro_batch, rows * (cell.prompt_tokens + cell.response_tokens))
     per_layer = rows_tokens * actor.hidden_size * ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN
     kept = (rows_tokens * actor.hidden_size * 2 * actor.num_hidden_layers + per_layer
             if training.gradient_checkpointing else per_layer * actor.num_hidden_layers)
