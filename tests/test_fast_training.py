@@ -244,3 +244,8 @@ def test_bf16_operand_logprobs_equal_the_float32_head_forward_and_backward():
     assert torch.allclose(fused_input.grad.float(), reference_input.grad.float(), rtol=8e-3, atol=1e-6)
     with pytest.raises(ValueError, match="not bfloat16"):
         fused_logprobs(hidden.float(), Head(weight.float(), weight), targets, "bf16_operands")
+
+
+def test_a_float32_trainer_refuses_the_bf16_operand_head_before_building_its_mirror(setup):
+    with pytest.raises(ValueError, match=r"compute dtype is torch\.float32, not bfloat16"):
+        _fast(setup, _actor(setup), TrainingSpec(path="fused_mirror", logprob_kernel="bf16_operands"))

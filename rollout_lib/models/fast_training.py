@@ -353,6 +353,9 @@ class FastActorTrainer:
         self.actor, self.spec, self.training = actor, spec, training
         self.device = torch.device(device)
         self.kernel = resolve_logprob_kernel(training.logprob_kernel, self.device)
+        if self.kernel == "bf16_operands" and compute_dtype != torch.bfloat16:  # refused before the mirror is built
+            raise ValueError(f"logprob_kernel bf16_operands: compute dtype is {compute_dtype}, not bfloat16 "
+                             "(use liger or torch_chunked)")
         self.mirror = build_training_mirror(actor, snapshot_dir, compute_dtype, self.device)
         self.decoder = self.mirror.get_base_model().model
         if training.gradient_checkpointing:
