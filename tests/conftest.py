@@ -75,6 +75,24 @@ def started_backends(study, policy, specs, **common):
     return backends
 
 
+def oracle_rollout(rollout, cache_dir: str, cell_id: str):
+    """The float32 CPU oracle (hf_reference) cold-started on the study's first policy version, and one
+    rollout of `cell_id` by it: (backend, workload, start policy, requests, batch, rows of (prompt, response))."""
+    from rollout_lib.backends import create_backend
+    from rollout_lib.models.policy import policy_versions
+    from rollout_lib.study.workload import Workload
+
+    backend = create_backend("hf_reference", rollout, device="cpu", compute_dtype="float32", cache_dir=cache_dir)
+    backend.cold_start()
+    workload = Workload(rollout)
+    start = policy_versions(workload.arch, rollout.actor.lora, rollout.actor.payload_digest, 1)[0]
+    backend.sync_policy(start)
+    requests = workload.requests(workload.cell(cell_id))
+    batch = backend.generate(requests)
+    rows = [(r.prompt_token_ids, tuple(res.token_ids)) for r, res in zip(requests, batch.results, strict=True)]
+    return backend, workload, start, requests, batch, rows
+
+
 def copy_as_local_snapshot(spec, target: Path, cache_dir: str | None = None):
     """A synthetic model's snapshot copied to `target`, a directory a user would name in `source: snapshot`,
     without the synthetic marker (a hub snapshot has none). Returns the synthetic snapshot's info."""

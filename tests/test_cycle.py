@@ -15,7 +15,7 @@ from rollout_lib.backends import create_backend
 from rollout_lib.core import REPO_ROOT
 from rollout_lib.measure.cycle import PHASES, CycleBudgetError, run_cycles
 from rollout_lib.measure.rawfile import read_raw, read_seals
-from rollout_lib.models.policy import policy_versions, read_policy_from_peft
+from rollout_lib.models.policy import read_policy_from_peft
 from rollout_lib.models.synthetic import ensure_snapshot, load_causal_lm
 from rollout_lib.models.training import (
     LOGPROB_CHUNK_TOKENS,
@@ -27,7 +27,8 @@ from rollout_lib.models.training import (
     token_logprobs,
 )
 from rollout_lib.study.cycle import CycleStudyError, load, loads
-from rollout_lib.study.workload import Workload
+
+from .conftest import oracle_rollout
 
 SMOKE_CYCLE = REPO_ROOT / "params" / "profiles" / "smoke-cycle.yaml"
 PREREGISTERED = REPO_ROOT / "params" / "rollout-runtime-v2-cycle.yaml"
@@ -69,14 +70,7 @@ def tiny(cycle_study, tmp_path_factory):
     """The smoke actor (NF4 + LoRA, float32 compute on CPU), the smoke teacher and one fixed batch."""
     cache = str(tmp_path_factory.mktemp("cycle-snapshots"))
     rollout = cycle_study.rollout
-    backend = create_backend("hf_reference", rollout, device="cpu", compute_dtype="float32", cache_dir=cache)
-    backend.cold_start()
-    workload = Workload(rollout)
-    start = policy_versions(workload.arch, rollout.actor.lora, rollout.actor.payload_digest, 1)[0]
-    backend.sync_policy(start)
-    requests = workload.requests(workload.cell("p16-r24-n2-stochastic"))
-    batch = backend.generate(requests)
-    rows = [(r.prompt_token_ids, tuple(res.token_ids)) for r, res in zip(requests, batch.results, strict=True)]
+    backend, workload, start, _, batch, rows = oracle_rollout(rollout, cache, "p16-r24-n2-stochastic")
     spec = rollout.teacher
     snapshot = ensure_snapshot(spec.architecture.name, spec.synthetic_seed, spec.logit_scale,
                                expected_digest=spec.payload_digest, cache_dir=cache)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_lib.backends import create_backend
 from rollout_lib.core import REPO_ROOT
 from rollout_lib.measure.cycle import run_cycles
 from rollout_lib.measure.rawfile import read_raw
@@ -21,11 +20,12 @@ from rollout_lib.models.fast_training import (
     score_rows,
 )
 from rollout_lib.models.local_snapshot import resolve_model_snapshot
-from rollout_lib.models.policy import load_policy_into_peft, policy_versions, read_policy_from_peft
+from rollout_lib.models.policy import load_policy_into_peft, read_policy_from_peft
 from rollout_lib.models.synthetic import ensure_snapshot, load_causal_lm
 from rollout_lib.models.training import ActorTrainer, TrainedPolicy, lora_parameters, pg_k1_loss, token_logprobs
 from rollout_lib.study.cycle import TrainingSpec, load, loads
-from rollout_lib.study.workload import Workload
+
+from .conftest import oracle_rollout
 
 SMOKE_CYCLE = REPO_ROOT / "params" / "profiles" / "smoke-cycle.yaml"
 FAST = TrainingSpec(path="fused_mirror", max_tokens_per_micro_batch=16384, gradient_checkpointing=False,
@@ -37,14 +37,7 @@ def setup(tmp_path_factory):
     study = load(SMOKE_CYCLE)
     rollout = study.rollout
     cache = str(tmp_path_factory.mktemp("fast-snapshots"))
-    backend = create_backend("hf_reference", rollout, device="cpu", compute_dtype="float32", cache_dir=cache)
-    backend.cold_start()
-    workload = Workload(rollout)
-    start = policy_versions(workload.arch, rollout.actor.lora, rollout.actor.payload_digest, 1)[0]
-    backend.sync_policy(start)
-    requests = workload.requests(workload.cell("p48-r24-n2-stochastic"))
-    batch = backend.generate(requests)
-    rows = [(r.prompt_token_ids, tuple(res.token_ids)) for r, res in zip(requests, batch.results, strict=True)]
+    backend, workload, start, requests, batch, rows = oracle_rollout(rollout, cache, "p48-r24-n2-stochastic")
     rows[1] = (rows[1][0], rows[1][1][:7])  # rows of different lengths: padding is exercised
     snapshot = resolve_model_snapshot(rollout.actor, cache_dir=cache, study_path=rollout.source_path)
     teacher_spec = rollout.teacher
