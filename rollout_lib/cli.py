@@ -411,7 +411,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.oracle_self_check:
         report = oracle_self_consistency(study, settings, device=args.device)
         sha = write_evidence(out, report, study=study, model_digests=digests)
-        print(f"oracle self-consistency max |d logprob| {report['max_abs_diff']:.6f}; wrote {out} sha256 {sha}")
+        noise = report["scoring_noise"]
+        print(f"oracle self-consistency max |d logprob| {report['max_abs_diff']:.6f}; teacher-forced scoring "
+              f"run to run {noise['run_to_run_max_abs_diff']:.6f}, batch composition "
+              f"{noise['batch_composition_max_abs_diff']:.6f}; wrote {out} sha256 {sha}")
         return 0
     if args.candidate == "vllm":
         report = vllm_conformance(study, settings, create_backend("vllm", study), device=args.device)
@@ -976,7 +979,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidate", choices=("hf_cached", "vllm"), default="hf_cached",
                    help="hf_cached (two-part local conformance) or vllm (engine vs the NF4 oracle)")
     p.add_argument("--oracle-self-check", action="store_true",
-                   help="only the diagnostic: the oracle's generation log-probs vs its own teacher-forced scoring")
+                   help="only the diagnostic: the oracle's generation log-probs vs its own teacher-forced "
+                        "scoring, and that scoring against itself (run to run, batch composition)")
     p.add_argument("--candidate-option", action="append", default=None, metavar="KEY=VALUE",
                    help="an hf_cached backend option for a diagnostic run (e.g. lora_add=bf16_like_nf4_oracle): "
                         "the report's kind is then local_conformance_diagnostic, which no gate reads")

@@ -50,6 +50,7 @@ def setup(tmp_path_factory):
     use_float32_lm_head(teacher)
     yield {"study": study, "rollout": rollout, "backend": backend, "rows": rows, "start": start,
            "snapshot": str(snapshot.path), "teacher": teacher, "pad": workload.arch.bos_token_id,
+           "teacher_snapshot": str(teacher_snapshot.path),
            "requests": requests, "rollout_lp": [torch.tensor(res.logprobs) for res in batch.results]}
     backend.teardown()
 
@@ -242,3 +243,61 @@ def test_bf16_operand_logprobs_equal_the_float32_head_forward_and_backward():
 def test_a_float32_trainer_refuses_the_bf16_operand_head_before_building_its_mirror(setup):
     with pytest.raises(ValueError, match=r"compute dtype is torch\.float32, not bfloat16"):
         _fast(setup, _actor(setup), TrainingSpec(path="fused_mirror", logprob_kernel="bf16_operands"))
+
+
+def test_float32_head_copies_false_needs_the_bf16_operand_kernel_and_is_named_when_refused():
+    text = SMOKE_CYCLE.read_text()
+    with pytest.raises(Exception, match=r"training\.float32_head_copies: false needs .*bf16_operands"):
+        loads(text + "\ntraining:\n  path: fused_mirror\n  logprob_kernel: liger\n  float32_head_copies: false\n",
+              str(SMOKE_CYCLE))
+    study = loads(text + "\ntraining:\n  path: fused_mirror\n  logprob_kernel: bf16_operands\n"
+                  "  float32_head_copies: false\n", str(SMOKE_CYCLE))
+    assert study.training.float32_head_copies is False
+
+
+def test_the_bf16_operand_head_adds_no_bytes_and_scores_as_the_float32_copy(setup):
+    """A bf16 model whose head is its tied embedding (no float32 copy) gives the fused path the same
+    operands, hence the same log-probabilities bit for bit, as the same model with the float32 copy, and
+    holds vocab x hidden x 4 bytes less; its forward gives the float32 head's logits."""
+    from rollout_lib.models.actor import use_bf16_operand_head, use_float32_lm_head
+    from rollout_lib.models.fast_training import model_head
+
+    def param_bytes(model):
+        return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+    with_copy = load_causal_lm(setup["teacher_snapshot"], torch.bfloat16, "cpu")
+    use_float32_lm_head(with_copy)
+    shared = load_causal_lm(setup["teacher_snapshot"], torch.bfloat16, "cpu")
+    use_bf16_operand_head(shared)
+    embedding = shared.get_input_embeddings().weight
+    assert shared.get_output_embeddings().weight is embedding, "the head is the embedding's own Parameter"
+    assert param_bytes(with_copy) - param_bytes(shared) == embedding.numel() * 4
+    rows, pad = setup["rows"], setup["pad"]
+    expected = score_rows(with_copy, rows, "cpu", pad, 16384, "bf16_operands")
+    got = score_rows(shared, rows, "cpu", pad, 16384, "bf16_operands")
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    ids = torch.tensor([list(rows[0][0]) + list(rows[0][1])])
+    with torch.no_grad():
+        logits_copy, logits_shared = with_copy(input_ids=ids).logits, shared(input_ids=ids).logits
+    assert logits_shared.dtype == torch.float32
+    assert float((logits_copy - logits_shared).abs().max()) <= 1e-5 * float(logits_copy.abs().max())
+    with pytest.raises(ValueError, match=r"bf16-operand head .*allowed: bf16_operands"):
+        model_head(shared, "torch_chunked")
+    with pytest.raises(ValueError, match=r"embedding is torch\.float32, not bfloat16"):
+        use_bf16_operand_head(load_causal_lm(setup["teacher_snapshot"], torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="not its tied input embedding"):
+        use_bf16_operand_head(with_copy)
+
+
+def test_without_float32_head_copies_the_memory_plan_drops_exactly_the_copies():
+    from rollout_lib.measure.cycle import memory_plan
+
+    keep = load(REPO_ROOT / "params" / "rollout-runtime-v2-cycle-fast-bf16-head.yaml")
+    drop = load(REPO_ROOT / "params" / "rollout-runtime-v2-cycle-fast-shared-head.yaml")
+    assert keep.training.float32_head_copies and not drop.training.float32_head_copies
+    vocab, actor_hidden, teacher_hidden = 151936, 1024, 2048
+    for backend, saved in (("hf_cached", vocab * teacher_hidden * 4),  # hf_cached's actor is its backend's
+                           ("vllm", vocab * (teacher_hidden + actor_hidden) * 4)):
+        cell = "p512-r512-n4-stochastic"
+        assert sum(memory_plan(keep, backend, cell).values()) - sum(memory_plan(drop, backend, cell).values()) \
+            == saved

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from rollout_lib.backends import UnknownBackendError, create_backend, known_backends
-from rollout_lib.checks.conformance import ConformanceSettings, compare_free_running, run_conformance
+from rollout_lib.checks.conformance import (
+    ConformanceSettings,
+    compare_free_running,
+    oracle_self_consistency,
+    run_conformance,
+)
 from rollout_lib.models.policy import PolicyIdentityMismatch, policy_versions
 from rollout_lib.study.workload import Workload
 
@@ -204,6 +209,22 @@ def test_phase_statuses(smoke_study, bf16):
     assert {p.status for p in cached.phases.values()} == {"measured"}
     assert cached.phases["prefill_s"].seconds > 0 and cached.phases["decode_s"].seconds > 0
     assert reference.wall_s > 0 and cached.wall_s > 0
+
+
+def test_the_oracles_scoring_noise_rungs_on_tiny(smoke_study, snapshot_cache):
+    """Issue 42's ladder, the oracle against itself: the same rows scored teacher-forced twice one by one
+    (run to run: deterministic on CPU, exactly 0) and all together in one padded batch (batch
+    composition), on every scored position. The smoke actor computes in bf16; on CPU a row's scores
+    barely depend on the rows beside it (on the GPU the GEMM tiling changes with the batch: what the
+    rung measures there)."""
+    settings = ConformanceSettings(prompt_tokens=(16,), response_tokens=(8, 24))
+    report = oracle_self_consistency(smoke_study, settings, device="cpu", cache_dir=snapshot_cache)
+    noise = report["scoring_noise"]
+    assert set(noise["cells"]) == {"p16-r8-n1-stochastic", "p16-r24-n1-stochastic"}
+    generated = sum(row["generated_tokens"] for rows in report["cells"].values() for row in rows)
+    assert sum(c["batch_composition"]["positions"] for c in noise["cells"].values()) == generated > 0
+    assert noise["run_to_run_max_abs_diff"] == 0.0
+    assert 0.0 <= noise["batch_composition_max_abs_diff"] < 1e-4
 
 
 def test_conformance_two_part_check_on_tiny(smoke_study, snapshot_cache):

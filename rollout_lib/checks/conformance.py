@@ -257,16 +257,52 @@ def oracle_self_consistency(study: Preregistration, settings: ConformanceSetting
     ref = create_backend("hf_reference", study, device=device, compute_dtype=dtype, cache_dir=cache_dir)
     ref.cold_start()
     ref.sync_policy(policy)
-    cells, worst = {}, 0.0
+    cells, worst, scoring, noise = {}, 0.0, {}, {"run_to_run": 0.0, "batch_composition": 0.0}
     for cell in _cells(workload, settings, "stochastic"):
         requests = workload.requests(cell)
-        cells[cell.cell_id], here, _ = score_sampled(ref, requests, ref.generate(requests).results)
+        results = ref.generate(requests).results
+        cells[cell.cell_id], here, _ = score_sampled(ref, requests, results)
         worst = max(worst, here)
+        scoring[cell.cell_id] = scoring_noise(ref, requests, results, workload.arch.bos_token_id)
+        for rung in noise:
+            noise[rung] = max(noise[rung], scoring[cell.cell_id][rung]["max_abs_logprob_diff"])
     ref.teardown()
     return {"kind": "oracle_self_consistency", "dtype": dtype, "policy_identity": policy.identity,
             "preregistration_sha256": study.sha256, "preregistered": study.preregistered,
             "generation_path": "hf_reference sequential KV cache (NF4 + LoRA)",
-            "scorer": "same NF4 actor, teacher-forced full sequence", "cells": cells, "max_abs_diff": worst}
+            "scorer": "same NF4 actor, teacher-forced full sequence", "cells": cells, "max_abs_diff": worst,
+            # the oracle's teacher-forced scoring against itself (issue 42's ladder): the same rows scored
+            # twice one by one, and one by one against all of a cell's rows in one padded batch
+            "scoring_noise": {"cells": scoring, "run_to_run_max_abs_diff": noise["run_to_run"],
+                              "batch_composition_max_abs_diff": noise["batch_composition"]}}
+
+
+def scoring_noise(ref: Backend, requests: list[GenerationRequest], results: list[RequestResult],
+                  pad_id: int) -> dict[str, Any]:
+    """The NF4 oracle scoring the same sampled rows teacher-forced: one row per forward pass, twice (run
+    to run), and all rows in one right-padded batch (batch composition: only the GEMM shapes change;
+    causal attention keeps padding out of every scored position). Max and mean |d log p| per rung."""
+    import torch
+
+    from rollout_lib.models.training import token_logprobs
+
+    rows = [(tuple(r.prompt_token_ids), tuple(res.token_ids)) for r, res in zip(requests, results, strict=True)]
+
+    def one_by_one() -> list[torch.Tensor]:
+        return [torch.tensor(teacher_forced(ref.model, prompt, list(response), ref.device).logprobs,
+                             dtype=torch.float32) for prompt, response in rows]
+
+    first, second = one_by_one(), one_by_one()
+    batched = [t.float().cpu() for t in token_logprobs(ref.model, rows, ref.device, pad_id, len(rows))]
+
+    def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, Any]:
+        diffs = torch.cat([(x - y).abs() for x, y in zip(a, b, strict=True)]) if rows else torch.zeros(0)
+        return {"max_abs_logprob_diff": float(diffs.max()) if diffs.numel() else 0.0,
+                "mean_abs_logprob_diff": float(diffs.mean()) if diffs.numel() else 0.0,
+                "positions": int(diffs.numel())}
+
+    return {"run_to_run": compare(first, second), "batch_composition": compare(first, batched),
+            "rows": len(rows)}
 
 
 def vllm_conformance(study: Preregistration, settings: ConformanceSettings, vllm_backend: Backend,

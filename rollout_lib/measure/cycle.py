@@ -40,7 +40,13 @@ from rollout_lib.backends.vllm_managed import DEFAULT_KV_CACHE_FRACTION
 from rollout_lib.core import OUTPUTS_DIR
 from rollout_lib.measure.identity import environment_identity, gpu_identity, gpu_key
 from rollout_lib.measure.rawfile import RawWriter, read_raw, seal_abandoned, seal_file
-from rollout_lib.models.actor import add_lora, load_nf4_base, torch_dtype, use_float32_lm_head
+from rollout_lib.models.actor import (
+    add_lora,
+    load_nf4_base,
+    torch_dtype,
+    use_bf16_operand_head,
+    use_float32_lm_head,
+)
 from rollout_lib.models.fast_training import FastActorTrainer, score_rows
 from rollout_lib.models.local_snapshot import resolve_model_snapshot
 from rollout_lib.models.policy import (
@@ -88,9 +94,13 @@ def memory_plan(study: CycleStudy, backend: str, cell_id: str) -> dict[str, int]
     actor_params, teacher_params = _arch_params(actor), _arch_params(teacher)
     lora = rollout.actor.lora
     lora_params = sum(math.prod(shape) for shape in lora_tensor_names(actor, lora).values())
+    # float32 head copies: the teacher's, and the actor's unless a trainer-owned actor (vllm) drops it
+    copies = study.training.float32_head_copies
+    actor_head = actor.vocab_size * actor.hidden_size * 4 if copies or backend != "vllm" else 0
+    teacher_head = teacher.vocab_size * teacher.hidden_size * 4 if copies else 0
     plan = {
-        "actor_nf4_weights": actor_params // 2 + actor.vocab_size * actor.hidden_size * 4,  # + float32 head
-        "teacher_weights": teacher_params * 2 + teacher.vocab_size * teacher.hidden_size * 4,
+        "actor_nf4_weights": actor_params // 2 + actor_head,
+        "teacher_weights": teacher_params * 2 + teacher_head,
         "lora_and_optimizer_state": lora_params * 4 * 4,  # weights, gradients, two AdamW moments (float32)
     }
     sequence = cell.prompt_tokens + cell.response_tokens
@@ -239,11 +249,14 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         teacher_spec = rollout.teacher
         teacher_snapshot = resolve_model_snapshot(teacher_spec, cache_dir=cache_dir, study_path=rollout.source_path)
         teacher = load_causal_lm(teacher_snapshot.path, torch_dtype(teacher_spec.serving_dtype), torch_device)
-        use_float32_lm_head(teacher)
+        if study.training.float32_head_copies:
+            use_float32_lm_head(teacher)
+        else:  # the tied bf16 embedding is the head: no float32 copy of it (issue 41)
+            use_bf16_operand_head(teacher)
         synchronize(torch_device)
         cold["teacher"] = Phase.measured(time.perf_counter() - started).to_json()
         started = time.perf_counter()
-        actor = _trainer_actor(backend, rollout, torch_device, cache_dir)
+        actor = _trainer_actor(backend, rollout, torch_device, cache_dir, study.training.float32_head_copies)
         start_policy = policy_versions(workload.arch, rollout.actor.lora, rollout.actor.payload_digest, 1)[0]
         trainer = _trainer(study, actor, torch_device, cache_dir)
         cold["trainer"] = Phase.measured(time.perf_counter() - started).to_json()
@@ -394,10 +407,11 @@ def _nvml_sampler(device):
     return NVMLSampler(device.index or 0).__enter__()
 
 
-def _trainer_actor(backend, rollout, device, cache_dir):
+def _trainer_actor(backend, rollout, device, cache_dir, float32_head: bool = True):
     """The NF4 + LoRA actor that trains: the backend's own where it holds one (hf_cached: its actor,
     the source of truth its mirror is synced from; hf_reference: the oracle generates with the actor),
-    else a separate one in this process (vllm)."""
+    else a separate one in this process (vllm), whose head is the float32 copy unless `float32_head` is
+    false (then the tied bf16 embedding)."""
     if backend.name == "hf_cached":
         return backend.actor
     if backend.name == "hf_reference":
@@ -405,13 +419,16 @@ def _trainer_actor(backend, rollout, device, cache_dir):
     actor = rollout.actor
     snapshot = resolve_model_snapshot(actor, cache_dir=cache_dir, study_path=rollout.source_path)
     return add_lora(load_nf4_base(snapshot.path, actor.quantization, torch_dtype(actor.quantization.compute_dtype),
-                                  str(device)), actor.lora)
+                                  str(device), float32_head=float32_head), actor.lora)
 
 
 def _training_memory(study: CycleStudy) -> dict[str, Any]:
     if study.training.path == "reference":
         return training_memory_strategy()
-    return {"path": study.training.path, **_spec_json(study.training)}
+    spec = _spec_json(study.training)
+    if spec["float32_head_copies"]:  # the default: headers of the studies before the field stay as they were
+        del spec["float32_head_copies"]
+    return {"path": study.training.path, **spec}
 
 
 def _trainer(study: CycleStudy, actor, device, cache_dir):

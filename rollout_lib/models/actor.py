@@ -60,9 +60,12 @@ def add_lora(model, lora: LoraSpec):
     return peft_model
 
 
-def load_nf4_base(snapshot_dir: str, quant: QuantizationSpec, compute_dtype: torch.dtype, device: str):
+def load_nf4_base(snapshot_dir: str, quant: QuantizationSpec, compute_dtype: torch.dtype, device: str,
+                  float32_head: bool = True):
     """The snapshot quantized to NF4 at load time. Non-quantized parts (embeddings, norms) are held in
-    the compute dtype, so a float32-compute actor is float32 end to end."""
+    the compute dtype, so a float32-compute actor is float32 end to end. The head is the float32 copy
+    (`use_float32_lm_head`), or with `float32_head=False` the tied bf16 embedding itself
+    (`use_bf16_operand_head`: bf16 compute only)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -71,7 +74,10 @@ def load_nf4_base(snapshot_dir: str, quant: QuantizationSpec, compute_dtype: tor
     model.eval()
     if str(device).startswith("cpu"):
         _disable_cpu_fused_4bit(model)
-    use_float32_lm_head(model)
+    if float32_head:
+        use_float32_lm_head(model)
+    else:
+        use_bf16_operand_head(model)
     return model
 
 
@@ -147,6 +153,51 @@ def use_float32_lm_head(model) -> None:
 
     model.config.tie_word_embeddings = False
     model.set_output_embeddings(_Head(head.weight))
+
+
+def mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with float32 products and sums of bf16 operands: cuBLAS's bf16 GEMM with a float32 output on
+    CUDA (tensor cores); elsewhere the same arithmetic as a float32 matmul of the exact upcasts."""
+    import torch
+
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def use_bf16_operand_head(model) -> None:
+    """The float32 head without its float32 copy (issue 41): logits are the float32 sums of the exact
+    products of bf16 hidden states and the tied bf16 embedding, the arithmetic `use_float32_lm_head`
+    gives a bf16-compute model (its copy holds the embedding's exact upcasts), in another summation
+    order. The head module holds the embedding's own Parameter, so the model keeps the tie and adds no
+    bytes (a float32 copy is vocab x hidden x 4: 0.62 GB for the actor, 1.24 GB for the 1.7B teacher).
+    Refused where the embedding is not bf16 or not tied to the head."""
+    import torch
+    from torch import nn
+
+    head = model.get_output_embeddings()
+    if getattr(head, "is_bf16_operand_head", False):
+        return
+    embedding = model.get_input_embeddings().weight
+    if getattr(head, "is_float32_lm_head", False) or head.weight is not embedding:
+        raise ValueError("bf16-operand head: the model's head is not its tied input embedding")
+    if embedding.dtype != torch.bfloat16:
+        raise ValueError(f"bf16-operand head: the embedding is {embedding.dtype}, not bfloat16")
+
+    class _Head(nn.Module):
+        is_bf16_operand_head = True
+
+        def __init__(self, weight: torch.Tensor):
+            super().__init__()
+            self.weight = weight  # the embedding's Parameter itself: no copy
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            if hidden.dtype != torch.bfloat16:
+                raise ValueError(f"bf16-operand head: hidden states are {hidden.dtype}, not bfloat16")
+            flat = mm_float32(hidden.reshape(-1, hidden.shape[-1]), self.weight.t())
+            return flat.reshape(*hidden.shape[:-1], flat.shape[-1])
+
+    model.set_output_embeddings(_Head(embedding))
 
 
 @dataclass

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout_lib.models.actor import dequantized_linear_weights
+from rollout_lib.models.actor import dequantized_linear_weights, mm_float32
 from rollout_lib.models.synthetic import load_causal_lm
 from rollout_lib.models.training import lora_parameters, response_logprobs
 
@@ -68,16 +68,6 @@ def resolve_logprob_kernel(requested: str, device: Any) -> str:
     return requested
 
 
-def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with float32 products and sums of bf16 operands: cuBLAS's bf16 GEMM with a float32 output on
-    CUDA (tensor cores); elsewhere the same arithmetic as a float32 matmul of the exact upcasts."""
-    import torch
-
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
 class _Bf16OperandsLogprobs:
     """log p(target | hidden) with float32 logits computed from bf16 operands (issue 41).
 
@@ -101,7 +91,7 @@ class _Bf16OperandsLogprobs:
                 lse = torch.empty_like(out)
                 for start in range(0, hidden.shape[0], BF16_OPERANDS_CHUNK_TOKENS):
                     end = start + BF16_OPERANDS_CHUNK_TOKENS
-                    logits = _mm_float32(hidden[start:end], weight.t())
+                    logits = mm_float32(hidden[start:end], weight.t())
                     lse[start:end] = torch.logsumexp(logits, dim=-1)
                     out[start:end] = logits.gather(1, targets[start:end, None])[:, 0] - lse[start:end]
                 ctx.save_for_backward(hidden, weight, targets, lse)
@@ -113,12 +103,12 @@ class _Bf16OperandsLogprobs:
                 grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
                 for start in range(0, hidden.shape[0], BF16_OPERANDS_CHUNK_TOKENS):
                     end = start + BF16_OPERANDS_CHUNK_TOKENS
-                    factor = _mm_float32(hidden[start:end], weight.t())
+                    factor = mm_float32(hidden[start:end], weight.t())
                     factor.sub_(lse[start:end, None]).exp_().mul_(-grad[start:end, None])  # -g * softmax
                     factor.scatter_add_(1, targets[start:end, None], grad[start:end, None])  # + g * onehot
                     high = factor.to(torch.bfloat16)
                     low = factor.sub_(high.float()).to(torch.bfloat16)
-                    grad_hidden[start:end] = _mm_float32(high, weight) + _mm_float32(low, weight)
+                    grad_hidden[start:end] = mm_float32(high, weight) + mm_float32(low, weight)
                 return grad_hidden.to(hidden.dtype), None, None
 
         return Function
@@ -130,9 +120,10 @@ _BF16_OPERANDS = None
 @dataclass(frozen=True, eq=False)
 class Head:
     """A model's LM head for the fused log-probabilities: the float32 weight, and for the bf16_operands
-    kernel the bf16 tensor whose exact upcast it is (the tied embedding itself where it is: no copy)."""
+    kernel the bf16 tensor whose exact upcast it is (the tied embedding itself where it is: no copy).
+    A model with the bf16-operand head (`actor.use_bf16_operand_head`) has no float32 weight: None."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     operands: torch.Tensor | None = None
 
 
@@ -144,13 +135,18 @@ def model_head(model: Any, kernel: str) -> Head:
     head)."""
     import torch
 
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.get_output_embeddings(), "is_bf16_operand_head", False):
+        if kernel != "bf16_operands":
+            raise ValueError(f"logprob_kernel {kernel}: the model's head is the bf16-operand head (no float32 "
+                             "copy); allowed: bf16_operands")
+        return Head(None, base.get_output_embeddings().weight.detach())
     weight = head_weight(model)
     if kernel != "bf16_operands":
         return Head(weight)
     cached = _HEADS.get(id(weight))
     if cached is not None and cached.weight is weight:
         return cached
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     embed = base.get_input_embeddings().weight
     candidate = embed if embed.dtype == torch.bfloat16 and embed.shape == weight.shape else weight.to(torch.bfloat16)
     for start in range(0, weight.shape[0], 16384):
@@ -239,11 +235,13 @@ def batched_logprobs(decoder: Any, head: Head, rows: Rows, indices: list[int], p
                      kernel: str) -> list[torch.Tensor]:
     """Per-row float32 log-probabilities of the response tokens of rows[indices], one decoder pass.
     Differentiable when called under autograd (the caller decides: inference_mode or not)."""
+    import torch
+
     ids, positions, targets, lengths = _pack(rows, indices, pad_id, device)
     hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
     if flat.shape[0] == 0:
-        return [flat.new_zeros(0, dtype=head.weight.dtype) for _ in indices]
+        return [flat.new_zeros(0, dtype=torch.float32) for _ in indices]
     return list(fused_logprobs(flat, head, targets, kernel).split(lengths))
 
 
@@ -376,7 +374,9 @@ class FastActorTrainer:
                 "max_tokens_per_micro_batch": self.training.max_tokens_per_micro_batch,
                 "gradient_checkpointing": self.training.gradient_checkpointing,
                 "mirror": "dense copy of the dequantized NF4 projections; embedding, norms, float32 head and "
-                          "LoRA parameters shared with the actor"}
+                          "LoRA parameters shared with the actor",
+                **({} if self.training.float32_head_copies else
+                   {"heads": "the tied bf16 embeddings (float32 sums of exact bf16 products), no float32 copies"})}
 
     def score(self, rows: Rows, device: Any, pad_id: int) -> list[torch.Tensor]:
         return score_rows(self.actor, rows, device, pad_id, self.training.max_tokens_per_micro_batch, self.kernel,

@@ -135,6 +135,7 @@ def exactness_html(aggregate: dict[str, Any], study: Preregistration, reproducib
         body += caveat("The stand-in is a random-weight network at the study's shape (DESIGN decision 13): float32 "
                        "runs show the algorithm is exact, bf16 rounding grows through its layers; a trained model is "
                        "needed to decide bf16 exactness.", ", ".join(r["evidence"] for r in rows))
+    body += _standin_ladder_html(output_dir, study)
     repro_rows = [{"backend": r["backend"], "sampling": r["sampling"],
                    "requests stable": f"{r['stable_requests']} of {r['requests']}",
                    "with the warm-up": f"{r['stable_requests_with_warmup']} of {r['requests']}",
@@ -164,6 +165,30 @@ def exactness_html(aggregate: dict[str, Any], study: Preregistration, reproducib
                ("vLLM diagnostics: LoRA tax, refresh paths, precision ladders (beside the gates, never part of them)",
                 diag or "<p>No vLLM diagnostic runs in this output folder.</p>"))
     return section("exactness", "Exactness", html.escape(finding), body, details)
+
+
+def _standin_ladder_html(output_dir: Path, study: Preregistration) -> str:
+    """Issue 42's ladder: the same exactness checks on this study's actor and on a trained stand-in."""
+    import pandas as pd
+
+    from rollout_lib.report.standins import standin_ladder
+
+    rows = standin_ladder(output_dir, study.sha256)
+    if not rows:
+        return ""
+    key = "bf16 hf_cached vs oracle: sampled max |Δ log p|"
+    measured = [r for r in rows if r[key] != "not_measured"]
+    reading = ""
+    if len(measured) >= 2:
+        reading = "<p>" + html.escape("; ".join(f"{r['stand-in']}: {r[key]} ({r['cells']})" for r in measured)
+                                      + f". The gate's tolerance is {study.tolerances.nf4_sampled_logprob_abs:g}.") \
+            + "</p>"
+    return ("<h3>Exactness by stand-in model: how much of the bf16 gap the random stand-in makes</h3>" + reading
+            + table_html(pd.DataFrame(rows))
+            + caveat("Beside the gates, never part of them: the same checks (rollout conformance) run on this "
+                     "study's actor and on a stand-in trained for a few GPU-minutes on text every machine has "
+                     "(rollout models train, docs/standin.md), each with its own preregistration and prompts. "
+                     "A rung without a file reads not_measured.", ", ".join(r["evidence"] for r in rows)))
 
 
 def _md(text: str) -> str:

@@ -107,6 +107,9 @@ class TrainingSpec:
     max_tokens_per_micro_batch: int = field(default=16384, metadata=_m(min=1))
     gradient_checkpointing: bool = False
     logprob_kernel: Literal["liger", "torch_chunked", "bf16_operands"] = "liger"
+    # false (bf16_operands only): the teacher and a trainer-owned actor keep no float32 copy of their
+    # head; the tied bf16 embedding is the head (models.actor.use_bf16_operand_head). True: as before.
+    float32_head_copies: bool = True
 
 
 REFERENCE_TRAINING = TrainingSpec(path="reference")
@@ -165,6 +168,12 @@ def loads(text: str, source_path: str = "<string>", root: Path = REPO_ROOT) -> C
         if not cell.endswith("-stochastic"):
             raise CycleStudyError(f"cells[{index}]", f"{cell!r}: a training cycle samples; allowed: the "
                                                      "stochastic cells")
+    training = study.training
+    if not training.float32_head_copies and (training.path != "fused_mirror"
+                                             or training.logprob_kernel != "bf16_operands"):
+        raise CycleStudyError("training.float32_head_copies",
+                              "false needs training.path fused_mirror and training.logprob_kernel bf16_operands "
+                              "(the tied bf16 embedding is then the head); allowed otherwise: true")
     if study.memory.gate_peak_total_bytes > study.memory.budget_bytes:
         raise CycleStudyError("memory.gate_peak_total_bytes", "must not exceed memory.budget_bytes")
     object.__setattr__(study, "source_path", source_path)

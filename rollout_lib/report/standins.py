@@ -1,0 +1,98 @@
+"""The exactness ladder by stand-in model (issue 42), beside the gates, never part of them.
+
+The campaign's conformance gates judge its own preregistered actor. Whether a bf16 failure comes from the
+backend or from how the stand-in was built is answered by running the same checks on another stand-in: a
+model trained for a few GPU-minutes (`rollout models train`) instead of h200-v2's random, logit-scaled one.
+Those runs live in `<output-dir>/perf/standins-*/`: the training records (`rollout models train --record`),
+the preregistration the trained models were measured under (a YAML file there), and the conformance
+evidence of each rung (`rollout conformance` with `--candidate hf_cached`, `--candidate vllm`,
+`--oracle-self-check`). This module reads them into one row per stand-in; every cell names its file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rollout_lib.core import sha256_file
+from rollout_lib.safe_read import read_json
+
+KINDS = ("local_conformance", "vllm_conformance", "oracle_self_consistency")
+
+
+def _label(evidence: dict[str, Any], study_sha256: str, preregs: dict[str, Path],
+           records: dict[str, dict[str, Any]]) -> str:
+    sha = evidence.get("preregistration_sha256", "")
+    if sha == study_sha256:
+        return "this study's actor (random weights, logit-scaled)"
+    if sha in preregs and records:
+        actor = next((r for r in records.values() if r.get("role") == "actor"), None)
+        if actor is not None:
+            final = actor["final_metrics"]
+            return (f"trained {actor['arch']} ({actor['trained_tokens'] / 1e6:.1f}M tokens, held-out loss "
+                    f"{final['heldout_loss_nats']:.2f} nats, entropy {final['mean_entropy_nats']:.2f}, no logit scale)")
+    return f"preregistration {sha[:12]}"
+
+
+def _cells(evidence: dict[str, Any]) -> str:
+    settings = evidence.get("settings") or {}
+    if not settings:
+        return "—"
+    return (f"prompts {','.join(map(str, settings.get('prompt_tokens', [])))}, responses "
+            f"{','.join(map(str, settings.get('response_tokens', [])))}")
+
+
+def _rungs(evidence: dict[str, Any]) -> dict[str, str]:
+    kind = evidence["kind"]
+    if kind == "local_conformance":
+        f32, bf16 = evidence.get("float32") or {}, evidence.get("bfloat16") or {}
+        tf = bf16.get("teacher_forced") or {}
+        sampled = bf16.get("sampled_logprob") or {}
+        return {"float32 exact (greedy, partitions)":
+                f"{f32.get('greedy_free_running_identical')}/{f32.get('greedy_free_running_requests')}, "
+                f"{f32.get('partitions_identical')}/{f32.get('partitions_requests')}",
+                "bf16 hf_cached vs oracle: sampled max |Δ log p|": f"{sampled.get('max_abs_diff', float('nan')):.3g}",
+                "bf16 argmax agreement (beyond tie margin)":
+                f"{100 * tf.get('argmax_agreement_rate', 0):.2f} % ({tf.get('disagreements_beyond_tie_margin')})",
+                "cells": _cells(evidence)}
+    if kind == "vllm_conformance":
+        return {"vLLM PG-k1 vs oracle: sampled max |Δ log p|":
+                f"{(evidence.get('sampled_logprob') or {}).get('max_abs_diff', float('nan')):.3g}"}
+    noise = evidence.get("scoring_noise") or {}
+    return {"oracle vs itself: run to run / batch composition":
+            (f"{noise['run_to_run_max_abs_diff']:.3g} / {noise['batch_composition_max_abs_diff']:.3g}"
+             if noise else "not_measured (file without scoring_noise)"),
+            "oracle generation vs its scoring": f"{evidence.get('max_abs_diff', float('nan')):.3g}"}
+
+
+def standin_ladder(output_dir: Path, study_sha256: str) -> list[dict[str, str]]:
+    """One row per stand-in found under `<output_dir>/perf/standins-*/` (empty when none); where one rung
+    has several files, the last in folder and name order gives it; a rung without a file reads
+    `not_measured`."""
+    output_dir = Path(output_dir)
+    rows: dict[str, dict[str, str]] = {}
+    for folder in sorted((output_dir / "perf").glob("standins-*")):
+        if not folder.is_dir():
+            continue
+        preregs = {sha256_file(p): p for p in sorted(folder.glob("*.yaml")) if p.is_file()}
+        records, evidences = {}, []
+        for path in sorted(folder.glob("*.json")):
+            try:
+                data = read_json(path, kind="evidence", root=output_dir)
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if not isinstance(data, dict):
+                continue
+            if "payload_digest" in data and "final_metrics" in data:
+                records[path.stem] = data
+            elif data.get("kind") in KINDS:
+                evidences.append((path, data))
+        for path, evidence in evidences:
+            label = _label(evidence, study_sha256, preregs, records)
+            row = rows.setdefault(label, {"stand-in": label})
+            row.update(_rungs(evidence))
+            row["evidence"] = ", ".join(filter(None, (row.get("evidence"), str(path.relative_to(output_dir)))))
+    columns = ("stand-in", "float32 exact (greedy, partitions)", "bf16 hf_cached vs oracle: sampled max |Δ log p|",
+               "bf16 argmax agreement (beyond tie margin)", "oracle vs itself: run to run / batch composition",
+               "oracle generation vs its scoring", "vLLM PG-k1 vs oracle: sampled max |Δ log p|", "cells", "evidence")
+    return [{c: row.get(c, "not_measured") for c in columns} for row in rows.values()]

@@ -1,0 +1,61 @@
+"""The report's exactness ladder by stand-in (issue 42): rows from the files under perf/standins-*/, labelled
+by the preregistration each file was measured under, with not_measured where a rung has no file."""
+
+from __future__ import annotations
+
+import json
+
+from rollout_lib.core import sha256_file
+from rollout_lib.report.sections import _standin_ladder_html
+from rollout_lib.report.standins import standin_ladder
+from rollout_lib.study.prereg import load
+
+from .conftest import SMOKE
+
+
+def _local(prereg_sha, max_diff, agreement):
+    return {"kind": "local_conformance", "preregistration_sha256": prereg_sha,
+            "settings": {"prompt_tokens": [128], "response_tokens": [64, 256]},
+            "float32": {"greedy_free_running_identical": 8, "greedy_free_running_requests": 8,
+                        "partitions_identical": 16, "partitions_requests": 16},
+            "bfloat16": {"sampled_logprob": {"max_abs_diff": max_diff},
+                         "teacher_forced": {"argmax_agreement_rate": agreement, "disagreements_beyond_tie_margin": 1}}}
+
+
+def test_two_stand_ins_side_by_side_with_their_rungs(tmp_path):
+    study = load(SMOKE)
+    folder = tmp_path / "perf" / "standins-lease99"
+    folder.mkdir(parents=True)
+    prereg = folder / "trained.yaml"
+    prereg.write_text("study_id: trained\n")
+    trained_sha = sha256_file(prereg)
+    (folder / "actor.json").write_text(json.dumps({
+        "payload_digest": "ab" * 32, "role": "actor", "arch": "qwen3-0.6b", "trained_tokens": 4194304,
+        "final_metrics": {"heldout_loss_nats": 3.7378, "mean_entropy_nats": 3.7337}}))
+    (folder / "conformance-R.json").write_text(json.dumps(_local(study.sha256, 0.356, 0.9672)))
+    (folder / "conformance-T.json").write_text(json.dumps(_local(trained_sha, 0.0325, 0.99921875)))
+    (folder / "oracle-T.json").write_text(json.dumps({
+        "kind": "oracle_self_consistency", "preregistration_sha256": trained_sha, "max_abs_diff": 0.02,
+        "scoring_noise": {"run_to_run_max_abs_diff": 0.0, "batch_composition_max_abs_diff": 0.0123}}))
+    (folder / "notes.json").write_text("not json")
+    rows = {r["stand-in"]: r for r in standin_ladder(tmp_path, study.sha256)}
+    random_row = rows["this study's actor (random weights, logit-scaled)"]
+    trained_row = rows["trained qwen3-0.6b (4.2M tokens, held-out loss 3.74 nats, entropy 3.73, no logit scale)"]
+    assert random_row["bf16 hf_cached vs oracle: sampled max |Δ log p|"] == "0.356"
+    assert trained_row["bf16 hf_cached vs oracle: sampled max |Δ log p|"] == "0.0325"
+    assert trained_row["bf16 argmax agreement (beyond tie margin)"] == "99.92 % (1)"
+    assert trained_row["float32 exact (greedy, partitions)"] == "8/8, 16/16"
+    assert trained_row["oracle vs itself: run to run / batch composition"] == "0 / 0.0123"
+    assert random_row["oracle vs itself: run to run / batch composition"] == "not_measured"
+    assert trained_row["vLLM PG-k1 vs oracle: sampled max |Δ log p|"] == "not_measured"
+    assert trained_row["evidence"] == ("perf/standins-lease99/conformance-T.json, "
+                                       "perf/standins-lease99/oracle-T.json")
+    page = _standin_ladder_html(tmp_path, study)
+    assert "0.356 (prompts 128, responses 64,256)" in page and "0.0325" in page
+    assert f"tolerance is {study.tolerances.nf4_sampled_logprob_abs:g}" in page
+
+
+def test_no_stand_in_folder_adds_nothing(tmp_path):
+    study = load(SMOKE)
+    assert standin_ladder(tmp_path, study.sha256) == []
+    assert _standin_ladder_html(tmp_path, study) == ""

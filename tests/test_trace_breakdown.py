@@ -1,0 +1,74 @@
+"""tools/trace_breakdown.py (issue 43's per-kernel profile of a decode step) on a hand-made trace whose
+answer is known, and its refusals."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from tools.trace_breakdown import breakdown, category, main, read_trace
+
+
+def _kernel(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def _two_steps_of_two_layers():
+    """Per step: per layer an RMSNorm (10 us), a GEMM (30), a LoRA shrink (5), attention (20); then the
+    sampler (8). Kernels back to back except a 4 us gap before every attention kernel."""
+    events, t = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}], 100.0
+    for _step in range(2):
+        for _layer in range(2):
+            for name, dur, gap in (("triton_per_fused_add_mean_mul_pow_rsqrt_0", 10, 0), ("nvjet_sm90_tst_64x8", 30, 0),
+                                   ("triton_red_fused__to_copy_mul_sum_unsqueeze_1", 5, 0),
+                                   ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 20, 4)):
+                t += gap
+                events.append(_kernel(name, t, dur))
+                t += dur
+        events.append(_kernel("triton_red_fused_argmax_exponential_2", t, 8))
+        t += 8
+    return events
+
+
+def test_a_known_trace_gives_its_known_breakdown():
+    result = breakdown(_two_steps_of_two_layers(), layers=2)
+    assert result["steps"] == 2 and result["kernels_per_step"] == 9
+    assert result["gpu_busy_us_per_step"] == 2 * (10 + 30 + 5 + 20) + 8
+    assert result["gaps_us_per_step"] == 2 * 4
+    assert result["span_us_per_step"] == result["gpu_busy_us_per_step"] + result["gaps_us_per_step"]
+    categories = result["categories"]
+    assert {k: v["us"] for k, v in categories.items()} == {"gemm": 60, "attention": 40, "rmsnorm": 20,
+                                                           "low_rank_reductions": 10, "sampling": 8}
+    assert list(categories) == ["gemm", "attention", "rmsnorm", "low_rank_reductions", "sampling"]
+    assert categories["attention"]["kernels"] == 2
+    assert breakdown(_two_steps_of_two_layers(), layers=2, steps=4)["kernels_per_step"] == 4.5
+
+
+def test_categories_follow_the_documented_order():
+    assert category("cudnn_generated_fort_native_sdpa_gemm_like", "kernel") == "attention"  # attention first
+    assert category("void cublasLt::splitKreduce_kernel<32>", "kernel") == "gemm"
+    assert category("triton_poi_fused_add_cat_mean_mul_neg_pow_rsqrt_2", "kernel") == "rmsnorm"
+    assert category("Memset (Device)", "gpu_memset") == "memset_memcpy"
+    assert category("void at::native::vectorized_elementwise_kernel", "kernel") == "other"
+
+
+def test_the_command_reads_a_gzipped_trace_and_writes_json(tmp_path, capsys):
+    trace = tmp_path / "t.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": _two_steps_of_two_layers()}).encode()))
+    out = tmp_path / "b.json"
+    assert main([str(trace), "--layers", "2", "--json", str(out)]) == 0
+    assert "2.0 steps (attention kernels / 2 layers): 9.0 kernels/step" in capsys.readouterr().out
+    assert json.loads(out.read_text())["gpu_busy_us_per_step"] == 138
+
+
+def test_refusals_name_the_problem(tmp_path):
+    with pytest.raises(SystemExit, match="not a regular file"):
+        read_trace(tmp_path)
+    with pytest.raises(SystemExit, match="no GPU kernels"):
+        breakdown([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}])
+    with pytest.raises(SystemExit, match=r"no attention kernel .*--steps"):
+        breakdown([_kernel("nvjet_x", 0, 1)])
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.json"), "--layers", "0"])

@@ -1,0 +1,140 @@
+"""Per-kernel breakdown of a decode window from a torch-profiler Chrome trace (issue 43, item 1).
+
+    python tools/trace_breakdown.py TRACE.json[.gz] [--layers 28] [--steps N] [--json OUT]
+
+Reads the GPU kernels (`cat: kernel`, plus memsets and memcpys) of a trace taken over whole decode
+steps (tools/lab/fast_path_probe.py writes 20 ms windows, CUDA graphs included: CUPTI records the
+kernels inside a graph), sorts them by start time and reports, per decode step:
+- the kernel count and the GPU busy time (sum of kernel durations) against the window's span;
+- the gaps: time between the end of one kernel and the start of the next (launch and dependency
+  latency; with CUDA graphs, the graph's own inter-node latency);
+- the time and count per category, matched on the kernel name in this order: attention, GEMM,
+  RMSNorm (an `rsqrt` in an inductor kernel's name: norms, fused with what inductor put beside them),
+  low-rank reductions (inductor's `mul_sum` kernels: the LoRA shrink/expand at rank 16), KV-cache write
+  (index kernels), activation (SiLU), sampling, memset/memcpy, other.
+The step count is `--steps`, or the attention kernels divided by `--layers` (one attention call per
+layer per step); a window that cuts a step at either end makes that a fraction, reported as is.
+Categories are name heuristics: the kernel names themselves are in the JSON (top 40 by time) to check
+them against.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("attention", r"sdpa|flash|fmha|attention|attn"),
+    ("gemm", r"nvjet|gemm|cublas|cutlass|xmma|splitkreduce"),
+    ("rmsnorm", r"rsqrt"),
+    ("low_rank_reductions", r"mul_sum|sum_mul"),
+    ("kv_cache_write", r"index_elementwise|index_put|index_copy|scatter"),
+    ("activation", r"silu|gelu"),
+    ("sampling", r"exponential|argmax|topk|sort|multinomial|softmax|philox"),
+)
+MAX_TRACE_BYTES = 512 * 1024 * 1024
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """The trace's events; refuses anything but a regular file under the size limit."""
+    if not path.is_file():
+        raise SystemExit(f"trace: {path} is not a regular file")
+    if path.stat().st_size > MAX_TRACE_BYTES:
+        raise SystemExit(f"trace: {path} is larger than {MAX_TRACE_BYTES} bytes")
+    raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    data = json.loads(raw)
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise SystemExit(f"trace: {path} has no traceEvents list")
+    return events
+
+
+def category(name: str, cat: str) -> str:
+    if cat in ("gpu_memset", "gpu_memcpy"):
+        return "memset_memcpy"
+    lowered = name.lower()
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, lowered):
+            return label
+    return "other"
+
+
+def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | None = None) -> dict[str, Any]:
+    """Per-step figures of the GPU work in `events` (see the module docstring)."""
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset",
+                                                                                    "gpu_memcpy")),
+                     key=lambda e: (float(e["ts"]), float(e.get("dur", 0))))
+    if not kernels:
+        raise SystemExit("trace: no GPU kernels in it (a trace without CUDA activity?)")
+    span_us = max(float(k["ts"]) + float(k.get("dur", 0)) for k in kernels) - float(kernels[0]["ts"])
+    busy_us, gaps_us, end = 0.0, 0.0, None
+    per_category: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "us": 0.0})
+    per_name: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "us": 0.0})
+    for kernel in kernels:
+        start, duration = float(kernel["ts"]), float(kernel.get("dur", 0))
+        if end is not None and start > end:
+            gaps_us += start - end
+        end = max(end or start, start + duration)
+        busy_us += duration
+        label = category(kernel.get("name", ""), kernel.get("cat", ""))
+        per_category[label]["count"] += 1
+        per_category[label]["us"] += duration
+        per_name[kernel.get("name", "")]["count"] += 1
+        per_name[kernel.get("name", "")]["us"] += duration
+    steps_from = "given"
+    if steps is None:
+        attention_calls = per_category["attention"]["count"] if "attention" in per_category else 0
+        if not attention_calls:
+            raise SystemExit("trace: no attention kernel to count steps by; give --steps")
+        steps, steps_from = attention_calls / layers, f"attention kernels / {layers} layers"
+    per_step = {label: {"kernels": round(v["count"] / steps, 2), "us": round(v["us"] / steps, 2),
+                        "share_of_busy": round(v["us"] / busy_us, 4)}
+                for label, v in sorted(per_category.items(), key=lambda item: -item[1]["us"])}
+    top = sorted(per_name.items(), key=lambda item: -item[1]["us"])[:40]
+    return {"steps": round(steps, 3), "steps_from": steps_from,
+            "kernels_per_step": round(len(kernels) / steps, 1), "span_us_per_step": round(span_us / steps, 1),
+            "gpu_busy_us_per_step": round(busy_us / steps, 1), "gaps_us_per_step": round(gaps_us / steps, 1),
+            "busy_share_of_span": round(busy_us / span_us, 4) if span_us else None,
+            "categories": per_step,
+            "top_kernels": [{"name": name, "count": int(v["count"]), "us_total": round(v["us"], 1)} for name, v in top]}
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"{result['steps']} steps ({result['steps_from']}): {result['kernels_per_step']} kernels/step, "
+             f"span {result['span_us_per_step']} us/step, GPU busy {result['gpu_busy_us_per_step']} us/step "
+             f"({100 * (result['busy_share_of_span'] or 0):.0f} %), gaps {result['gaps_us_per_step']} us/step",
+             f"{'category':<22}{'kernels/step':>14}{'us/step':>10}{'share':>8}"]
+    for label, row in result["categories"].items():
+        lines.append(f"{label:<22}{row['kernels']:>14}{row['us']:>10}{100 * row['share_of_busy']:>7.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--layers", type=int, default=28, help="decoder layers (one attention call each per step)")
+    parser.add_argument("--steps", type=float, default=None, help="decode steps in the window (else from attention)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the breakdown as JSON here")
+    args = parser.parse_args(argv)
+    if args.layers < 1:
+        parser.error("--layers: must be >= 1")
+    if args.steps is not None and args.steps <= 0:
+        parser.error("--steps: must be > 0")
+    result = breakdown(read_trace(args.trace), args.layers, args.steps)
+    result["trace"] = str(args.trace)
+    print(render(result))
+    if args.json:
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
