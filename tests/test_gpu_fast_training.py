@@ -87,7 +87,7 @@ def test_the_fast_path_matches_the_reference_trainer_at_full_size_in_float32():
 def test_the_teacher_without_its_float32_head_copy_scores_bit_for_bit_the_same_and_holds_less():
     """The preregistered 1.7B teacher in bf16 on the GPU: with the tied bf16 embedding as its head
     (rollout-runtime-v2-cycle-fast-shared-head.yaml) the fused path's teacher scores equal those with the
-    float32 copy bit for bit, and the GPU holds exactly the copy's 1.24 GB less."""
+    float32 copy bit for bit, and the GPU holds the copy's 1.24 GB less."""
     import torch
 
     from rollout_lib.models.actor import use_bf16_operand_head, use_float32_lm_head
@@ -112,4 +112,5 @@ def test_the_teacher_without_its_float32_head_copy_scores_bit_for_bit_the_same_a
         scores[name] = score_rows(teacher, rows, torch.device("cuda"), 151643, 8192, "bf16_operands")
         del teacher
     assert all(torch.equal(a, b) for a, b in zip(scores["copy"], scores["shared"], strict=True))
-    assert held["copy"] - held["shared"] == 151936 * 2048 * 4
+    # the copy's bytes, plus what the first load allocates once (lease 22: 1.5 MiB more; the copy is loaded first)
+    assert 0 <= (held["copy"] - held["shared"]) - 151936 * 2048 * 4 <= 8 * 2**20, held
