@@ -535,13 +535,28 @@ def cmd_cycle(args: argparse.Namespace) -> int:
         if skipped:
             print(skipped)
             return 0  # not an error: a queue goes on to its next job
+    if args.address is not None and args.placement != "ray":
+        raise CommandError("address: only with --placement ray")
     try:
-        path = run_cycles(study, args.backend, args.algorithm, args.cell, args.campaign, run_id=args.run_id,
-                          output_dir=Path(args.output_dir), device=args.device, cycles=args.cycles,
-                          backend_options=_backend_options(args.backend_option),
-                          vllm_memory_mode=args.vllm_memory_mode)
+        if args.placement == "ray":
+            from rollout_lib.campaign.cycle_placement import run_cycles_on_ray
+            from rollout_lib.campaign.executors import ExecutorError
+
+            try:
+                path = run_cycles_on_ray(str(args.params), args.backend, args.algorithm, args.cell, args.campaign,
+                                         address=args.address, run_id=args.run_id, output_dir=Path(args.output_dir),
+                                         device=args.device, cycles=args.cycles,
+                                         backend_options=_backend_options(args.backend_option),
+                                         vllm_memory_mode=args.vllm_memory_mode)
+            except ExecutorError as exc:
+                raise CommandError(str(exc)) from exc
+        else:
+            path = run_cycles(study, args.backend, args.algorithm, args.cell, args.campaign, run_id=args.run_id,
+                              output_dir=Path(args.output_dir), device=args.device, cycles=args.cycles,
+                              backend_options=_backend_options(args.backend_option),
+                              vllm_memory_mode=args.vllm_memory_mode)
     except (ValueError, CycleBudgetError) as exc:
-        raise CommandError(str(exc)) from exc
+        raise CommandError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
     print(f"wrote {path}")
     return 0
 
@@ -1088,6 +1103,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "started whose estimate (the newest complete run of its kind on this GPU model, with "
                         "the campaign runner's safety factor and margin) does not fit; without an earlier run "
                         "it starts")
+    p.add_argument("--placement", choices=("process", "ray"), default="process",
+                   help="process: backend, teacher and trainer in this process (the default); ray: the backend in a "
+                        "Ray actor and the trainer in another, sharing one GPU (docs/ray.md)")
+    p.add_argument("--address", default=None,
+                   help="with --placement ray: the Ray cluster (auto or HOST:PORT; default: RAY_ADDRESS, a cluster "
+                        "started on this machine, else a local one)")
     p.set_defaults(func=cmd_cycle)
 
     p = sub.add_parser("cycle-publish", help="the frozen cycle calculator over a cycle campaign's sealed raw files; "

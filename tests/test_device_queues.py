@@ -94,8 +94,9 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         assert args.cell in known_cells, f"{where}: unknown cell {args.cell}"
     elif len(words) == 5 and words[0] == "[" and words[4] == "]" and words[2] in ("-ge", "-gt"):
         assert words[1].isdigit() and words[3].isdigit(), f"{where}: a guard on seconds left: {command}"
-    elif words[:2] == ["bash", "tools/lab/wait_for_vllm.sh"]:
-        assert len(words) <= 3 and all(w.isdigit() for w in words[2:]), f"{where}: seconds to wait: {command}"
+    elif words[:2] == ["bash", "tools/lab/wait_for_install.sh"]:
+        assert len(words) in (3, 4) and words[2] in ("vllm", "ray") and all(w.isdigit() for w in words[3:]), \
+            f"{where}: package (vllm or ray) and seconds to wait: {command}"
     elif words == ["bash", "/tmp/stage/install-extras.sh"]:
         pass  # the staged installer of ../shared/device/extras (copied to /tmp/stage by the first call)
     elif words[:4] == ["python3", "-m", "pytest", "-q"]:

@@ -187,8 +187,12 @@ class _PhaseMemory:
 def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: str, campaign: str,
                run_id: str | None = None, output_dir: Path = OUTPUTS_DIR, device: str | None = None,
                cache_dir: str | None = None, backend_options: dict[str, Any] | None = None,
-               cycles: int | None = None, vllm_memory_mode: str | None = None) -> Path:
+               cycles: int | None = None, vllm_memory_mode: str | None = None, backend: Any = None) -> Path:
     """Measure `cycles` (default: the study's) cycles; returns the sealed raw file.
+
+    `backend`: the rollout backend already constructed elsewhere (issue 44: `campaign.cycle_placement`
+    passes a proxy to a Ray actor that serves it; it has `remote = True`, its `placement()` goes into the
+    header, and the trainer then holds its own NF4 + LoRA actor, as with vllm). None: built here.
 
     `vllm_memory_mode` (vllm only, one of the study's `memory.vllm_modes`): `sleep` puts the engine to
     sleep after each rollout (`/sleep`, its own timed field and the device memory it freed) and wakes it
@@ -217,16 +221,14 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
     mode = f"-{vllm_memory_mode}" if vllm_memory_mode else ""
     path = seal_folder / backend_name / f"{algorithm}-{cell_id}{mode}-{stamp}.jsonl"
     digests = {"actor": rollout.actor.payload_digest, "teacher": rollout.teacher.payload_digest}
-    options = {"cache_dir": cache_dir} if cache_dir and backend_name != "vllm" else {}
-    if device and backend_name != "vllm":
-        options["device"] = device
-    if vllm_memory_mode == "sleep":
-        options["sleep_mode"] = True
-    elif vllm_memory_mode == "small_kv":
-        options["kv_cache_fraction_of_budget"] = study.memory.vllm_small_kv_fraction_of_budget
     # constructed (options checked, nothing started) before the raw file exists: a refused option
     # leaves no file behind
-    backend = create_backend(backend_name, rollout, **(options | (backend_options or {})))
+    remote = backend is not None
+    if remote and backend.name != backend_name:
+        raise ValueError(f"backend {backend.name!r} given for a {backend_name} run")
+    if not remote:
+        backend = create_backend(backend_name, rollout, **cycle_backend_options(
+            study, backend_name, cache_dir, device, vllm_memory_mode, backend_options))
     writer = RawWriter(path, seal_folder=seal_folder)
     header = {"record": "header", "kind": "rl_cycle", "campaign": campaign, "backend": backend_name,
               "algorithm": algorithm, "cell_id": cell_id, "cycles": count, "run_id": stamp,
@@ -238,6 +240,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
               "optimizer": _spec_json(study.optimizer), "training_memory": _training_memory(study),
               # options beyond the study's setting (e.g. engine flags of a diagnostic run): the report shows them
               "backend_options": dict(backend_options or {}),
+              **({"placement": backend.placement()} if remote else {}),
               "environment": environment_identity(model_digests=digests, preregistration_sha256=rollout.sha256)}
     writer.open(header)
     failure = None
@@ -261,7 +264,7 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
         trainer = _trainer(study, actor, torch_device, cache_dir)
         cold["trainer"] = Phase.measured(time.perf_counter() - started).to_json()
         served = backend.sync_policy(start_policy)
-        if backend_name == "vllm":  # its trainer is this process's own actor (hf: the backend's, just synced)
+        if backend_name == "vllm" or remote:  # the trainer's own actor (hf in process: the backend's, just synced)
             load_policy_into_peft(actor, start_policy)
         writer.append({"record": "cold_start", "phases": cold, "start_policy_identity": start_policy.identity,
                        "served_identity": served, "backend_environment": backend.environment()})
@@ -297,6 +300,19 @@ def run_cycles(study: CycleStudy, backend_name: str, algorithm: str, cell_id: st
             seal_abandoned(path, reason=f"failed in {failure_where(failure)}: {failure['error']}")
     seal_file(path, seal_folder, ended="teardown")
     return path
+
+
+def cycle_backend_options(study: CycleStudy, backend_name: str, cache_dir: str | None, device: str | None,
+                          vllm_memory_mode: str | None, backend_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The options a cycle run constructs its rollout backend with (in this process, or in a Ray actor)."""
+    options: dict[str, Any] = {"cache_dir": cache_dir} if cache_dir and backend_name != "vllm" else {}
+    if device and backend_name != "vllm":
+        options["device"] = device
+    if vllm_memory_mode == "sleep":
+        options["sleep_mode"] = True
+    elif vllm_memory_mode == "small_kv":
+        options["kv_cache_fraction_of_budget"] = study.memory.vllm_small_kv_fraction_of_budget
+    return options | (backend_options or {})
 
 
 def failure_where(failure: dict[str, Any]) -> str:
@@ -412,9 +428,9 @@ def _trainer_actor(backend, rollout, device, cache_dir, float32_head: bool = Tru
     the source of truth its mirror is synced from; hf_reference: the oracle generates with the actor),
     else a separate one in this process (vllm), whose head is the float32 copy unless `float32_head` is
     false (then the tied bf16 embedding)."""
-    if backend.name == "hf_cached":
+    if backend.name == "hf_cached" and not getattr(backend, "remote", False):
         return backend.actor
-    if backend.name == "hf_reference":
+    if backend.name == "hf_reference" and not getattr(backend, "remote", False):
         return backend.model
     actor = rollout.actor
     snapshot = resolve_model_snapshot(actor, cache_dir=cache_dir, study_path=rollout.source_path)
@@ -490,7 +506,10 @@ def process_memory(device) -> dict[str, Any]:
             name = Path(f"/proc/{proc.pid}/comm").read_text().strip()
         except OSError:
             name = "exited"
-        processes.append({"pid": int(proc.pid), "name": name, "role": "this process" if proc.pid == me else "child",
+        from rollout_lib.measure.memory import COUNTED_PROCESSES
+
+        role = "this process" if proc.pid == me else COUNTED_PROCESSES.get(int(proc.pid), "child")
+        processes.append({"pid": int(proc.pid), "name": name, "role": role,
                           "used_bytes": int(proc.usedGpuMemory) if proc.usedGpuMemory is not None else None})
     return {"status": "measured", "processes": sorted(processes, key=lambda p: p["pid"])}
 

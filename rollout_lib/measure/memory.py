@@ -17,10 +17,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Processes outside this process's tree that belong to its measurement (a cycle's rollout placed in a Ray
+# actor beside the trainer, issue 44): pid -> role. Empty unless `counted_processes` registered some.
+COUNTED_PROCESSES: dict[int, str] = {}
+
+
+class counted_processes:
+    """Count `roles` ({pid: role}) and their descendants as part of this process tree while inside
+    (NVMLSampler and the cycle's per-process memory read `process_tree()`)."""
+
+    def __init__(self, roles: dict[int, str]):
+        self.roles = dict(roles)
+
+    def __enter__(self) -> counted_processes:
+        COUNTED_PROCESSES.update(self.roles)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pid in self.roles:
+            COUNTED_PROCESSES.pop(pid, None)
+
 
 def process_tree(root: int | None = None) -> set[int]:
-    """pid and all descendants, from /proc/<pid>/task/<tid>/children."""
-    root = os.getpid() if root is None else root
+    """pid and all descendants, from /proc/<pid>/task/<tid>/children; without `root`, this process's tree
+    and that of every process registered with `counted_processes`."""
+    if root is None:
+        return set().union(*(process_tree(pid) for pid in (os.getpid(), *COUNTED_PROCESSES)))
     seen, stack = set(), [root]
     while stack:
         pid = stack.pop()
