@@ -180,7 +180,8 @@ def _standin_ladder_html(output_dir: Path, study: Preregistration) -> str:
     measured = [r for r in rows if r[key] != "not_measured"]
     reading = ""
     if len(measured) >= 2:
-        reading = "<p>" + html.escape("; ".join(f"{r['stand-in']}: {r[key]} ({r['cells']})" for r in measured)
+        reading = "<p>" + html.escape("bf16 sampled-token max |Δ log p| of hf_cached against the oracle: "
+                                      + "; ".join(f"{r['stand-in']} {r[key]} ({r['cells']})" for r in measured)
                                       + f". The gate's tolerance is {study.tolerances.nf4_sampled_logprob_abs:g}.") \
             + "</p>"
     return ("<h3>Exactness by stand-in model: how much of the bf16 gap the random stand-in makes</h3>" + reading
