@@ -431,3 +431,75 @@ def test_a_conformance_run_with_candidate_options_is_a_diagnostic(smoke_study, s
     for dtype in ("float32", smoke_study.actor.quantization.compute_dtype):
         assert report[dtype]["environment"]["hf_cached"]["lora_add"] == "bf16_like_nf4_oracle"
     assert report["verdict"]["checks"]["a_float32_greedy_exact"]  # in float32 the modes are one
+
+
+def test_lora_shrink_in_the_base_gemm_is_the_float32_low_rank_term_in_another_order():
+    """Issue 43 candidate (LORA_SHRINK "in_base_gemm"): [W; A_hi; A_mid; A_lo] in one GEMM with float32
+    output. The split is exact, and the layer's output is within its two bf16 roundings (the base
+    projection, then the sum) of the exact result, as the default path's is."""
+    from rollout_lib.backends.compact_qwen3 import _fused_linear
+
+    generator = torch.Generator().manual_seed(4)
+    rows, in_features, out_features, rank = 5, 64, 96, 8
+    x = torch.randn(1, rows, in_features, generator=generator).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    lora_a = torch.randn(rank, in_features, generator=generator) * 0.03
+    lora_b = torch.randn(out_features, rank, generator=generator) * 0.01
+    high = lora_a.bfloat16()
+    middle = (lora_a - high.float()).bfloat16()
+    last = (lora_a - high.float() - middle.float()).bfloat16()
+    assert torch.equal((high.float() + middle.float()) + last.float(), lora_a), "the split is exact"
+    weight_cat = torch.cat([weight, high, middle, last])
+    got = _fused_linear(x, weight_cat, lora_a, lora_b, 2.0)
+    expected = _fused_linear(x, weight, lora_a, lora_b, 2.0)
+    base = x.double() @ weight.double().t()
+    exact = base + 2.0 * (x.double() @ lora_a.double().t()) @ lora_b.double().t()
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    # two bf16 roundings (the base projection, then the sum), each at most half a spacing: 2^-8 relative
+    bound = (base.abs() + exact.abs()) * 2.0 ** -8 + 1e-6
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    assert bool(((expected.double() - exact).abs() <= bound).all())  # the default path obeys the same bound
+
+
+def test_an_engine_with_lora_shrink_in_the_base_gemm_serves_the_policy_exactly(smoke_study, snapshot_cache,
+                                                                                monkeypatch, outputs):
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "LORA_SHRINK", "in_base_gemm")
+    workload = Workload(smoke_study)
+    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="bfloat16", decode="graphs",
+                             cache_dir=snapshot_cache)
+    backend.cold_start()
+    try:
+        assert backend.sync_policy(policy) == outputs[("bfloat16", "graphs")]["identity"]
+        assert backend.environment()["lora_shrink"] == "in_base_gemm"
+        engine = backend.engine
+        for layer in engine.layers:
+            for linear in layer.proj.values():
+                if linear.weight_cat is None:
+                    continue
+                rows, low = linear.lora_b.shape[0], linear.lora_a.shape[0]
+                parts = linear.weight_cat[rows:].float().reshape(3, low, -1)
+                assert torch.equal((parts[0] + parts[1]) + parts[2], linear.lora_a)
+                assert linear.weight.data_ptr() == linear.weight_cat.data_ptr()  # W is a view: no second copy
+        cell = workload.cell("p48-r24-n2-greedy")
+        results = backend.generate(workload.requests(cell)).results
+        default = outputs[("bfloat16", "graphs")]["runs"]["p48-r24-n2-greedy"]
+        same = sum(a.token_ids == b.token_ids for a, b in zip(results, default, strict=True))
+        # bf16 arithmetic in another order: a near-tie may flip a greedy token (this machine: 8 of 8 identical)
+        assert same >= len(default) - 2, f"greedy tokens identical in only {same} of {len(default)} requests"
+    finally:
+        backend.teardown()
+    assert "lora_shrink" not in outputs[("bfloat16", "graphs")]["environment"], "the default adds no key"
+
+
+def test_lora_shrink_in_the_base_gemm_is_refused_for_a_float32_engine(smoke_study, snapshot_cache, monkeypatch):
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "LORA_SHRINK", "in_base_gemm")
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
+                             cache_dir=snapshot_cache)
+    with pytest.raises(ValueError, match=r"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not torch\.float32"):
+        backend.cold_start()
+    backend.teardown()

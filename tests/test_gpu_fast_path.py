@@ -114,3 +114,23 @@ def test_streamed_identity_on_cuda_equals_the_policy_identity(study):
         served = policy_identity_streamed(version.base_digest, on_device, staging, timings, chunk_bytes)
         assert served == version.identity
         assert set(timings) == {"gather_s", "wait_s", "hash_s"}
+
+
+def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monkeypatch):
+    """Issue 43 candidate on the H200: the compiled bf16 engine with LoRA A inside the base GEMM (inductor
+    lowers mm with a float32 output) serves each policy exactly (identity, exact three-way split) and its
+    greedy tokens stay those of today's engine but for near-ties."""
+    from rollout_lib.backends import compact_qwen3
+
+    cells = ["p128-r64-n4-greedy"]
+    default, _, expected = _run(study, "graphs", "bfloat16", cells)
+    default.teardown()
+    monkeypatch.setattr(compact_qwen3, "LORA_SHRINK", "in_base_gemm")
+    backend, policies, got = _run(study, "graphs", "bfloat16", cells, versions=2)
+    try:
+        assert backend.environment()["lora_shrink"] == "in_base_gemm"
+        assert backend.sync_policy(policies[1]) == policies[1].identity
+        same = sum(a.token_ids == b.token_ids for a, b in zip(expected[cells[0]], got[cells[0]], strict=True))
+        assert same >= len(got[cells[0]]) - 4, f"{same} of {len(got[cells[0]])} greedy requests identical"
+    finally:
+        backend.teardown()

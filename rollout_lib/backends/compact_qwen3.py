@@ -52,6 +52,8 @@ class FusedLinear:
     lora_a: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None
     lora_parts: tuple[str, ...] = ()
+    # LORA_SHRINK "in_base_gemm": [W; A_hi; A_mid; A_lo] (compute dtype), `weight` a view of its first rows
+    weight_cat: torch.Tensor | None = None
 
 
 LORA_ADD_ALLOWED = ("float32_once", "bf16_like_nf4_oracle")
@@ -80,6 +82,8 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     reductions; still float32 throughout. Eagerly it would materialize [.., out, r] products."""
     import torch
 
+    if lora_a is not None and weight.shape[0] > lora_b.shape[0]:  # LORA_SHRINK "in_base_gemm" (static shapes)
+        return _fused_linear_shrink_in_gemm(x, weight, lora_a, lora_b, scaling, lora_as_reductions, lora_add)
     base = torch.nn.functional.linear(x, weight)
     if lora_a is None:
         return base
@@ -88,6 +92,31 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
         low = (xa[..., None, :] * lora_b).sum(-1)
     else:
         low = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), lora_a), lora_b)
+    if lora_add == "bf16_like_nf4_oracle":
+        return base + (low * scaling).to(base.dtype)
+    return (base.float() + low * scaling).to(base.dtype)
+
+
+def _fused_linear_shrink_in_gemm(x: torch.Tensor, weight_cat: torch.Tensor, lora_a: torch.Tensor,
+                                 lora_b: torch.Tensor, scaling: float, lora_as_reductions: bool,
+                                 lora_add: str) -> torch.Tensor:
+    """`_fused_linear` with LORA_SHRINK "in_base_gemm" (issue 43 candidate): `weight_cat` is [W; A_hi;
+    A_mid; A_lo], the float32 A split exactly into three bf16 matrices (`CompactQwen3._write_shrink_rows`
+    checks the split), so one bf16 GEMM with float32 output gives the base projection (rounded to bf16
+    as `linear` rounds it) and the three partial products x A_k, each a float32 sum of exact products; x A
+    is their float32 sum: the float32 contract in another summation order, on tensor cores, with no
+    kernel of its own. The B product and the add are `_fused_linear`'s. `lora_a` is not read (its rows
+    are in `weight_cat`); it stays an argument so the caller's tensors are the same in both modes."""
+    import torch
+
+    from rollout_lib.models.actor import mm_float32
+
+    out_rows, low_rows = lora_b.shape[0], lora_a.shape[0]
+    both = mm_float32(x.reshape(-1, x.shape[-1]), weight_cat.t())
+    base = both[:, :out_rows].to(x.dtype).reshape(*x.shape[:-1], out_rows)
+    parts = both[:, out_rows:].reshape(-1, 3, low_rows)
+    xa = ((parts[:, 0] + parts[:, 1]) + parts[:, 2]).reshape(*x.shape[:-1], low_rows)
+    low = (xa[..., None, :] * lora_b).sum(-1) if lora_as_reductions else torch.nn.functional.linear(xa, lora_b)
     if lora_add == "bf16_like_nf4_oracle":
         return base + (low * scaling).to(base.dtype)
     return (base.float() + low * scaling).to(base.dtype)
@@ -103,7 +132,8 @@ class Layer:
 
     def tensors(self, fused: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         linear = self.proj[fused]
-        return linear.weight, linear.lora_a, linear.lora_b
+        weight = linear.weight_cat if linear.weight_cat is not None else linear.weight
+        return weight, linear.lora_a, linear.lora_b
 
 
 # How the decode step's pieces are compiled (read when an engine is built; tools/fast_path_probe.py
@@ -120,11 +150,18 @@ class Layer:
 # - INDUCTOR_OPTIONS: inductor settings for these compilations (torch.compile's `options`), empty by
 #   default; the probe's `+cdt` turns on coordinate-descent tuning of each kernel's launch configuration
 #   at its own shape (a longer cold start), to test whether the LoRA reductions' configuration is the gap.
+# - LORA_SHRINK "reductions" (the default): the LoRA A product is its own kernel (an inductor reduction
+#   when compiled, a float32 GEMM eagerly); "in_base_gemm" (issue 43 candidate, bf16 engines only): A is
+#   appended to the projection's weight as three bf16 matrices whose sum is exactly A, so the base GEMM
+#   computes it too (`_fused_linear_shrink_in_gemm`; 112 kernels fewer per step). Measured against the
+#   default with the probe's `+shrinkgemm` before it may become a default.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
+LORA_SHRINK = "reductions"
 STEP_SHAPES_ALLOWED = ("per_rows", "dynamic")
 CACHE_WRITE_ALLOWED = ("outside", "inside")
+LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
 # recompilations allowed per compiled function: the row counts of one engine, times the engines a
 # process builds (tests, the probe's variants); past dynamo's default (8) it would run them eagerly
 RECOMPILE_LIMIT = 64
@@ -225,6 +262,11 @@ class CompactQwen3:
         self._lora_groups: list[tuple[torch.Tensor, list[str]]] | None = None
         self._served: tuple[list[torch.Tensor], dict[str, torch.Tensor]] | None = None  # see served_lora
         self.scaling = float(scaling)
+        if LORA_SHRINK not in LORA_SHRINK_ALLOWED:
+            raise ValueError(f"LORA_SHRINK {LORA_SHRINK!r} is not allowed; allowed: {', '.join(LORA_SHRINK_ALLOWED)}")
+        if LORA_SHRINK == "in_base_gemm" and self.dtype != torch.bfloat16:
+            raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
+        self.lora_shrink = LORA_SHRINK
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -304,6 +346,12 @@ class CompactQwen3:
                 linear.lora_b = torch.zeros(sum(linear.part_out), len(parts) * self.rank, dtype=torch.float32,
                                             device=self.device)
                 linear.lora_parts = lora_parts
+                if self.lora_shrink == "in_base_gemm":  # rows for A_hi, A_mid, A_lo after W (zero: no policy yet)
+                    rows = linear.weight.shape[0]
+                    linear.weight_cat = torch.zeros(rows + 3 * linear.lora_a.shape[0], in_features,
+                                                    dtype=linear.weight.dtype, device=self.device)
+                    linear.weight_cat[:rows].copy_(linear.weight)
+                    linear.weight = linear.weight_cat[:rows]
             layer.proj[fused] = linear
         return layer
 
@@ -378,6 +426,32 @@ class CompactQwen3:
         rest = [key for key in tensors if key not in done]  # a partial set: tensor by tensor
         if rest:
             torch._foreach_copy_([views[k] for k in rest], [tensors[k] for k in rest], non_blocking=True)
+        if self.lora_shrink == "in_base_gemm":
+            self._write_shrink_rows()
+
+    def _write_shrink_rows(self) -> None:
+        """LORA_SHRINK "in_base_gemm": each projection's float32 A, just written, as A_hi + A_mid + A_lo
+        (bf16 each) in the rows after W. Exact: A_hi is A rounded to bf16, A - A_hi is exact in float32 and
+        holds at most 16 significant bits, A_mid takes 8 of them and A_lo the rest; checked once per sync
+        (a value bf16's range cannot split, e.g. a float32 subnormal, is refused, never served inexactly)."""
+        import torch
+
+        exact = torch.ones((), dtype=torch.bool, device=self.device)
+        for layer in self.layers:
+            for linear in layer.proj.values():
+                if linear.weight_cat is None:
+                    continue
+                a, rows, low = linear.lora_a, linear.lora_b.shape[0], linear.lora_a.shape[0]
+                high = a.to(torch.bfloat16)
+                rest = a - high.float()
+                middle = rest.to(torch.bfloat16)
+                last = (rest - middle.float()).to(torch.bfloat16)
+                exact &= ((high.float() + middle.float()) + last.float() == a).all()
+                for k, part in enumerate((high, middle, last)):
+                    linear.weight_cat[rows + k * low:rows + (k + 1) * low].copy_(part)
+        if not bool(exact):
+            raise ValueError("LORA_SHRINK in_base_gemm: a LoRA A tensor is not exactly the sum of three bf16 "
+                             "matrices; this engine cannot serve it exactly")
 
     def lora_views(self) -> dict[str, torch.Tensor]:
         """The served LoRA tensors as views of the static buffers, canonical names, on the device

@@ -190,6 +190,9 @@ class HFCachedBackend(HFBackendBase):
                       else "not_applicable",
                       "lm_head": self.engine.head_mode,
                       "lora_add": self.engine.lora_add,
+                      # a non-default LoRA shrink (issue 43 candidate) is named; the default adds no key
+                      **({"lora_shrink": self.engine.lora_shrink} if self.engine.lora_shrink != "reductions"
+                         else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,
                       "static_cache_bytes": self.buckets.cache_bytes if self.buckets else None,

@@ -42,7 +42,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "cdt": ("INDUCTOR_OPTIONS", {"coordinate_descent_tuning": True}),
             "det": ("INDUCTOR_OPTIONS", {"deterministic": True}),
             "kvinside": ("CACHE_WRITE", "inside"),
-            "kvoutside": ("CACHE_WRITE", "outside")}
+            "kvoutside": ("CACHE_WRITE", "outside"),
+            "shrinkgemm": ("LORA_SHRINK", "in_base_gemm")}
 
 
 def use_before(path):
