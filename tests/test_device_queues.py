@@ -94,6 +94,12 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         assert args.cell in known_cells, f"{where}: unknown cell {args.cell}"
     elif len(words) == 5 and words[0] == "[" and words[4] == "]" and words[2] in ("-ge", "-gt"):
         assert words[1].isdigit() and words[3].isdigit(), f"{where}: a guard on seconds left: {command}"
+    elif words[:2] == ["python3", "tools/profile_standin_training.py"]:
+        from tools import profile_standin_training
+
+        profile_standin_training.build_parser().parse_args(words[2:])
+    elif words[:2] == ["python3", "tools/lab/fill_standin_draft.py"]:
+        assert len(words) == 4 and words[3].startswith("params/drafts/"), f"{where}: RECORDS_DIR OUT_YAML: {command}"
     elif words[:2] == ["bash", "tools/lab/wait_for_install.sh"]:
         assert len(words) in (3, 4) and words[2] in ("vllm", "ray") and all(w.isdigit() for w in words[3:]), \
             f"{where}: package (vllm or ray) and seconds to wait: {command}"

@@ -62,7 +62,7 @@ def _step_phases(model, optimizer, batch, recipe, autocast: bool, device: str) -
     return phases
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b or tiny")
     parser.add_argument("--device", default="cuda")
@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", required=True, type=Path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     attentions = args.attention.split(",")
     if any(a not in ("eager", "sdpa") for a in attentions):
