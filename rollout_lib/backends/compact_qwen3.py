@@ -82,44 +82,34 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     reductions; still float32 throughout. Eagerly it would materialize [.., out, r] products."""
     import torch
 
-    if lora_a is not None and weight.shape[0] > lora_b.shape[0]:  # LORA_SHRINK "in_base_gemm" (static shapes)
-        return _fused_linear_shrink_in_gemm(x, weight, lora_a, lora_b, scaling, lora_as_reductions, lora_add)
-    base = torch.nn.functional.linear(x, weight)
     if lora_a is None:
-        return base
-    if lora_as_reductions:
-        xa = (x.float()[..., None, :] * lora_a).sum(-1)
-        low = (xa[..., None, :] * lora_b).sum(-1)
+        return torch.nn.functional.linear(x, weight)
+    if weight.shape[0] > lora_b.shape[0]:  # LORA_SHRINK "in_base_gemm": A's rows after W (static shapes)
+        base, xa = _base_and_shrink_in_one_gemm(x, weight, lora_a.shape[0], lora_b.shape[0])
     else:
-        low = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), lora_a), lora_b)
-    if lora_add == "bf16_like_nf4_oracle":
-        return base + (low * scaling).to(base.dtype)
-    return (base.float() + low * scaling).to(base.dtype)
-
-
-def _fused_linear_shrink_in_gemm(x: torch.Tensor, weight_cat: torch.Tensor, lora_a: torch.Tensor,
-                                 lora_b: torch.Tensor, scaling: float, lora_as_reductions: bool,
-                                 lora_add: str) -> torch.Tensor:
-    """`_fused_linear` with LORA_SHRINK "in_base_gemm" (issue 43 candidate): `weight_cat` is [W; A_hi;
-    A_mid; A_lo], the float32 A split exactly into three bf16 matrices (`CompactQwen3._write_shrink_rows`
-    checks the split), so one bf16 GEMM with float32 output gives the base projection (rounded to bf16
-    as `linear` rounds it) and the three partial products x A_k, each a float32 sum of exact products; x A
-    is their float32 sum: the float32 contract in another summation order, on tensor cores, with no
-    kernel of its own. The B product and the add are `_fused_linear`'s. `lora_a` is not read (its rows
-    are in `weight_cat`); it stays an argument so the caller's tensors are the same in both modes."""
-    import torch
-
-    from rollout_lib.models.actor import mm_float32
-
-    out_rows, low_rows = lora_b.shape[0], lora_a.shape[0]
-    both = mm_float32(x.reshape(-1, x.shape[-1]), weight_cat.t())
-    base = both[:, :out_rows].to(x.dtype).reshape(*x.shape[:-1], out_rows)
-    parts = both[:, out_rows:].reshape(-1, 3, low_rows)
-    xa = ((parts[:, 0] + parts[:, 1]) + parts[:, 2]).reshape(*x.shape[:-1], low_rows)
+        base = torch.nn.functional.linear(x, weight)
+        xa = (x.float()[..., None, :] * lora_a).sum(-1) if lora_as_reductions else torch.nn.functional.linear(
+            x.float(), lora_a)
     low = (xa[..., None, :] * lora_b).sum(-1) if lora_as_reductions else torch.nn.functional.linear(xa, lora_b)
     if lora_add == "bf16_like_nf4_oracle":
         return base + (low * scaling).to(base.dtype)
     return (base.float() + low * scaling).to(base.dtype)
+
+
+def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_rows: int,
+                                 out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """LORA_SHRINK "in_base_gemm" (issue 43 candidate): `weight_cat` is [W; A_hi; A_mid; A_lo], the float32
+    A split exactly into three bf16 matrices (`CompactQwen3._write_shrink_rows` checks the split), so one
+    bf16 GEMM with float32 output gives the base projection (rounded to bf16 as `linear` rounds it) and
+    the three partial products x A_k, each a float32 sum of exact products; x A is their float32 sum: the
+    float32 contract in another summation order, on tensor cores, with no kernel of its own. Returns
+    (base, x A); the B product and the add are `_fused_linear`'s."""
+    from rollout_lib.models.actor import mm_float32
+
+    both = mm_float32(x.reshape(-1, x.shape[-1]), weight_cat.t())
+    base = both[:, :out_rows].to(x.dtype).reshape(*x.shape[:-1], out_rows)
+    parts = both[:, out_rows:].reshape(-1, 3, low_rows)
+    return base, ((parts[:, 0] + parts[:, 1]) + parts[:, 2]).reshape(*x.shape[:-1], low_rows)
 
 
 @dataclass
@@ -153,7 +143,7 @@ class Layer:
 # - LORA_SHRINK "reductions" (the default): the LoRA A product is its own kernel (an inductor reduction
 #   when compiled, a float32 GEMM eagerly); "in_base_gemm" (issue 43 candidate, bf16 engines only): A is
 #   appended to the projection's weight as three bf16 matrices whose sum is exactly A, so the base GEMM
-#   computes it too (`_fused_linear_shrink_in_gemm`; 112 kernels fewer per step). Measured against the
+#   computes it too (`_base_and_shrink_in_one_gemm`; 112 kernels fewer per step). Measured against the
 #   default with the probe's `+shrinkgemm` before it may become a default.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"

@@ -25,7 +25,6 @@ from typing import Any
 
 from rollout_lib.campaign.executors import import_ray
 
-PLACEMENTS = ("process", "ray")
 GPU_SHARE_ONE_GPU = 0.5
 
 
@@ -155,14 +154,14 @@ def run_cycles_on_ray(cycle_params: str, backend_name: str, algorithm: str, cell
                  runtime_env={"env_vars": {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}})
     options = cycle_backend_options(study, backend_name, cache_dir, device, vllm_memory_mode, backend_options)
     server = ray.remote(num_gpus=GPU_SHARE_ONE_GPU, max_restarts=0)(RolloutServer).remote(
-        str(cycle_params), backend_name, options)
+        cycle_params, backend_name, options)
     try:
         rollout_where = ray.get(server.where.remote())
         run = {"algorithm": algorithm, "cell_id": cell_id, "campaign": campaign, "run_id": run_id,
                "output_dir": Path(output_dir).resolve(), "device": device, "cache_dir": cache_dir,
                "backend_options": backend_options, "cycles": cycles, "vllm_memory_mode": vllm_memory_mode}
         trainer = ray.remote(num_gpus=GPU_SHARE_ONE_GPU, max_retries=0)(_train)
-        return Path(ray.get(trainer.remote(str(cycle_params), server, backend_name, rollout_where,
+        return Path(ray.get(trainer.remote(cycle_params, server, backend_name, rollout_where,
                                            GPU_SHARE_ONE_GPU, run)))
     finally:
         ray.kill(server)

@@ -488,7 +488,7 @@ def process_memory(device) -> dict[str, Any]:
     try:
         import pynvml
 
-        from rollout_lib.measure.memory import nvml_handle, process_tree
+        from rollout_lib.measure.memory import COUNTED_PROCESSES, nvml_handle, process_tree
 
         pynvml.nvmlInit()
         try:
@@ -506,8 +506,6 @@ def process_memory(device) -> dict[str, Any]:
             name = Path(f"/proc/{proc.pid}/comm").read_text().strip()
         except OSError:
             name = "exited"
-        from rollout_lib.measure.memory import COUNTED_PROCESSES
-
         role = "this process" if proc.pid == me else COUNTED_PROCESSES.get(int(proc.pid), "child")
         processes.append({"pid": int(proc.pid), "name": name, "role": role,
                           "used_bytes": int(proc.usedGpuMemory) if proc.usedGpuMemory is not None else None})
