@@ -166,7 +166,7 @@ def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
 
     checkout = tmp_path / "checkout"
     (checkout / "tools" / "lab").mkdir(parents=True)
-    for script in ("queue.sh", "work_copy.sh"):
+    for script in ("queue.sh", "work_copy.sh", "job_states.sh"):
         shutil.copy(REPO_ROOT / "tools" / "lab" / script, checkout / "tools" / "lab" / script)
     write = "mkdir -p outputs/perf && echo $JOB_DEADLINE_S $QUEUE_LEASE_S > outputs/perf/{}.txt"
     (checkout / "q.tsv").write_text(

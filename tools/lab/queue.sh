@@ -69,15 +69,9 @@ fi
 while [ -f "$WORK/state/running" ] && [ $(( $(date +%s) - started )) -lt "$CALL_S" ]; do
   sleep 5
 done
-now=$(date +%s)
 echo "queue: $([ -f "$WORK/state/running" ] && echo running || echo finished)"
-awk -v now="$now" '$2 == "running" { start[$1] = $3; order[++n] = $1 }
-  $2 == "exit" { rc[$1] = $3; took[$1] = $4 - start[$1] }
-  $2 == "skipped" { order[++n] = $1; skipped[$1] = $4 }
-  END { for (i = 1; i <= n; i++) { j = order[i];
-          if (j in skipped) printf "  %-28s skipped: %d s of the lease left\n", j, skipped[j];
-          else if (j in rc) printf "  %-28s exit %s after %d s\n", j, rc[j], took[j];
-          else printf "  %-28s running for %d s\n", j, now - start[j] } }' "$WORK/state/jobs" 2>/dev/null
+source tools/lab/job_states.sh
+job_states "$WORK/state/jobs"
 cd "$WORK/src"
 dirs=()
 for d in outputs/conformance outputs/perf outputs/cycles outputs/raw outputs/campaigns; do [ -d "$d" ] && dirs+=("$d"); done

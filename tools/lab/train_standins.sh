@@ -55,13 +55,9 @@ fi
 while [ -f "$WORK/state/running" ] && [ $(( $(date +%s) - started )) -lt "$CALL_S" ]; do
   sleep 5
 done
-now=$(date +%s)
 echo "training: $([ -f "$WORK/state/running" ] && echo running || echo finished) ($(cat "$WORK/state/gpu.txt" 2>/dev/null))"
-awk -v now="$now" '$2 == "running" { start[$1] = $3; order[++n] = $1 }
-  $2 == "exit" { rc[$1] = $3; took[$1] = $4 - start[$1] }
-  END { for (i = 1; i <= n; i++) { j = order[i];
-          if (j in rc) printf "  %-26s exit %s after %d s\n", j, rc[j], took[j];
-          else printf "  %-26s running for %d s\n", j, now - start[j] } }' "$WORK/state/jobs"
+source tools/lab/job_states.sh
+job_states "$WORK/state/jobs"
 for log in "$WORK"/logs/qwen3-*.log; do [ -f "$log" ] && { echo "--- $(basename "$log")"; tail -n 4 "$log"; }; done
 cd "$WORK/src"
 python3 - "$WORK" <<'EOF'
@@ -85,14 +81,11 @@ for record_file in sorted((work / "records").glob("*.json")):
           f"{i['heldout_loss_nats']:.4f})  entropy {f['mean_entropy_nats']:.3f} nats (init {i['mean_entropy_nats']:.3f})"
           f"  top-1 p {f['mean_top1_probability']:.3f}  {r['trained_tokens']} tokens in {r['train_wall_s']:.0f} s")
 (work / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
-actor, teacher = summary.get("qwen3-0.6b-actor"), summary.get("qwen3-1.7b-teacher")
-if actor and teacher:
-    draft = Path("params/drafts/rollout-runtime-v3-trained.yaml").read_text()
-    draft = draft.replace("TO-BE-FILLED-actor-digest-from-tools/lab/train_standins.sh", actor["payload_digest"])
-    draft = draft.replace("TO-BE-FILLED-teacher-digest-from-tools/lab/train_standins.sh", teacher["payload_digest"])
-    (work / "rollout-runtime-v3-trained.yaml").write_text(draft)
-    print("filled draft: rollout-runtime-v3-trained.yaml in standins.tgz (digests from this run)")
 EOF
+# the draft with both digests filled in, once both records exist (the tool refuses otherwise, writing nothing)
+python3 tools/lab/fill_standin_draft.py "$WORK/records" params/drafts/rollout-runtime-v3-trained.filled.yaml \
+  > /dev/null 2>&1 && mv params/drafts/rollout-runtime-v3-trained.filled.yaml "$WORK/rollout-runtime-v3-trained.yaml" \
+  && echo "filled draft: rollout-runtime-v3-trained.yaml in standins.tgz (digests from this run)"
 mkdir -p "$OUT"
 files=(logs state records summary.json)
 [ -f "$WORK/rollout-runtime-v3-trained.yaml" ] && files+=(rollout-runtime-v3-trained.yaml)
