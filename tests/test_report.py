@@ -641,3 +641,16 @@ def test_the_browser_test_skips_without_chromium_but_fails_in_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="cannot run in CI"):
         _browser_or_skip()
+
+
+def test_cycle_finding_counts_every_failing_run_it_does_not_name():
+    """The cycle section's finding names at most three failing runs and says how many it left out (the
+    bf16-head campaign's four vLLM rows all fail the gate; the shared-head campaign's none)."""
+    from rollout_lib.core import OUTPUTS_DIR
+    from rollout_lib.report.sections import cycle_html
+
+    text = cycle_html(OUTPUTS_DIR, "h200-v2", "h200-cycle-fast-bf16-head,h200-cycle-fast-shared-head")
+    finding = text.split("h200-cycle-fast-bf16-head:", 1)[1].split("h200-cycle-fast-shared-head:", 1)[0]
+    assert "the memory gate fails in 4 run(s)" in finding and "and 1 more)" in finding
+    shared = text.split("h200-cycle-fast-shared-head:", 1)[1].split("<", 1)[0]
+    assert "memory gate fails" not in shared

@@ -313,7 +313,8 @@ def cycle_html(output_dir: Path, campaign: str, names: str = "") -> str:
             text += f", of which the actor update is {min(update):.1f}–{max(update):.1f} s"
         if "fail" in gates:
             failing = sorted({row_label(r) for r in rows if r["memory_gate"]["status"] == "fail"})
-            text += f"; the memory gate fails in {len(failing)} run(s) ({', '.join(failing[:3])})"
+            more = f" and {len(failing) - 3} more" if len(failing) > 3 else ""
+            text += f"; the memory gate fails in {len(failing)} run(s) ({', '.join(failing[:3])}{more})"
         findings.append(text)
         not_counted = cycle_report.runs_not_counted(data)
         mem = cycle_report.cycle_memory_figure(data)
