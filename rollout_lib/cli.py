@@ -659,10 +659,26 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     from rollout_lib.campaign import driver
     from rollout_lib.study.prereg import load
 
+    if args.campaign_command == "scaling":  # refused before anything is read
+        counts = _gpu_counts(args.gpus)
     study = load(args.params)
     output_dir = Path(args.output_dir)
     if args.campaign_command == "status":
         print(driver.status(study, args.campaign, output_dir, args.backend))
+        return 0
+    if args.campaign_command == "scaling":
+        from rollout_lib.campaign.scaling import campaign_scaling, format_scaling
+        from rollout_lib.core import write_json_atomic
+
+        if args.json is not None and Path(args.json).exists():
+            raise CommandError(f"json: {args.json} exists; give a new file (an estimate is never overwritten)")
+        try:
+            result = campaign_scaling(study, args.campaign, output_dir, counts)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        print(format_scaling(result))
+        if args.json is not None:
+            write_json_atomic(Path(args.json), result)
         return 0
     if args.backend not in ("hf_reference", "hf_cached", "vllm"):
         raise CommandError(f"backend: {args.backend!r} is not allowed; allowed: hf_reference, hf_cached, vllm")
@@ -744,6 +760,15 @@ def cmd_campaign(args: argparse.Namespace) -> int:
                                    lease_s=args.lease_s, executor=args.executor, address=args.address)
     except ExecutorError as exc:
         raise CommandError(str(exc)) from None
+
+
+def _gpu_counts(text: str) -> tuple[int, ...]:
+    """`--gpus 1,2,4,8` of `campaign scaling`: distinct whole numbers of at least 1, in increasing order."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if not words or not all(re.fullmatch(r"[1-9][0-9]{0,3}", w) for w in words):
+        raise CommandError(f"gpus: {text!r} is not allowed; comma-separated whole numbers from 1 to 9999 "
+                           "(e.g. 1,2,4,8)")
+    return tuple(sorted({int(w) for w in words}))
 
 
 def _require_identity_prefix(option: str, value: str | None) -> None:
@@ -828,6 +853,9 @@ EXPLAINED: dict[str, tuple[str, str]] = {
                      "--address auto"),
     "campaign status": ("Show done / running / to-measure cells, each driver's state and when it was written.",
                         "rollout campaign status --campaign h200-v2"),
+    "campaign scaling": ("Estimate how long the whole campaign takes on 1, 2, 4, 8 GPUs from its measured cells; "
+                         "writes nothing unless --json.",
+                         "rollout campaign scaling --campaign h200-v2 --gpus 1,2,4,8"),
     "vllm-diagnostic": ("Compare managed vLLM with the in-process engine on the same requests (diagnostic).",
                         "rollout vllm-diagnostic --cells p128-r64-n1-greedy --out /tmp/vllm-diagnostic.json"),
     "vllm-compare": ("Compare vLLM settings side by side on the same requests (diagnostic, no gate).",
@@ -1054,6 +1082,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="then plan successive leases of --lease-s until every cell is planned, if the "
                                 "estimates hold: how many leases, and which segments are cut")
         p.set_defaults(func=cmd_campaign)
+    p = csub.add_parser("scaling", help="how long the whole campaign takes on 1, 2, 4, 8 GPUs, estimated from its "
+                                        "measured cells (longest-first, backends one after another)")
+    _common(p, campaign=True, output_dir=True)
+    p.add_argument("--gpus", default="1,2,4,8", help="comma-separated GPU counts (default 1,2,4,8)")
+    p.add_argument("--json", default=None, help="also write the estimate to this new JSON file")
+    p.set_defaults(func=cmd_campaign)
 
     p = sub.add_parser("vllm-diagnostic", help="managed vLLM vs the in-process engine (with and without the "
                                                "adapter) on the same requests; writes the JSON --out")

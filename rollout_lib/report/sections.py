@@ -344,7 +344,10 @@ def cycle_html(output_dir: Path, campaign: str, names: str = "") -> str:
 # ---------------------------------------------------------------- setup and evidence
 
 
-def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[str, Any]) -> str:
+def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[str, Any],
+               output_dir: Path | None = None, campaign: str | None = None) -> str:
+    """The frozen setup; with `output_dir` and `campaign`, also how long the whole campaign would take on
+    1, 2, 4 and 8 GPUs, estimated from its measured cells (`campaign.scaling`)."""
     from rollout_lib.report import summary as report
 
     gpus = sorted({(r["records"][0].get("environment", {}).get("gpu", {}) or {}).get("name") or "no GPU (CPU)"
@@ -352,9 +355,54 @@ def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[s
     finding = (f"{study.study_id} ({study.status_label}); actor: {report.model_source_text(study.actor)}; "
                f"measured on {', '.join(gpus) or '—'}; {study.protocol.warmup_repetitions} warm-up + "
                f"{study.protocol.measured_repetitions} measured repetitions per cell, median")
-    return section("setup", "Setup", html.escape(finding), "",
-                   (("Frozen setup: preregistration, calculator, models, budget, each raw file's environment",
-                     table_html(report.setup_table(study, aggregate, inputs))),))
+    details = [("Frozen setup: preregistration, calculator, models, budget, each raw file's environment",
+                table_html(report.setup_table(study, aggregate, inputs)))]
+    scaling = _scaling(study, output_dir, campaign) if output_dir is not None and campaign else None
+    if scaling is not None:
+        counts = scaling["gpu_counts"]
+        finding += ("; the whole campaign, measured from scratch, would take "
+                    + ", ".join(f"{_hours(scaling['campaign_s'][str(n)])} on {n} GPU{'s' if n > 1 else ''}"
+                                for n in counts)
+                    + f" (estimated from its measured cells; {_hours(scaling['bound_s'])} at best, the longest cells)")
+        details.append(("Campaign duration on 1, 2, 4, 8 GPUs: per backend, estimated from the measured cells "
+                        "(rollout campaign scaling)", table_html(_scaling_frame(scaling))
+                        + caveat("Longest-first onto the least-loaded GPU with no deadline, backends one after "
+                                 "another, one measured cold start per GPU; process start, the Ray cluster's start "
+                                 "and time between repetitions are left out. The bound is a cold start plus the "
+                                 "longest cell: no GPU count finishes a backend faster.",
+                                 "the campaign's raw files")))
+    return section("setup", "Setup", html.escape(finding), "", tuple(details))
+
+
+def _scaling(study: Preregistration, output_dir: Path, campaign: str) -> dict[str, Any] | None:
+    from rollout_lib.campaign.scaling import campaign_scaling
+
+    try:
+        return campaign_scaling(study, campaign, Path(output_dir))
+    except ValueError:  # no raw file yet: the finding says nothing about duration
+        return None
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+def _scaling_frame(scaling: dict[str, Any]):
+    import pandas as pd
+
+    rows = []
+    for b in scaling["backends"]:
+        row = {"backend": b["backend"], "cells (measured)": f"{b['cells']} ({b['cells_measured']})",
+               "cold start": f"{b['cold_start_s']:.0f} s"}
+        row |= {f"{n} GPU": _hours(b["makespan_s"][str(n)]) for n in scaling["gpu_counts"]}
+        row |= {"bound": _hours(b["bound_s"]), "longest cell": f"{b['longest_cell']} ({b['longest_cell_s']:.0f} s)"}
+        rows.append(row)
+    total = {"backend": "campaign", "cells (measured)": "", "cold start": ""}
+    total |= {f"{n} GPU": f"{_hours(scaling['campaign_s'][str(n)])} ({scaling['speedup'][str(n)]:.2f}x, "
+                          f"efficiency {scaling['efficiency'][str(n)]:.2f})" for n in scaling["gpu_counts"]}
+    total |= {"bound": _hours(scaling["bound_s"]), "longest cell": ""}
+    rows.append(total)
+    return pd.DataFrame(rows).set_index("backend")
 
 
 def evidence_html(study: Preregistration, aggregate: dict[str, Any], campaign: str, matches: bool,
