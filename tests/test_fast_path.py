@@ -461,6 +461,44 @@ def test_lora_shrink_in_the_base_gemm_is_the_float32_low_rank_term_in_another_or
     assert bool(((expected.double() - exact).abs() <= bound).all())  # the default path obeys the same bound
 
 
+def test_lora_expand_as_a_gemm_is_the_float32_low_rank_term_in_another_order():
+    """Issue 43 candidate (LORA_EXPAND "gemm"): under inductor's reductions the B product may still be a float32
+    GEMM; the layer's output is within the same two bf16 roundings of the exact result, whichever form the
+    shrink takes, and with reductions off the flag changes nothing."""
+    from rollout_lib.backends.compact_qwen3 import _fused_linear
+
+    generator = torch.Generator().manual_seed(5)
+    rows, in_features, out_features, rank = 4, 48, 80, 8
+    x = torch.randn(1, rows, in_features, generator=generator).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    lora_a = torch.randn(rank, in_features, generator=generator) * 0.03
+    lora_b = torch.randn(out_features, rank, generator=generator) * 0.01
+    base = x.double() @ weight.double().t()
+    exact = base + 2.0 * (x.double() @ lora_a.double().t()) @ lora_b.double().t()
+    bound = (base.abs() + exact.abs()) * 2.0 ** -8 + 1e-6
+    for reductions in (True, False):
+        got = _fused_linear(x, weight, lora_a, lora_b, 2.0, reductions, expand_as_gemm=True)
+        assert bool(((got.double() - exact).abs() <= bound).all())
+    assert torch.equal(_fused_linear(x, weight, lora_a, lora_b, 2.0, False, expand_as_gemm=True),
+                       _fused_linear(x, weight, lora_a, lora_b, 2.0, False))
+
+
+@pytest.mark.parametrize(("setting", "value", "allowed"), [
+    ("LORA_EXPAND", "gemms", "reductions, gemm"),
+    ("ATTENTION_BACKEND", "flash", "auto, efficient, cudnn"),
+])
+def test_an_unknown_engine_setting_is_refused_with_the_allowed_values(smoke_study, snapshot_cache, monkeypatch,
+                                                                       setting, value, allowed):
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, setting, value)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="bfloat16", decode="graphs",
+                             cache_dir=snapshot_cache)
+    with pytest.raises(ValueError, match=rf"{setting} '{value}' is not allowed; allowed: {allowed}"):
+        backend.cold_start()
+    backend.teardown()
+
+
 def test_an_engine_with_lora_shrink_in_the_base_gemm_serves_the_policy_exactly(smoke_study, snapshot_cache,
                                                                                 monkeypatch, outputs):
     from rollout_lib.backends import compact_qwen3

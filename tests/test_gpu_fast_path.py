@@ -134,3 +134,26 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
         assert same >= len(got[cells[0]]) - 4, f"{same} of {len(got[cells[0]])} greedy requests identical"
     finally:
         backend.teardown()
+
+
+@pytest.mark.parametrize(("setting", "value", "key"), [("LORA_EXPAND", "gemm", "lora_expand"),
+                                                       ("ATTENTION_BACKEND", "efficient", "attention_backend")])
+def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, setting, value, key):
+    """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
+    as a float32 GEMM, SDPA's memory-efficient kernel for decode attention. The compiled bf16 engine serves
+    the synced policy and its greedy tokens stay those of the shrink-only engine but for near-ties."""
+    from rollout_lib.backends import compact_qwen3
+
+    cells = ["p128-r64-n4-greedy"]
+    monkeypatch.setattr(compact_qwen3, "LORA_SHRINK", "in_base_gemm")
+    reference, _, expected = _run(study, "graphs", "bfloat16", cells)
+    reference.teardown()
+    monkeypatch.setattr(compact_qwen3, setting, value)
+    backend, policies, got = _run(study, "graphs", "bfloat16", cells, versions=2)
+    try:
+        assert backend.environment()[key] == value
+        assert backend.sync_policy(policies[1]) == policies[1].identity
+        same = sum(a.token_ids == b.token_ids for a, b in zip(expected[cells[0]], got[cells[0]], strict=True))
+        assert same >= len(got[cells[0]]) - 4, f"{same} of {len(got[cells[0]])} greedy requests identical"
+    finally:
+        backend.teardown()

@@ -68,7 +68,8 @@ def lora_add_mode(value: str | None) -> str:
 
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
-                  scaling: float, lora_as_reductions: bool = False, lora_add: str = "float32_once") -> torch.Tensor:
+                  scaling: float, lora_as_reductions: bool = False, lora_add: str = "float32_once",
+                  expand_as_gemm: bool = False) -> torch.Tensor:
     """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft's plain
     `lora.Linear` does over the bf16 mirror: the eager path). The NF4 oracle's `lora.Linear4bit` rounds
     the low-rank term to bf16 first and adds in bf16 (two roundings): a bf16-only difference that the
@@ -79,7 +80,10 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     `lora_as_reductions` (only under inductor): the two low-rank products written as broadcast
     multiply-and-sum, which inductor turns into reduction kernels fused with their neighbours (the
     B product with the add-and-round epilogue) instead of two tiny float32 GEMMs with split-K
-    reductions; still float32 throughout. Eagerly it would materialize [.., out, r] products."""
+    reductions; still float32 throughout. Eagerly it would materialize [.., out, r] products.
+    `expand_as_gemm` (LORA_EXPAND "gemm", issue 43 candidate): the B product stays a float32 GEMM even
+    under inductor (K is the rank, so no split-K: one kernel that reads B once, where the reduction
+    reads it once per row)."""
     import torch
 
     if lora_a is None:
@@ -90,10 +94,24 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
         base = torch.nn.functional.linear(x, weight)
         xa = (x.float()[..., None, :] * lora_a).sum(-1) if lora_as_reductions else torch.nn.functional.linear(
             x.float(), lora_a)
-    low = (xa[..., None, :] * lora_b).sum(-1) if lora_as_reductions else torch.nn.functional.linear(xa, lora_b)
+    low = ((xa[..., None, :] * lora_b).sum(-1) if lora_as_reductions and not expand_as_gemm
+           else torch.nn.functional.linear(xa, lora_b))
     if lora_add == "bf16_like_nf4_oracle":
         return base + (low * scaling).to(base.dtype)
     return (base.float() + low * scaling).to(base.dtype)
+
+
+def _attention_kernel(backend: str):
+    """ATTENTION_BACKEND as a context for one SDPA call: "auto" lets SDPA choose (a no-op context),
+    otherwise only that SDPA backend may run (an error, not a silent fallback, where it cannot take the
+    call). Entered while the decode graph is captured; replays run the captured kernel."""
+    import contextlib
+
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]])
 
 
 def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_rows: int,
@@ -144,7 +162,14 @@ class Layer:
 #   when compiled, a float32 GEMM eagerly); "in_base_gemm" (issue 43 candidate, bf16 engines only): A is
 #   appended to the projection's weight as three bf16 matrices whose sum is exactly A, so the base GEMM
 #   computes it too (`_base_and_shrink_in_one_gemm`; 112 kernels fewer per step). Measured against the
-#   default with the probe's `+shrinkgemm` before it may become a default.
+#   default with the probe's `+shrinkgemm` before it may become a default (lease 23: -0.23 ms/step at 4
+#   rows, -0.36 ms at 16; docs/perf-notes.md).
+# - LORA_EXPAND "reductions" (the default): the LoRA B product an inductor reduction, which reads B once
+#   per row (112 kernels, 0.43 ms of a 16-row step with the shrink in the GEMM, lease 23); "gemm" (issue
+#   43 candidate): a float32 GEMM (`linear`), K = rank. The probe's `+expandgemm`.
+# - ATTENTION_BACKEND "auto" (the default): SDPA picks its kernel (cuDNN's on the H200, ~11 us a layer
+#   at 16 rows); "efficient" or "cudnn": that SDPA backend only (`torch.nn.attention.sdpa_kernel`), to
+#   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`).
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -152,6 +177,10 @@ LORA_SHRINK = "reductions"
 STEP_SHAPES_ALLOWED = ("per_rows", "dynamic")
 CACHE_WRITE_ALLOWED = ("outside", "inside")
 LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
+LORA_EXPAND = "reductions"
+LORA_EXPAND_ALLOWED = ("reductions", "gemm")
+ATTENTION_BACKEND = "auto"
+ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn")
 # recompilations allowed per compiled function: the row counts of one engine, times the engines a
 # process builds (tests, the probe's variants); past dynamo's default (8) it would run them eagerly
 RECOMPILE_LIMIT = 64
@@ -257,6 +286,13 @@ class CompactQwen3:
         if LORA_SHRINK == "in_base_gemm" and self.dtype != torch.bfloat16:
             raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
         self.lora_shrink = LORA_SHRINK
+        if LORA_EXPAND not in LORA_EXPAND_ALLOWED:
+            raise ValueError(f"LORA_EXPAND {LORA_EXPAND!r} is not allowed; allowed: {', '.join(LORA_EXPAND_ALLOWED)}")
+        self.lora_expand = LORA_EXPAND
+        if ATTENTION_BACKEND not in ATTENTION_BACKEND_ALLOWED:
+            raise ValueError(f"ATTENTION_BACKEND {ATTENTION_BACKEND!r} is not allowed; allowed: "
+                             f"{', '.join(ATTENTION_BACKEND_ALLOWED)}")
+        self.attention_backend = ATTENTION_BACKEND
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -516,7 +552,7 @@ class CompactQwen3:
         compiled piece: inductor stores them from the kernel that computes them) and returned as None."""
         batch, length, _ = h.shape
         qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused,
-                            self.lora_add)
+                            self.lora_add, expand_as_gemm=self.lora_expand == "gemm")
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = _rms(q.view(batch, length, self.heads, self.head_dim), q_norm, self.eps).transpose(1, 2)
@@ -546,10 +582,13 @@ class CompactQwen3:
         # reshape, not view: SDPA's float32 kernels return [B, kv, G*L, D] laid out as [B, G*L, kv, D],
         # which cannot be viewed as the query heads (a copy, fused by inductor; a view when contiguous)
         attn = attn.reshape(batch, self.heads, length, self.head_dim).transpose(1, 2)
-        add = self.lora_add
-        h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add)
-        gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused, add).chunk(2, dim=-1)
-        return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add)
+        add, gemm = self.lora_add, self.lora_expand == "gemm"
+        h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add,
+                              expand_as_gemm=gemm)
+        gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused, add,
+                                 expand_as_gemm=gemm).chunk(2, dim=-1)
+        return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add,
+                                 expand_as_gemm=gemm)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
                 mask: torch.Tensor, keep: int = 1, compiled: bool = False) -> torch.Tensor:
@@ -579,8 +618,9 @@ class CompactQwen3:
             if not inside:
                 cache.k[index].index_copy_(2, write, k)
                 cache.v[index].index_copy_(2, write, v)
-            attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
-                                                                    attn_mask=mask, scale=scale)
+            with _attention_kernel(self.attention_backend):
+                attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
+                                                                        attn_mask=mask, scale=scale)
             if compiled:
                 self.mark_rows(h, attn)
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),

@@ -193,6 +193,10 @@ class HFCachedBackend(HFBackendBase):
                       # a non-default LoRA shrink (issue 43 candidate) is named; the default adds no key
                       **({"lora_shrink": self.engine.lora_shrink} if self.engine.lora_shrink != "reductions"
                          else {}),
+                      **({"lora_expand": self.engine.lora_expand} if self.engine.lora_expand != "reductions"
+                         else {}),
+                      **({"attention_backend": self.engine.attention_backend}
+                         if self.engine.attention_backend != "auto" else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,
                       "static_cache_bytes": self.buckets.cache_bytes if self.buckets else None,

@@ -43,7 +43,10 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "det": ("INDUCTOR_OPTIONS", {"deterministic": True}),
             "kvinside": ("CACHE_WRITE", "inside"),
             "kvoutside": ("CACHE_WRITE", "outside"),
-            "shrinkgemm": ("LORA_SHRINK", "in_base_gemm")}
+            "shrinkgemm": ("LORA_SHRINK", "in_base_gemm"),
+            "expandgemm": ("LORA_EXPAND", "gemm"),
+            "sdpaeff": ("ATTENTION_BACKEND", "efficient"),
+            "sdpacudnn": ("ATTENTION_BACKEND", "cudnn")}
 
 
 def use_before(path):
