@@ -41,6 +41,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "perrows": ("STEP_SHAPES", "per_rows"),
             "cdt": ("INDUCTOR_OPTIONS", {"coordinate_descent_tuning": True}),
             "det": ("INDUCTOR_OPTIONS", {"deterministic": True}),
+            # programmatic dependent launch between inductor's Triton kernels (Hopper; vLLM sets it for its
+            # full CUDA graphs through TORCHINDUCTOR_ENABLE_PDL): a kernel's prologue overlaps the previous tail
+            "pdl": ("INDUCTOR_OPTIONS", {"triton.enable_pdl": True}),
             "kvinside": ("CACHE_WRITE", "inside"),
             "kvoutside": ("CACHE_WRITE", "outside"),
             "shrinkgemm": ("LORA_SHRINK", "in_base_gemm"),
