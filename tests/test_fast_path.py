@@ -433,18 +433,23 @@ def test_a_conformance_run_with_candidate_options_is_a_diagnostic(smoke_study, s
     assert report["verdict"]["checks"]["a_float32_greedy_exact"]  # in float32 the modes are one
 
 
+def _lora_layer(seed: int, rows: int, in_features: int, out_features: int, rank: int):
+    """x (bf16), W (bf16) and float32 LoRA A, B of one projection, at scales like the engine's."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, rows, in_features, generator=generator).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    lora_a = torch.randn(rank, in_features, generator=generator) * 0.03
+    lora_b = torch.randn(out_features, rank, generator=generator) * 0.01
+    return x, weight, lora_a, lora_b
+
+
 def test_lora_shrink_in_the_base_gemm_is_the_float32_low_rank_term_in_another_order():
     """Issue 43 candidate (LORA_SHRINK "in_base_gemm"): [W; A_hi; A_mid; A_lo] in one GEMM with float32
     output. The split is exact, and the layer's output is within its two bf16 roundings (the base
     projection, then the sum) of the exact result, as the default path's is."""
     from rollout_lib.backends.compact_qwen3 import _fused_linear
 
-    generator = torch.Generator().manual_seed(4)
-    rows, in_features, out_features, rank = 5, 64, 96, 8
-    x = torch.randn(1, rows, in_features, generator=generator).bfloat16()
-    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
-    lora_a = torch.randn(rank, in_features, generator=generator) * 0.03
-    lora_b = torch.randn(out_features, rank, generator=generator) * 0.01
+    x, weight, lora_a, lora_b = _lora_layer(seed=4, rows=5, in_features=64, out_features=96, rank=8)
     high = lora_a.bfloat16()
     middle = (lora_a - high.float()).bfloat16()
     last = (lora_a - high.float() - middle.float()).bfloat16()
@@ -467,12 +472,7 @@ def test_lora_expand_as_a_gemm_is_the_float32_low_rank_term_in_another_order():
     shrink takes, and with reductions off the flag changes nothing."""
     from rollout_lib.backends.compact_qwen3 import _fused_linear
 
-    generator = torch.Generator().manual_seed(5)
-    rows, in_features, out_features, rank = 4, 48, 80, 8
-    x = torch.randn(1, rows, in_features, generator=generator).bfloat16()
-    weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
-    lora_a = torch.randn(rank, in_features, generator=generator) * 0.03
-    lora_b = torch.randn(out_features, rank, generator=generator) * 0.01
+    x, weight, lora_a, lora_b = _lora_layer(seed=5, rows=4, in_features=48, out_features=80, rank=8)
     base = x.double() @ weight.double().t()
     exact = base + 2.0 * (x.double() @ lora_a.double().t()) @ lora_b.double().t()
     bound = (base.abs() + exact.abs()) * 2.0 ** -8 + 1e-6
