@@ -118,6 +118,14 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
             assert not suffixes or base in ("off", "inductor"), f"{where}: {variant}"
             if base == "before":
                 assert "BEFORE" in env, f"{where}: `before` needs BEFORE=<file>"
+    elif words[:4] == ["python3", "-m", "pip", "install"]:
+        # a carried wheel (e.g. .whl/ Liger Kernel): offline, no dependencies, the version the GPU stack pins
+        wheels = [w for w in words if w.endswith(".whl")]
+        assert wheels and "--no-index" in words and "--no-deps" in words, f"{where}: offline wheels only: {command}"
+        pinned = (REPO_ROOT / "requirements" / "gpu.txt").read_text()
+        for wheel in wheels:
+            name, version = Path(wheel).name.split("-")[:2]
+            assert f"{name.replace('_', '-')}=={version}" in pinned, f"{where}: {wheel} is not the pinned version"
     else:
         pytest.fail(f"{where}: a command this test cannot check: {command[:80]}")
 
