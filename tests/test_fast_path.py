@@ -532,6 +532,31 @@ def test_an_engine_with_lora_shrink_in_the_base_gemm_serves_the_policy_exactly(s
     assert "lora_shrink" not in outputs[("bfloat16", "graphs")]["environment"], "the default adds no key"
 
 
+def test_flex_attention_serves_the_same_float32_tokens_and_log_probabilities(smoke_study, snapshot_cache, monkeypatch,
+                                                                              outputs):
+    """Issue 43 candidate (ATTENTION_BACKEND "flex"): FlexAttention with the boolean mask read in the kernel is the
+    same attention: in float32 the smoke actor's greedy tokens and stops are those of SDPA's path and its
+    log-probabilities agree to float32 rounding (eager flex on the CPU; compiled on CUDA: test_gpu_fast_path.py)."""
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "ATTENTION_BACKEND", "flex")
+    workload = Workload(smoke_study)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
+                             cache_dir=snapshot_cache)
+    backend.cold_start()
+    try:
+        expected = outputs[("float32", "graphs")]
+        assert backend.sync_policy(expected["policy"]) == expected["identity"]
+        assert backend.environment()["attention_backend"] == "flex"
+        cell = "p48-r24-n2-greedy"
+        results = backend.generate(workload.requests(workload.cell(cell))).results
+        for got, want in zip(results, expected["runs"][cell], strict=True):
+            assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
+            assert max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)) < 1e-4
+    finally:
+        backend.teardown()
+
+
 def test_lora_shrink_in_the_base_gemm_is_refused_for_a_float32_engine(smoke_study, snapshot_cache, monkeypatch):
     from rollout_lib.backends import compact_qwen3
 

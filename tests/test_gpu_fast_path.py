@@ -137,11 +137,13 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
 
 
 @pytest.mark.parametrize(("setting", "value", "key"), [("LORA_EXPAND", "gemm", "lora_expand"),
-                                                       ("ATTENTION_BACKEND", "efficient", "attention_backend")])
+                                                       ("ATTENTION_BACKEND", "efficient", "attention_backend"),
+                                                       ("ATTENTION_BACKEND", "flex", "attention_backend")])
 def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, setting, value, key):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
-    as a float32 GEMM, SDPA's memory-efficient kernel for decode attention. The compiled bf16 engine serves
-    the synced policy and its greedy tokens stay those of the shrink-only engine but for near-ties."""
+    as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention. The compiled
+    bf16 engine serves the synced policy and its greedy tokens stay those of the shrink-only engine but for
+    near-ties."""
     from rollout_lib.backends import compact_qwen3
 
     cells = ["p128-r64-n4-greedy"]

@@ -114,6 +114,39 @@ def _attention_kernel(backend: str):
     return sdpa_kernel([{"efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]])
 
 
+def _flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """ATTENTION_BACKEND "flex": the same attention through FlexAttention, the boolean mask [B, 1, T, L] read
+    inside the kernel (grouped query row g*T + t is position t), no additive bias tensor."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    positions = allowed.shape[2]
+
+    def keep_allowed(score, b, h, q_idx, kv_idx):
+        return torch.where(allowed[b, 0, q_idx % positions, kv_idx], score, -float("inf"))
+
+    return flex_attention(q, k, v, score_mod=keep_allowed, scale=scale)
+
+
+_FLEX_COMPILED = None
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """`_flex_decode`, compiled on CUDA (FlexAttention generates one Triton kernel for the shape, a
+    split-cache decoding kernel for few query rows; static shapes: one compilation per graph bucket),
+    eager elsewhere (flex's reference implementation: correct, slow, for CPU tests)."""
+    global _FLEX_COMPILED
+    import torch
+
+    if not q.is_cuda:
+        return _flex_decode(q, k, v, allowed, scale)
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(_flex_decode, dynamic=False)
+    return _FLEX_COMPILED(q, k, v, allowed, scale)
+
+
 def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_rows: int,
                                  out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """LORA_SHRINK "in_base_gemm" (issue 43 candidate): `weight_cat` is [W; A_hi; A_mid; A_lo], the float32
@@ -169,7 +202,8 @@ class Layer:
 #   43 candidate): a float32 GEMM (`linear`), K = rank. The probe's `+expandgemm`.
 # - ATTENTION_BACKEND "auto" (the default): SDPA picks its kernel (cuDNN's on the H200, ~11 us a layer
 #   at 16 rows); "efficient" or "cudnn": that SDPA backend only (`torch.nn.attention.sdpa_kernel`), to
-#   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`).
+#   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`); "flex":
+#   FlexAttention with the boolean mask read in the kernel (`_flex_attention`; the probe's `+flex`).
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -180,7 +214,7 @@ LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
 LORA_EXPAND = "reductions"
 LORA_EXPAND_ALLOWED = ("reductions", "gemm")
 ATTENTION_BACKEND = "auto"
-ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn")
+ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex")
 # recompilations allowed per compiled function: the row counts of one engine, times the engines a
 # process builds (tests, the probe's variants); past dynamo's default (8) it would run them eagerly
 RECOMPILE_LIMIT = 64
@@ -604,6 +638,7 @@ class CompactQwen3:
         cos, sin = self._rope(positions)
         # the boolean mask once per forward as an additive bias, repeated for the grouped query rows
         # (row g*T + t is query position t)
+        allowed = mask
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -618,9 +653,12 @@ class CompactQwen3:
             if not inside:
                 cache.k[index].index_copy_(2, write, k)
                 cache.v[index].index_copy_(2, write, v)
-            with _attention_kernel(self.attention_backend):
-                attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
-                                                                        attn_mask=mask, scale=scale)
+            if self.attention_backend == "flex":
+                attn = _flex_attention(q, cache.k[index], cache.v[index], allowed, scale)
+            else:
+                with _attention_kernel(self.attention_backend):
+                    attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
+                                                                            attn_mask=mask, scale=scale)
             if compiled:
                 self.mark_rows(h, attn)
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),

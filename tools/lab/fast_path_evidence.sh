@@ -13,6 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD
 BEFORE=${BEFORE:-.stage/before/compact_qwen3_fdebb33.py}
 CAMPAIGN=${CAMPAIGN:-h200-v2}
 STEPS=${STEPS:-probe,tests,refresh}   # conformance takes a call of its own: STEPS=conformance
+rm -rf /tmp/prof  # traces of an earlier probe in this machine would be trimmed into this $OUT too
 mkdir -p "$OUT" /tmp/prof
 if [[ $STEPS == *probe* ]]; then
   timeout "${PROBE_TIMEOUT_S:-300}" python3 tools/lab/fast_path_probe.py --variants "${VARIANTS:-before,inductor}" --before "$BEFORE" \

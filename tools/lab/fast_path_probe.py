@@ -49,7 +49,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "shrinkgemm": ("LORA_SHRINK", "in_base_gemm"),
             "expandgemm": ("LORA_EXPAND", "gemm"),
             "sdpaeff": ("ATTENTION_BACKEND", "efficient"),
-            "sdpacudnn": ("ATTENTION_BACKEND", "cudnn")}
+            "sdpacudnn": ("ATTENTION_BACKEND", "cudnn"),
+            "flex": ("ATTENTION_BACKEND", "flex")}
 
 
 def use_before(path):
