@@ -540,6 +540,9 @@ def test_flex_attention_serves_the_same_float32_tokens_and_log_probabilities(smo
     from rollout_lib.backends import compact_qwen3
 
     monkeypatch.setattr(compact_qwen3, "ATTENTION_BACKEND", "flex")
+    calls = []
+    flex = compact_qwen3._flex_decode
+    monkeypatch.setattr(compact_qwen3, "_flex_decode", lambda *args: calls.append(args[0].shape) or flex(*args))
     workload = Workload(smoke_study)
     backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
                              cache_dir=snapshot_cache)
@@ -553,6 +556,8 @@ def test_flex_attention_serves_the_same_float32_tokens_and_log_probabilities(smo
         for got, want in zip(results, expected["runs"][cell], strict=True):
             assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
             assert max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)) < 1e-4
+        # every layer of every decode step went through flex (one query position, the grouped heads as rows)
+        assert calls and all(shape[2] == 2 for shape in calls) and len(calls) % 2 == 0, len(calls)  # 2 layers
     finally:
         backend.teardown()
 

@@ -107,7 +107,7 @@ def _attention_kernel(backend: str):
     call). Entered while the decode graph is captured; replays run the captured kernel."""
     import contextlib
 
-    if backend == "auto":
+    if backend in ("auto", "flex"):  # flex: the prefill's SDPA call chooses as by default
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -203,7 +203,8 @@ class Layer:
 # - ATTENTION_BACKEND "auto" (the default): SDPA picks its kernel (cuDNN's on the H200, ~11 us a layer
 #   at 16 rows); "efficient" or "cudnn": that SDPA backend only (`torch.nn.attention.sdpa_kernel`), to
 #   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`); "flex":
-#   FlexAttention with the boolean mask read in the kernel (`_flex_attention`; the probe's `+flex`).
+#   FlexAttention for the decode steps with the boolean mask read in the kernel (`_flex_attention`; the
+#   probe's `+flex`; prefill keeps SDPA: one compilation per graph bucket, none per prompt shape).
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -653,7 +654,7 @@ class CompactQwen3:
             if not inside:
                 cache.k[index].index_copy_(2, write, k)
                 cache.v[index].index_copy_(2, write, v)
-            if self.attention_backend == "flex":
+            if self.attention_backend == "flex" and tokens.shape[1] == 1:  # decode steps; prefill stays SDPA
                 attn = _flex_attention(q, cache.k[index], cache.v[index], allowed, scale)
             else:
                 with _attention_kernel(self.attention_backend):
