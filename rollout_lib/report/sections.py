@@ -384,7 +384,10 @@ def _scaling(study: Preregistration, output_dir: Path, campaign: str) -> dict[st
 
 
 def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+    """A duration at the precision a reader plans with: hours, minutes, or seconds under a minute and a half."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def _scaling_frame(scaling: dict[str, Any]):
