@@ -557,10 +557,10 @@ def test_sealed_after_the_fact_is_shown_only_when_the_aggregate_has_it(smoke_htm
     assert "cut at its cold start" in text and "— (none given)" in text and "None" not in text
 
 
-def test_every_cycle_campaign_of_the_study_is_shown_side_by_side(tmp_path):
+def test_every_cycle_campaign_of_the_study_is_shown_on_one_time_axis(tmp_path):
     import json
 
-    from rollout_lib.report.cycle import cycle_phase_figure_side_by_side
+    from rollout_lib.report.cycle import cycle_phase_figure_by_campaign
     from rollout_lib.report.sections import cycle_campaigns
 
     folder = tmp_path / "cycles" / "aggregate"
@@ -573,8 +573,12 @@ def test_every_cycle_campaign_of_the_study_is_shown_side_by_side(tmp_path):
         (folder / f"{name}.json").write_text(json.dumps({"rows": [row], "missing": []}))
     assert [n for n, _ in cycle_campaigns(tmp_path, "study")] == ["study", "study-next"]
     assert [n for n, _ in cycle_campaigns(tmp_path, "study", "other, study")] == ["other", "study"]
-    fig = cycle_phase_figure_side_by_side(cycle_campaigns(tmp_path, "study"))
-    assert [ax.get_title() for ax in fig.axes] == ["cycle campaign study", "cycle campaign study-next"]
+    fig = cycle_phase_figure_by_campaign(cycle_campaigns(tmp_path, "study"))
+    assert [ax.get_title(loc="left") for ax in fig.axes] == ["cycle campaign study", "cycle campaign study-next"]
+    # stacked top to bottom on one time axis (side by side, four campaigns' labels left the bars no width)
+    top, bottom = (ax.get_position() for ax in fig.axes)
+    assert top.y0 > bottom.y1 and abs(top.x0 - bottom.x0) < 1e-6 and fig.axes[0].get_xlim() == fig.axes[1].get_xlim()
+    assert [t.get_text() for t in fig.axes[0].texts] == ["5.50 s"]  # the complete cycle at the bar's end
 
 
 CHROMIUM = "/usr/bin/chromium"

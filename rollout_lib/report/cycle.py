@@ -163,23 +163,27 @@ def row_label(row: dict[str, Any]) -> str:
 
 
 def cycle_phase_figure(aggregate: dict[str, Any]):
-    """One cycle campaign's phase breakdown (`cycle_phase_figure_side_by_side` with one panel)."""
-    return cycle_phase_figure_side_by_side([(aggregate.get("campaign", ""), aggregate)])
+    """One cycle campaign's phase breakdown (`cycle_phase_figure_by_campaign` with one panel)."""
+    return cycle_phase_figure_by_campaign([(aggregate.get("campaign", ""), aggregate)])
 
 
-def cycle_phase_figure_side_by_side(campaigns: list[tuple[str, dict[str, Any]]]):
-    """One panel per cycle campaign, side by side, sharing the time axis: a horizontal stacked bar per run
+def cycle_phase_figure_by_campaign(campaigns: list[tuple[str, dict[str, Any]]]):
+    """One panel per cycle campaign, stacked top to bottom on one shared time axis (each panel as tall as its
+    runs; side by side, four campaigns' labels left the bars no width): a horizontal stacked bar per run
     (rollout, teacher scoring, actor scoring, actor update, policy sync, and `other`: the complete cycle minus
-    the phases, bookkeeping between them). None when no campaign has a complete run."""
+    the phases, bookkeeping between them), the complete cycle's seconds at the end of each bar. None when no
+    campaign has a complete run."""
     import matplotlib.pyplot as plt
 
     shown = [(n, [r for r in a["rows"] if r.get("complete_cycle_median_s") is not None]) for n, a in campaigns]
     shown = [(n, rows) for n, rows in shown if rows]
     if not shown:
         return None
-    height = max(len(rows) for _, rows in shown)
-    fig, axes = plt.subplots(1, len(shown), figsize=(12.6, 0.32 * height + 1.5), sharex=True, squeeze=False)
-    for ax, (name, rows) in zip(axes[0], shown, strict=True):
+    total_rows = sum(len(rows) for _, rows in shown)
+    fig, axes = plt.subplots(len(shown), 1, figsize=(12.6, 0.27 * total_rows + 0.55 * len(shown) + 1.0),
+                             sharex=True, squeeze=False, height_ratios=[len(rows) for _, rows in shown])
+    longest = max(r["complete_cycle_median_s"] for _, rows in shown for r in rows)
+    for ax, (name, rows) in zip(axes[:, 0], shown, strict=True):
         rows = sorted(rows, key=lambda r: (r["backend"], r.get("vllm_memory_mode") or "", r["algorithm"], r["cell_id"]))
         left = [0.0] * len(rows)
         for phase in PHASES:
@@ -189,11 +193,15 @@ def cycle_phase_figure_side_by_side(campaigns: list[tuple[str, dict[str, Any]]])
             left = [a + b for a, b in zip(left, values, strict=True)]
         other = [max(0.0, r["complete_cycle_median_s"] - b) for r, b in zip(rows, left, strict=True)]
         ax.barh(range(len(rows)), other, left=left, color=COLOURS["other"], label="other")
+        for i, r in enumerate(rows):
+            ax.text(r["complete_cycle_median_s"] + longest * 0.005, i, f"{r['complete_cycle_median_s']:.2f} s",
+                    va="center", fontsize=8)
         ax.set_yticks(range(len(rows)), [row_label(r) for r in rows], fontsize=8.5)
         ax.invert_yaxis()
-        ax.set_xlabel("seconds per cycle (median over cycles)")
-        ax.set_title(f"cycle campaign {name}" if name else "one RL cycle, by phase", fontsize=10)
-    axes[0][-1].legend(fontsize=8.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+        ax.set_title(f"cycle campaign {name}" if name else "one RL cycle, by phase", fontsize=10, loc="left")
+    axes[-1][0].set_xlabel("seconds per cycle (median over cycles)")
+    axes[-1][0].set_xlim(0, longest * 1.08)
+    axes[0][0].legend(fontsize=8.5, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 

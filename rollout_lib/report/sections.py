@@ -328,9 +328,10 @@ def cycle_html(output_dir: Path, campaign: str, names: str = "") -> str:
                                                    for m in data["missing"])) + "</p>" if data.get("missing") else "")
                         + (table_html(pd.DataFrame(not_counted)) if not_counted is not None
                            else "")))
-    fig = cycle_report.cycle_phase_figure_side_by_side(campaigns)
+    fig = cycle_report.cycle_phase_figure_by_campaign(campaigns)
     alt = ("Horizontal stacked bars, one per cycle run, of the seconds spent in rollout, teacher scoring, actor "
-           "scoring, actor update, policy sync and other, one panel per cycle campaign ("
+           "scoring, actor update, policy sync and other, one panel per cycle campaign, top to bottom on one "
+           "time axis ("
            + ", ".join(n for n, _ in campaigns) + "). " + " ".join(findings))
     body = _figure_or_line(fig, alt, "phases per cycle", "no complete cycle run")
     missing = [m for _, data in campaigns for m in data.get("missing") or []]
