@@ -92,12 +92,14 @@ def test_the_frozen_setup_names_the_models_sources_and_each_raw_files_environmen
 
 
 def test_the_setup_says_how_long_the_campaign_would_take_on_more_gpus(smoke_html):
-    """Issue 45's estimate in the setup section: a sentence with the durations on 1, 2, 4 and 8 GPUs, and a folded
-    table per measured backend (the smoke campaign measured hf_reference and hf_cached on the CPU)."""
+    """Issue 45's estimate in the setup section: a sentence with the durations on 1, 2, 4 and 8 workers (GPUs on a
+    GPU), and a folded table per measured backend (the smoke campaign measured hf_reference and hf_cached on the
+    CPU)."""
     soup, _ = smoke_html
     setup = soup.find(id="setup")
     text = setup.get_text(" ")
-    assert re.search(r"would take .+ on 1 GPU, .+ on 2 GPUs, .+ on 4 GPUs, .+ on 8 GPUs", text), text[:600]
+    # measured on the CPU: the estimate counts workers, not GPUs (the H200 report says GPUs)
+    assert re.search(r"would take .+ on 1 worker, .+ on 2 workers, .+ on 4 workers, .+ on 8 workers", text), text[:600]
     table = next(t for t in setup.find_all("table") if "longest cell" in t.get_text())
     rows = [tr.find("th").get_text(strip=True) for tr in table.find("tbody").find_all("tr")]
     assert rows == ["hf_reference", "hf_cached", "campaign"]
@@ -640,7 +642,7 @@ def test_the_smoke_report_in_chromium_at_1280x900(smoke_html):
             assert page.locator("details").count() >= 5
             height = page.evaluate("document.documentElement.scrollHeight")
             assert height <= 8 * 900, f"the collapsed page is {height} px, more than 8 screens"
-            assert "on 8 GPUs" in page.locator("#setup").inner_text()  # the duration estimate is not folded away
+            assert "on 8 workers" in page.locator("#setup").inner_text()  # the duration estimate is not folded away
             page.locator('#answer a[href="#failures-hf_cached_speedup"]').click()  # the gate table's "details"
             assert page.locator("#failures-hf_cached_speedup").is_visible()  # opens the folded list it points to
         finally:

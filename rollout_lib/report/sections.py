@@ -361,16 +361,18 @@ def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[s
     scaling = _scaling(study, output_dir, campaign) if output_dir is not None and campaign else None
     if scaling is not None:
         counts = scaling["gpu_counts"]
+        # measured on the CPU (the smoke profile), a worker is a CPU process, not a GPU
+        unit = "worker" if gpus == ["no GPU (CPU)"] else "GPU"
         finding += ("; the whole campaign, measured from scratch, would take "
-                    + ", ".join(f"{_hours(scaling['campaign_s'][str(n)])} on {n} GPU{'s' if n > 1 else ''}"
+                    + ", ".join(f"{_hours(scaling['campaign_s'][str(n)])} on {n} {unit}{'s' if n > 1 else ''}"
                                 for n in counts)
                     + f" (estimated from its measured cells; {_hours(scaling['bound_s'])} at best, the longest cells)")
-        details.append(("Campaign duration on 1, 2, 4, 8 GPUs: per backend, estimated from the measured cells "
-                        "(rollout campaign scaling)", table_html(_scaling_frame(scaling))
-                        + caveat("Longest-first onto the least-loaded GPU with no deadline, backends one after "
-                                 "another, one measured cold start per GPU; process start, the Ray cluster's start "
+        details.append((f"Campaign duration on 1, 2, 4, 8 {unit}s: per backend, estimated from the measured cells "
+                        "(rollout campaign scaling)", table_html(_scaling_frame(scaling, unit))
+                        + caveat(f"Longest-first onto the least-loaded {unit} with no deadline, backends one after "
+                                 f"another, one measured cold start per {unit}; process start, the Ray cluster's start "
                                  "and time between repetitions are left out. The bound is a cold start plus the "
-                                 "longest cell: no GPU count finishes a backend faster.",
+                                 f"longest cell: no {unit} count finishes a backend faster.",
                                  "the campaign's raw files")))
     return section("setup", "Setup", html.escape(finding), "", tuple(details))
 
@@ -391,18 +393,18 @@ def _hours(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-def _scaling_frame(scaling: dict[str, Any]):
+def _scaling_frame(scaling: dict[str, Any], unit: str = "GPU"):
     import pandas as pd
 
     rows = []
     for b in scaling["backends"]:
         row = {"backend": b["backend"], "cells (measured)": f"{b['cells']} ({b['cells_measured']})",
                "cold start": f"{b['cold_start_s']:.0f} s"}
-        row |= {f"{n} GPU": _hours(b["makespan_s"][str(n)]) for n in scaling["gpu_counts"]}
+        row |= {f"{n} {unit}": _hours(b["makespan_s"][str(n)]) for n in scaling["gpu_counts"]}
         row |= {"bound": _hours(b["bound_s"]), "longest cell": f"{b['longest_cell']} ({b['longest_cell_s']:.0f} s)"}
         rows.append(row)
     total = {"backend": "campaign", "cells (measured)": "", "cold start": ""}
-    total |= {f"{n} GPU": f"{_hours(scaling['campaign_s'][str(n)])} ({scaling['speedup'][str(n)]:.2f}x, "
+    total |= {f"{n} {unit}": f"{_hours(scaling['campaign_s'][str(n)])} ({scaling['speedup'][str(n)]:.2f}x, "
                           f"efficiency {scaling['efficiency'][str(n)]:.2f})" for n in scaling["gpu_counts"]}
     total |= {"bound": _hours(scaling["bound_s"]), "longest cell": ""}
     rows.append(total)
