@@ -216,6 +216,15 @@ LORA_EXPAND = "reductions"
 LORA_EXPAND_ALLOWED = ("reductions", "gemm")
 ATTENTION_BACKEND = "auto"
 ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex")
+
+
+def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    """One of the module's engine settings above, refused by name with its allowed values."""
+    if value not in allowed:
+        raise ValueError(f"{name} {value!r} is not allowed; allowed: {', '.join(allowed)}")
+    return value
+
+
 # recompilations allowed per compiled function: the row counts of one engine, times the engines a
 # process builds (tests, the probe's variants); past dynamo's default (8) it would run them eagerly
 RECOMPILE_LIMIT = 64
@@ -316,18 +325,11 @@ class CompactQwen3:
         self._lora_groups: list[tuple[torch.Tensor, list[str]]] | None = None
         self._served: tuple[list[torch.Tensor], dict[str, torch.Tensor]] | None = None  # see served_lora
         self.scaling = float(scaling)
-        if LORA_SHRINK not in LORA_SHRINK_ALLOWED:
-            raise ValueError(f"LORA_SHRINK {LORA_SHRINK!r} is not allowed; allowed: {', '.join(LORA_SHRINK_ALLOWED)}")
-        if LORA_SHRINK == "in_base_gemm" and self.dtype != torch.bfloat16:
+        self.lora_shrink = _engine_setting("LORA_SHRINK", LORA_SHRINK, LORA_SHRINK_ALLOWED)
+        if self.lora_shrink == "in_base_gemm" and self.dtype != torch.bfloat16:
             raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
-        self.lora_shrink = LORA_SHRINK
-        if LORA_EXPAND not in LORA_EXPAND_ALLOWED:
-            raise ValueError(f"LORA_EXPAND {LORA_EXPAND!r} is not allowed; allowed: {', '.join(LORA_EXPAND_ALLOWED)}")
-        self.lora_expand = LORA_EXPAND
-        if ATTENTION_BACKEND not in ATTENTION_BACKEND_ALLOWED:
-            raise ValueError(f"ATTENTION_BACKEND {ATTENTION_BACKEND!r} is not allowed; allowed: "
-                             f"{', '.join(ATTENTION_BACKEND_ALLOWED)}")
-        self.attention_backend = ATTENTION_BACKEND
+        self.lora_expand = _engine_setting("LORA_EXPAND", LORA_EXPAND, LORA_EXPAND_ALLOWED)
+        self.attention_backend = _engine_setting("ATTENTION_BACKEND", ATTENTION_BACKEND, ATTENTION_BACKEND_ALLOWED)
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -638,10 +640,12 @@ class CompactQwen3:
         h = torch.nn.functional.embedding(tokens, self.embed)
         cos, sin = self._rope(positions)
         # the boolean mask once per forward as an additive bias, repeated for the grouped query rows
-        # (row g*T + t is query position t)
+        # (row g*T + t is query position t); flex's decode steps read the boolean mask in the kernel instead
+        flex = self.attention_backend == "flex" and tokens.shape[1] == 1  # prefill stays SDPA
         allowed = mask
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
+        if not flex:
+            bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
         scale = 1.0 / math.sqrt(self.head_dim)
         inside = compiled and self.cache_write == "inside"
         for index, layer in enumerate(self.layers):
@@ -654,7 +658,7 @@ class CompactQwen3:
             if not inside:
                 cache.k[index].index_copy_(2, write, k)
                 cache.v[index].index_copy_(2, write, v)
-            if self.attention_backend == "flex" and tokens.shape[1] == 1:  # decode steps; prefill stays SDPA
+            if flex:
                 attn = _flex_attention(q, cache.k[index], cache.v[index], allowed, scale)
             else:
                 with _attention_kernel(self.attention_backend):

@@ -190,13 +190,10 @@ class HFCachedBackend(HFBackendBase):
                       else "not_applicable",
                       "lm_head": self.engine.head_mode,
                       "lora_add": self.engine.lora_add,
-                      # a non-default LoRA shrink (issue 43 candidate) is named; the default adds no key
-                      **({"lora_shrink": self.engine.lora_shrink} if self.engine.lora_shrink != "reductions"
-                         else {}),
-                      **({"lora_expand": self.engine.lora_expand} if self.engine.lora_expand != "reductions"
-                         else {}),
-                      **({"attention_backend": self.engine.attention_backend}
-                         if self.engine.attention_backend != "auto" else {}),
+                      # a non-default engine setting (issue 43 candidates) is named; a default adds no key
+                      **{key: getattr(self.engine, key) for key, default in (
+                          ("lora_shrink", "reductions"), ("lora_expand", "reductions"), ("attention_backend", "auto"))
+                         if getattr(self.engine, key) != default},
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,
                       "static_cache_bytes": self.buckets.cache_bytes if self.buckets else None,
