@@ -667,13 +667,13 @@ def cmd_campaign(args: argparse.Namespace) -> int:
         print(driver.status(study, args.campaign, output_dir, args.backend))
         return 0
     if args.campaign_command == "scaling":
-        from rollout_lib.campaign.scaling import campaign_scaling, format_scaling
+        from rollout_lib.campaign.scaling import campaign_scaling, format_scaling, raw_files_by_backend
         from rollout_lib.core import write_json_atomic
 
         if args.json is not None and Path(args.json).exists():
             raise CommandError(f"json: {args.json} exists; give a new file (an estimate is never overwritten)")
         try:
-            result = campaign_scaling(study, args.campaign, output_dir, counts)
+            result = campaign_scaling(study, args.campaign, raw_files_by_backend(output_dir, args.campaign), counts)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         print(format_scaling(result))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from rollout_lib.campaign.scaling import campaign_scaling
+from rollout_lib.campaign.scaling import campaign_scaling, raw_files_by_backend
 from rollout_lib.core import OUTPUTS_DIR, REPO_ROOT
 from rollout_lib.study.prereg import load
 from rollout_lib.study.workload import Workload
@@ -40,7 +40,7 @@ def test_sixteen_equal_cells_divide_evenly_and_the_longest_cell_bounds_the_rest(
     # every cell 1 s per repetition (4 s per cell) except one of 5 s per repetition (20 s)
     walls = {cell: 1.0 for cell in cells} | {cells[0]: 5.0}
     _write_campaign(tmp_path, study, "hf_cached", walls, cold_start_s=10.0)
-    result = campaign_scaling(study, "scaling-test", tmp_path, (1, 2, 4, 8))
+    result = campaign_scaling(study, "scaling-test", raw_files_by_backend(tmp_path, "scaling-test"), (1, 2, 4, 8))
     (backend,) = result["backends"]
     assert backend["backend"] == "hf_cached" and backend["cells_measured"] == 16
     assert backend["cold_start_source"].startswith("measured")
@@ -56,7 +56,7 @@ def test_sixteen_equal_cells_divide_evenly_and_the_longest_cell_bounds_the_rest(
 
 def test_the_measured_campaign_scales_no_better_than_its_bound():
     study = load(REPO_ROOT / "params" / "rollout-runtime-v2.yaml")
-    result = campaign_scaling(study, "h200-v2", OUTPUTS_DIR, (1, 2, 3, 4, 8))
+    result = campaign_scaling(study, "h200-v2", raw_files_by_backend(OUTPUTS_DIR, "h200-v2"), (1, 2, 3, 4, 8))
     assert [b["backend"] for b in result["backends"]] == ["hf_reference", "hf_cached", "vllm"]
     for backend in result["backends"]:
         spans = [backend["makespan_s"][str(n)] for n in (1, 2, 3, 4, 8)]

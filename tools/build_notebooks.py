@@ -163,7 +163,7 @@ def summary_notebook() -> nbformat.NotebookNode:
         code("display(HTML(sections.memory_html(aggregate, study)))"),
         code("display(HTML(sections.refresh_html(aggregate)))"),
         code("display(HTML(sections.cycle_html(out, campaign, cycle_campaigns)))"),
-        code("display(HTML(sections.setup_html(study, aggregate, inputs, out, campaign)))"),
+        code("display(HTML(sections.setup_html(study, aggregate, inputs)))"),
         code("display(HTML(sections.evidence_html(study, aggregate, campaign, matches, stored, waiting,\n"
              "                                    notes_file if notes_file.is_file() else None)))"),
     ]

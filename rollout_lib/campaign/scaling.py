@@ -62,10 +62,15 @@ def measured_cold_start(files: list[list[dict[str, Any]]], backend: str) -> tupl
     return COLD_START_S.get(backend, DEFAULT_COLD_START_S), "prior (no worker start measured)"
 
 
-def backend_scaling(study: Preregistration, campaign: str, backend: str, output_dir: Path,
+def raw_files_by_backend(output_dir: Path, campaign: str) -> dict[str, list[list[dict[str, Any]]]]:
+    """The records of each readable raw file of the campaign, per backend (the campaign driver's reader)."""
+    return {b: _backend_raw_files(_backend_dir(Path(output_dir), campaign, b)) for b in BACKEND_NAMES}
+
+
+def backend_scaling(study: Preregistration, backend: str, files: list[list[dict[str, Any]]],
                     gpu_counts: tuple[int, ...] = GPU_COUNTS) -> BackendScaling:
-    """One backend's whole workload (every cell, from scratch) over each GPU count."""
-    files = _backend_raw_files(_backend_dir(Path(output_dir), campaign, backend))
+    """One backend's whole workload (every cell, from scratch) over each GPU count, from the records of
+    its raw files."""
     cells = Workload(study).cell_ids()
     costs, calibration = estimate_costs(study, backend, cells, files)
     warmups = study.protocol.warmup_repetitions
@@ -83,17 +88,18 @@ def backend_scaling(study: Preregistration, campaign: str, backend: str, output_
                           longest.cell_id, longest.seconds(longest.repetitions_left, warmups), makespan)
 
 
-def campaign_scaling(study: Preregistration, campaign: str, output_dir: Path,
+def campaign_scaling(study: Preregistration, campaign: str, files: dict[str, list[list[dict[str, Any]]]],
                      gpu_counts: tuple[int, ...] = GPU_COUNTS) -> dict[str, Any]:
-    """Every backend with raw files in the campaign, and the campaign (those backends one after another) per
-    GPU count; a backend with no raw file yet is named, not guessed."""
+    """Every backend with raw files in the campaign (`files`: records per raw file, per backend, as
+    `raw_files_by_backend` reads them or the report already holds them), and the campaign (those backends
+    one after another) per GPU count; a backend with no raw file yet is named, not guessed."""
     if not gpu_counts or any(n < 1 for n in gpu_counts):
         raise ValueError(f"gpus: {list(gpu_counts)} is not allowed; whole numbers of at least 1")
-    measured = [b for b in BACKEND_NAMES if _backend_raw_files(_backend_dir(Path(output_dir), campaign, b))]
+    measured = [b for b in BACKEND_NAMES if files.get(b)]
     if not measured:
-        raise ValueError(f"campaign: {campaign!r} has no raw files under {Path(output_dir) / 'raw' / campaign}; "
-                         "the estimate is made from measured cells (measure first)")
-    backends = [backend_scaling(study, campaign, b, output_dir, gpu_counts) for b in measured]
+        raise ValueError(f"campaign: {campaign!r} has no raw files; the estimate is made from measured cells "
+                         "(measure first)")
+    backends = [backend_scaling(study, b, files[b], gpu_counts) for b in measured]
     total = {n: sum(b.makespan_s[n] for b in backends) for n in gpu_counts}
     one = sum(b.serial_s for b in backends)
     return {"campaign": campaign, "gpu_counts": list(gpu_counts), "backends": [b.to_json() for b in backends],

@@ -345,10 +345,9 @@ def cycle_html(output_dir: Path, campaign: str, names: str = "") -> str:
 # ---------------------------------------------------------------- setup and evidence
 
 
-def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[str, Any],
-               output_dir: Path | None = None, campaign: str | None = None) -> str:
-    """The frozen setup; with `output_dir` and `campaign`, also how long the whole campaign would take on
-    1, 2, 4 and 8 GPUs, estimated from its measured cells (`campaign.scaling`)."""
+def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[str, Any]) -> str:
+    """The frozen setup, and how long the whole campaign would take on 1, 2, 4 and 8 GPUs, estimated from
+    the measured cells of the raw files the report already read (`campaign.scaling`)."""
     from rollout_lib.report import summary as report
 
     gpus = sorted({(r["records"][0].get("environment", {}).get("gpu", {}) or {}).get("name") or "no GPU (CPU)"
@@ -358,7 +357,7 @@ def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[s
                f"{study.protocol.measured_repetitions} measured repetitions per cell, median")
     details = [("Frozen setup: preregistration, calculator, models, budget, each raw file's environment",
                 table_html(report.setup_table(study, aggregate, inputs)))]
-    scaling = _scaling(study, output_dir, campaign) if output_dir is not None and campaign else None
+    scaling = _scaling(study, aggregate.get("campaign", ""), inputs)
     if scaling is not None:
         counts = scaling["gpu_counts"]
         # measured on the CPU (the smoke profile), a worker is a CPU process, not a GPU
@@ -367,8 +366,8 @@ def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[s
                     + ", ".join(f"{_hours(scaling['campaign_s'][str(n)])} on {n} {unit}{'s' if n > 1 else ''}"
                                 for n in counts)
                     + f" (estimated from its measured cells; {_hours(scaling['bound_s'])} at best, the longest cells)")
-        details.append((f"Campaign duration on 1, 2, 4, 8 {unit}s: per backend, estimated from the measured cells "
-                        "(rollout campaign scaling)", table_html(_scaling_frame(scaling, unit))
+        details.append((f"Campaign duration on {', '.join(map(str, counts))} {unit}s: per backend, estimated from "
+                        "the measured cells (rollout campaign scaling)", table_html(_scaling_frame(scaling, unit))
                         + caveat(f"Longest-first onto the least-loaded {unit} with no deadline, backends one after "
                                  f"another, one measured cold start per {unit}; process start, the Ray cluster's start "
                                  "and time between repetitions are left out. The bound is a cold start plus the "
@@ -377,11 +376,14 @@ def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[s
     return section("setup", "Setup", html.escape(finding), "", tuple(details))
 
 
-def _scaling(study: Preregistration, output_dir: Path, campaign: str) -> dict[str, Any] | None:
+def _scaling(study: Preregistration, campaign: str, inputs: dict[str, Any]) -> dict[str, Any] | None:
     from rollout_lib.campaign.scaling import campaign_scaling
+    from rollout_lib.study.prereg import BACKEND_NAMES
 
+    files = {b: [r["records"] for r in inputs["raw_files"] if r["backend"] == b and r["records"]]
+             for b in BACKEND_NAMES}
     try:
-        return campaign_scaling(study, campaign, Path(output_dir))
+        return campaign_scaling(study, campaign, files)
     except ValueError:  # no raw file yet: the finding says nothing about duration
         return None
 
