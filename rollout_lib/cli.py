@@ -458,7 +458,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
-    from rollout_lib.checks.vllm_inprocess import run_diagnostic
+    from rollout_lib.checks.vllm_inprocess import check_variants, run_diagnostic
     from rollout_lib.core import write_json_atomic
     from rollout_lib.study.prereg import load
 
@@ -471,23 +471,43 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(f"stream-intervals: {args.stream_intervals!r} is not a list of integers >= 1, "
                            "e.g. 1,8") from exc
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     try:  # run_diagnostic checks the values before it starts anything
+        check_variants(variants)
         report = run_diagnostic(study, cells, args.repetitions, stream_intervals=intervals,
-                                non_streamed=args.non_streamed)
+                                non_streamed=args.non_streamed, variants=variants)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     write_json_atomic(out, report)
     for row in report["rows"]:
-        print(f"{row['cell_id']}: managed {row['managed_tokens_per_s']:.1f} tok/s, in-process with adapter "
-              f"{row['inprocess_adapter_tokens_per_s']:.1f}, without {row['inprocess_no_adapter_tokens_per_s']:.1f} "
-              f"(managed/in-process {row['managed_over_inprocess_adapter']:.3f}, "
-              f"LoRA tax {100 * row['lora_tax_fraction']:.1f}%)"
-              + "".join(f"; managed with stream interval {n}: {rate:.1f} tok/s"
-                        for n, rate in row["managed_tokens_per_s_by_stream_interval"].items() if n != "1")
-              + (f"; managed, non-streamed: {row['managed_non_streamed_tokens_per_s']:.1f} tok/s "
-                 f"({row['managed_non_streamed_over_inprocess_adapter']:.3f} of in-process)"
-                 if "managed_non_streamed_tokens_per_s" in row else ""))
+        print(f"{row['cell_id']}: " + "; ".join(_diagnostic_figures(row)))
     print(f"wrote {out}")
+
+
+def _diagnostic_figures(row: dict) -> list[str]:
+    """One cell of `vllm-diagnostic` in words: each measured side's rate and the ratios it allows."""
+    said = []
+    if "managed_tokens_per_s" in row:
+        said.append(f"managed {row['managed_tokens_per_s']:.1f} tok/s"
+                    + (f" ({row['managed_over_inprocess_adapter']:.3f} of in-process)"
+                       if "managed_over_inprocess_adapter" in row else ""))
+        said += [f"managed with stream interval {n}: {rate:.1f} tok/s"
+                 for n, rate in row["managed_tokens_per_s_by_stream_interval"].items() if n != "1"]
+    if "managed_non_streamed_tokens_per_s" in row:
+        said.append(f"managed, non-streamed: {row['managed_non_streamed_tokens_per_s']:.1f} tok/s")
+    if "inprocess_adapter_tokens_per_s" in row:
+        said.append(f"in-process with adapter {row['inprocess_adapter_tokens_per_s']:.1f}")
+    if "inprocess_no_adapter_tokens_per_s" in row:
+        said.append(f"in-process without {row['inprocess_no_adapter_tokens_per_s']:.1f}"
+                    + (f" (LoRA tax {100 * row['lora_tax_fraction']:.1f}%)" if "lora_tax_fraction" in row else ""))
+    if "hf_cached_tokens_per_s" in row:
+        step, over = row["hf_cached_median_decode_step_s"], row["hf_cached_decode_step_over_floor"]
+        said.append(f"hf_cached {row['hf_cached_tokens_per_s']:.1f} tok/s"
+                    + (f" ({row['hf_cached_over_inprocess_no_adapter']:.2f}x in-process without LoRA)"
+                       if "hf_cached_over_inprocess_no_adapter" in row else "")
+                    + (f", decode step {1000 * step:.2f} ms" if isinstance(step, float) else "")
+                    + (f" = {over:.1f}x its bandwidth floor" if isinstance(over, float) else ""))
+    return said
     return 0
 
 
@@ -1099,6 +1119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--non-streamed", action="store_true",
                    help="also measure the managed backend with non-streamed requests (streaming: false), "
                         "beside the preregistered streamed setting")
+    p.add_argument("--variants", default="managed,inprocess_adapter,inprocess_no_adapter",
+                   help="which sides run, each in its own process: managed, inprocess_adapter, "
+                        "inprocess_no_adapter, hf_cached (this project's fast path, judged against "
+                        "inprocess_no_adapter; default: the three vLLM sides)")
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
     p.set_defaults(func=cmd_vllm_diagnostic)

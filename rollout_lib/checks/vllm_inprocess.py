@@ -7,13 +7,19 @@ serving through a LoRA adapter cost against the bare base weights (the "LoRA tax
 runs in its own process, one after the other (no two engines share the GPU): one warmup, then the
 timed repetitions; tokens/s = generated tokens / median wall. Not a gate: evidence beside them.
 
+With `hf_cached` among the variants it answers a third (issue 43): is this project's fast path, with its
+live LoRA, at least 1.3x the in-process engine started without LoRA in every cell, and how far is its
+decode step from the step's memory-bandwidth floor (rollout_lib/measure/floor.py)?
+
     rollout vllm-diagnostic --cells p128-r64-n1-greedy,p512-r256-n4-stochastic --out outputs/perf/x.json
+    rollout vllm-diagnostic --variants inprocess_no_adapter,hf_cached --cells p128-r64-n1-greedy --out y.json
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,7 @@ from typing import Any
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.vllm_managed import LORA_RANKS
 from rollout_lib.lifetime import run_bound
+from rollout_lib.measure.floor import decode_step_floor, mean_decode_columns
 from rollout_lib.models.policy import policy_versions, write_peft_adapter
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
@@ -74,53 +81,132 @@ def _measure_managed(study: Preregistration, workload: Workload, policy, cells: 
             "total_s": time.perf_counter() - started}
 
 
+VARIANTS = ("managed", "inprocess_adapter", "inprocess_no_adapter", "hf_cached")
+DEFAULT_VARIANTS = ("managed", "inprocess_adapter", "inprocess_no_adapter")
+HF_CACHED_GOAL = 1.3  # issue 43: hf_cached >= 1.3x the in-process engine without LoRA, in every cell
+
+
+def check_variants(variants: tuple[str, ...]) -> tuple[str, ...]:
+    """The variants in the canonical order; an unknown or empty list is refused in one line."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        fault = f"unknown {', '.join(unknown)}" if unknown else "none given"
+        raise ValueError(f"variants {list(variants)!r}: {fault}; "
+                         f"allowed: a comma-separated subset of {', '.join(VARIANTS)}")
+    return tuple(v for v in VARIANTS if v in variants)
+
+
+def run_backend_child(job: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
+    """One of this project's backends measured in a fresh process (backend_child.py)."""
+    done = run_bound([sys.executable, "-m", "rollout_lib.checks.backend_child"], input=json.dumps(job),
+                     timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{job['backend']} child failed (exit {done.returncode}): {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _hf_cached_columns(study: Preregistration, workload: Workload, cell_id: str, measured: dict[str, Any],
+                       gpu: str, no_adapter: dict[str, Any] | None) -> dict[str, Any]:
+    """hf_cached's rate, its decode step against the step's bandwidth floor, and the ratio to the
+    in-process engine without LoRA (the issue's reference) where that ran."""
+    cell = workload.cell(cell_id)
+    lora = study.actor.lora
+    floor = decode_step_floor(workload.arch, gpu, measured["rows"],
+                              mean_decode_columns(cell.prompt_tokens, cell.response_tokens), lora.rank,
+                              tuple(lora.target_modules))
+    step = measured["median_decode_step_s"]
+    out = {"hf_cached_tokens_per_s": measured["tokens_per_s"], "hf_cached_rows": measured["rows"],
+           "hf_cached_median_decode_step_s": step, "decode_step_floor": floor,
+           "hf_cached_decode_step_over_floor": (step / floor["step_floor_s"]
+                                                if floor["status"] == "measured" and isinstance(step, float)
+                                                else "not_applicable")}
+    if no_adapter is not None:
+        out["hf_cached_over_inprocess_no_adapter"] = (measured["tokens_per_s"]
+                                                      / no_adapter["cells"][cell_id]["tokens_per_s"])
+    return out
+
+
 def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 3,
                    backend_options: dict[str, Any] | None = None,
-                   stream_intervals: tuple[int, ...] = (1,), non_streamed: bool = False) -> dict[str, Any]:
+                   stream_intervals: tuple[int, ...] = (1,), non_streamed: bool = False,
+                   variants: tuple[str, ...] = DEFAULT_VARIANTS) -> dict[str, Any]:
     """`stream_intervals`: the managed backend once per value (`stream_interval` option; 1 is the
     preregistered setting and the one the 5% goal is judged on). `non_streamed`: once more with
     `streaming: false` (one response per request, built once at the end as the in-process engine
-    does), reported beside the preregistered setting, never instead of it."""
+    does), reported beside the preregistered setting, never instead of it. `variants`: which sides run
+    (VARIANTS; `hf_cached` adds this project's fast path in its own process, judged against the
+    in-process engine without LoRA: issue 43's side-by-side)."""
     if 1 not in stream_intervals or any(not isinstance(n, int) or n < 1 for n in stream_intervals):
         raise ValueError(f"stream_intervals {list(stream_intervals)!r}: integers >= 1, including 1 (the "
                          "preregistered setting)")
+    variants = check_variants(tuple(variants))
+    if non_streamed and "managed" not in variants:
+        raise ValueError("non_streamed: a setting of the managed backend; add managed to the variants")
     workload = Workload(study)
     policy = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, 1)[-1]
     options = dict(backend_options or {})
     managed = create_backend("vllm", study, **options)
-    model_dir = managed._model_dir()  # the same mirror snapshot the server loads
+    # the mirror snapshot the server loads (built here only when an in-process engine reads it)
+    model_dir = managed._model_dir() if any(v.startswith("inprocess") for v in variants) else None
     adapter_dir = managed.cache_dir / "adapters" / f"diagnostic-{policy.identity[:16]}"
-    write_peft_adapter(policy, adapter_dir)
+    if "inprocess_adapter" in variants:
+        write_peft_adapter(policy, adapter_dir)
     work = study.workload
     job = {"model_dir": model_dir, "max_model_len": max(work.prompt_tokens) + max(work.response_tokens) + 8,
            "kv_cache_memory_bytes": managed.kv_cache_bytes, "repetitions": repetitions,
            "max_lora_rank": next(r for r in LORA_RANKS if r >= study.actor.lora.rank),
            "cells": _job_requests(workload, cells),
            "engine_overrides": {} if managed.on_gpu else {"gpu_memory_utilization": 0.1}}
-    inprocess = {"adapter": run_child(managed.server_python, job | {"adapter_dir": str(adapter_dir)}),
-                 "no_adapter": run_child(managed.server_python, job)}
-    by_interval = {n: _measure_managed(study, workload, policy, cells, repetitions,
-                                       options | {"stream_interval": n}) for n in sorted(set(stream_intervals))}
+    inprocess = {}
+    if "inprocess_adapter" in variants:
+        inprocess["adapter"] = run_child(managed.server_python, job | {"adapter_dir": str(adapter_dir)})
+    if "inprocess_no_adapter" in variants:
+        inprocess["no_adapter"] = run_child(managed.server_python, job)
+    hf_cached = (run_backend_child({"params": str(Path(study.source_path).resolve()), "backend": "hf_cached",
+                                    "cells": cells, "repetitions": repetitions, "options": {}})
+                 if "hf_cached" in variants else None)
+    by_interval = ({n: _measure_managed(study, workload, policy, cells, repetitions,
+                                        options | {"stream_interval": n}) for n in sorted(set(stream_intervals))}
+                   if "managed" in variants else {})
     unstreamed = (_measure_managed(study, workload, policy, cells, repetitions, options | {"streaming": False})
                   if non_streamed else None)
     rows = []
     for cell_id in cells:
-        m, a, b = (by_interval[1]["cells"][cell_id]["tokens_per_s"],
-                   inprocess["adapter"]["cells"][cell_id]["tokens_per_s"],
-                   inprocess["no_adapter"]["cells"][cell_id]["tokens_per_s"])
-        rows.append({"cell_id": cell_id, "managed_tokens_per_s": m, "inprocess_adapter_tokens_per_s": a,
-                     "inprocess_no_adapter_tokens_per_s": b, "managed_over_inprocess_adapter": m / a,
-                     "lora_tax_fraction": 1.0 - a / b,
-                     "managed_tokens_per_s_by_stream_interval": {
-                         str(n): by_interval[n]["cells"][cell_id]["tokens_per_s"] for n in by_interval}})
+        row: dict[str, Any] = {"cell_id": cell_id}
+        a = inprocess["adapter"]["cells"][cell_id]["tokens_per_s"] if "adapter" in inprocess else None
+        b = inprocess["no_adapter"]["cells"][cell_id]["tokens_per_s"] if "no_adapter" in inprocess else None
+        if a is not None:
+            row["inprocess_adapter_tokens_per_s"] = a
+        if b is not None:
+            row["inprocess_no_adapter_tokens_per_s"] = b
+        if a is not None and b is not None:
+            row["lora_tax_fraction"] = 1.0 - a / b
+        if by_interval:
+            m = by_interval[1]["cells"][cell_id]["tokens_per_s"]
+            row["managed_tokens_per_s"] = m
+            row["managed_tokens_per_s_by_stream_interval"] = {
+                str(n): by_interval[n]["cells"][cell_id]["tokens_per_s"] for n in by_interval}
+            if a is not None:
+                row["managed_over_inprocess_adapter"] = m / a
         if unstreamed is not None:
             rate = unstreamed["cells"][cell_id]["tokens_per_s"]
-            rows[-1] |= {"managed_non_streamed_tokens_per_s": rate,
-                         "managed_non_streamed_over_inprocess_adapter": rate / a}
-    return {"kind": "vllm_inprocess_diagnostic", "cells": cells, "repetitions": repetitions,
-            "policy_identity": policy.identity, "managed": by_interval[1],
+            row["managed_non_streamed_tokens_per_s"] = rate
+            if a is not None:
+                row["managed_non_streamed_over_inprocess_adapter"] = rate / a
+        if hf_cached is not None:
+            row |= _hf_cached_columns(study, workload, cell_id, hf_cached["cells"][cell_id], hf_cached["gpu"],
+                                      inprocess.get("no_adapter"))
+        rows.append(row)
+    verdict = {}
+    if by_interval and "adapter" in inprocess:
+        verdict["managed_within_5_percent_of_inprocess"] = all(r["managed_over_inprocess_adapter"] >= 0.95
+                                                               for r in rows)
+    if hf_cached is not None and "no_adapter" in inprocess:
+        verdict[f"hf_cached_at_least_{HF_CACHED_GOAL}x_inprocess_no_adapter"] = all(
+            r["hf_cached_over_inprocess_no_adapter"] >= HF_CACHED_GOAL for r in rows)
+    return {"kind": "vllm_inprocess_diagnostic", "cells": cells, "repetitions": repetitions, "variants": list(variants),
+            "policy_identity": policy.identity, **({"managed": by_interval[1]} if by_interval else {}),
             "managed_by_stream_interval": {str(n): v for n, v in by_interval.items() if n != 1},
             **({"managed_non_streamed": unstreamed} if unstreamed is not None else {}),
-            "inprocess": inprocess, "rows": rows,
-            "verdict": {"managed_within_5_percent_of_inprocess": all(r["managed_over_inprocess_adapter"] >= 0.95
-                                                                      for r in rows)}}
+            "inprocess": inprocess, **({"hf_cached": hf_cached} if hf_cached is not None else {}),
+            "rows": rows, "verdict": verdict}

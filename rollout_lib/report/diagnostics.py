@@ -41,20 +41,41 @@ def diagnostic_table(path: Path, report: dict[str, Any]):
     import pandas as pd
 
     if report["kind"] == "vllm_inprocess_diagnostic":
-        rows = [{"cell": r["cell_id"], "managed tok/s": _num(r["managed_tokens_per_s"], 1),
-                 "in-process + adapter tok/s": _num(r["inprocess_adapter_tokens_per_s"], 1),
-                 "in-process, no adapter tok/s": _num(r["inprocess_no_adapter_tokens_per_s"], 1),
-                 "managed / in-process": _num(r["managed_over_inprocess_adapter"], 3),
-                 "LoRA tax": f"{100 * r['lora_tax_fraction']:.1f}%"}
-                | {f"managed, stream interval {n} tok/s": _num(rate, 1)  # older files have no such column
-                   for n, rate in r.get("managed_tokens_per_s_by_stream_interval", {}).items() if n != "1"}
-                | ({"managed, non-streamed tok/s": _num(r["managed_non_streamed_tokens_per_s"], 1),
-                    "non-streamed / in-process": _num(r["managed_non_streamed_over_inprocess_adapter"], 3)}
-                   if "managed_non_streamed_tokens_per_s" in r else {})
-                for r in report["rows"]]
+        rows = [_inprocess_row(r) for r in report["rows"]]
     else:
         rows = [_rung_row(rung) for rung in report["rungs"]]
     return pd.DataFrame(rows).fillna("—")  # a failed setting has no figures: a dash, never "nan"
+
+
+def _inprocess_row(r: dict[str, Any]) -> dict[str, str]:
+    """One cell of an in-process diagnostic; a side that did not run (`--variants`) has no column."""
+    def rate(key: str) -> str:
+        return _num(r.get(key), 1)
+
+    row = {"cell": r["cell_id"]}
+    if "managed_tokens_per_s" in r:
+        row |= {"managed tok/s": rate("managed_tokens_per_s"),
+                "managed / in-process": _num(r.get("managed_over_inprocess_adapter"), 3)}
+    if "inprocess_adapter_tokens_per_s" in r:
+        row["in-process + adapter tok/s"] = rate("inprocess_adapter_tokens_per_s")
+    if "inprocess_no_adapter_tokens_per_s" in r:
+        row["in-process, no adapter tok/s"] = rate("inprocess_no_adapter_tokens_per_s")
+    if "lora_tax_fraction" in r:
+        row["LoRA tax"] = f"{100 * r['lora_tax_fraction']:.1f}%"
+    row |= {f"managed, stream interval {n} tok/s": _num(value, 1)  # older files have no such column
+            for n, value in r.get("managed_tokens_per_s_by_stream_interval", {}).items() if n != "1"}
+    if "managed_non_streamed_tokens_per_s" in r:
+        row |= {"managed, non-streamed tok/s": rate("managed_non_streamed_tokens_per_s"),
+                "non-streamed / in-process": _num(r.get("managed_non_streamed_over_inprocess_adapter"), 3)}
+    if "hf_cached_tokens_per_s" in r:
+        step, floor = r["hf_cached_median_decode_step_s"], r["decode_step_floor"]
+        row |= {"hf_cached tok/s": rate("hf_cached_tokens_per_s"),
+                "hf_cached / in-process, no LoRA": _num(r.get("hf_cached_over_inprocess_no_adapter"), 2),
+                "hf_cached ms/step": f"{1000 * step:.2f}" if isinstance(step, float) else str(step),
+                "floor ms/step (weights + LoRA + KV)": (f"{1000 * floor['step_floor_s']:.3f}"
+                                                        if floor.get("status") == "measured" else floor.get("status")),
+                "step / floor": _num(r.get("hf_cached_decode_step_over_floor"), 1)}
+    return row
 
 
 def _rung_row(rung: dict[str, Any]) -> dict[str, str]:
@@ -153,7 +174,11 @@ def caption(path: Path, report: dict[str, Any]) -> str:
               "vllm_refresh_paths": "refresh paths: adapter vs merged weights",
               "vllm_ladder": "precision ladder for PG-k1 (preregistered tolerance "
                              f"{report.get('preregistered_tolerance_logprob_abs')})"}
+    title = titles[report["kind"]]
+    if "hf_cached" in report.get("variants", []):
+        title = ("hf_cached (live LoRA) against vLLM's in-process engine without LoRA, and its decode step "
+                 "against the bandwidth floor" if "managed" not in report["variants"] else f"{title}, with hf_cached")
     ran = len(report.get("rungs", report.get("rows", [])))
     partial = ("" if report.get("complete", True) else
                f" — **incomplete**: {ran} of {len(report.get('rungs_planned', []))} settings ran before it stopped")
-    return f"**{titles[report['kind']]}** — `{path.name}`, sha256 `{sha256_file(path)[:16]}…`{partial}"
+    return f"**{title}** — `{path.name}`, sha256 `{sha256_file(path)[:16]}…`{partial}"
