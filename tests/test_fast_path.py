@@ -571,3 +571,94 @@ def test_lora_shrink_in_the_base_gemm_is_refused_for_a_float32_engine(smoke_stud
     with pytest.raises(ValueError, match=r"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not torch\.float32"):
         backend.cold_start()
     backend.teardown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompts_samples_share_one_prefill_and_keep_their_own_tokens(smoke_study, snapshot_cache, monkeypatch,
+                                                                       outputs, dtype):
+    """Issue 43 item 5 (PREFILL "shared_prompts"): the n samples of a prompt are prefilled once. Each row still
+    draws from its own seed's counter noise, so in float32 every request's tokens, stops and log-probabilities
+    are those of the per-row prefill; in either dtype a request alone or in a shuffled batch gets the same
+    tokens as in its batch, and the prefill really ran on the distinct prompts only."""
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "PREFILL", "shared_prompts")
+    workload = Workload(smoke_study)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype=dtype, decode="graphs",
+                             cache_dir=snapshot_cache)
+    backend.cold_start()
+    prefill_rows = []
+    try:
+        expected = outputs[(dtype, "graphs")]
+        assert backend.sync_policy(expected["policy"]) == expected["identity"]
+        assert backend.environment()["prefill"] == "shared_prompts"
+        forward = backend.engine.forward
+        monkeypatch.setattr(backend.engine, "forward", lambda tokens, *a, **k: (
+            prefill_rows.append(tokens.shape[0]) if tokens.shape[1] > 1 else None) or forward(tokens, *a, **k))
+        for cell in CELLS:
+            requests = workload.requests(workload.cell(cell))
+            distinct = len({r.prompt_token_ids for r in requests})
+            assert distinct < len(requests), "the cell repeats its prompts (n = 2)"
+            prefill_rows.clear()
+            results = backend.generate(requests).results
+            assert prefill_rows == [distinct]
+            shuffled = requests[1::2] + requests[0::2]  # a prompt's samples apart and out of order
+            by_id = {r.request_id: r for r in backend.generate(shuffled).results}
+            alone = {q.request_id: backend.generate([q]).results[0] for q in requests[:2]}
+            for got, want in zip(results, expected["runs"][cell], strict=True):
+                assert got.token_ids == by_id[got.request_id].token_ids
+                if got.request_id in alone:
+                    assert got.token_ids == alone[got.request_id].token_ids
+                if dtype == "float32":
+                    assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
+                    assert max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)) < 1e-5
+    finally:
+        backend.teardown()
+    assert "prefill" not in outputs[(dtype, "graphs")]["environment"], "the default adds no key"
+
+
+def test_the_compiled_prefill_gives_the_eager_prefills_tokens(smoke_study, snapshot_cache, monkeypatch):
+    """Issue 43 candidate (PREFILL_STEP "compiled_graph"): the prompt's forward through the step's inductor
+    pieces (compiled once more, or once per prompt width) with the
+    first token's sampling, captured on CUDA (test_gpu_fast_path.py), run as the same function on the CPU.
+    Float32: the eager prefill's tokens and stops, log-probabilities within float32 rounding."""
+    from rollout_lib.backends import compact_qwen3
+
+    workload = Workload(smoke_study)
+    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    cells = ["p16-r8-n2-stochastic", "p48-r24-n2-greedy"]
+    results, prefills, compilations = {}, {}, {}
+    for step in ("eager", "compiled_graph"):
+        monkeypatch.setattr(compact_qwen3, "PREFILL_STEP", step)
+        torch._dynamo.reset()
+        backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32",
+                                 step_compile="inductor", cache_dir=snapshot_cache)
+        backend.cold_start()
+        backend.sync_policy(policy)
+        before = _compiled_entries(compact_qwen3.CompactQwen3._before_attention)
+        results[step] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in cells}
+        compilations[step] = _compiled_entries(compact_qwen3.CompactQwen3._before_attention) - before
+        prefills[step] = sorted(backend.buckets.prefills)
+        assert backend.environment().get("prefill_step", "eager") == step
+        backend.teardown()
+    # the prefill really ran through the compiled pieces: one more compilation per prompt width at most (this
+    # torch specializes the two widths here: 2)
+    assert 1 <= compilations["compiled_graph"] - compilations["eager"] <= 2, compilations
+    assert prefills["eager"] == [] and [(rows, width) for rows, width, _ in prefills["compiled_graph"]] == [
+        (8, 16), (8, 48)]
+    for cell in cells:
+        for a, b in zip(results["eager"][cell], results["compiled_graph"][cell], strict=True):
+            assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+def test_shared_prompts_and_the_compiled_prefill_are_refused_together(smoke_study, snapshot_cache, monkeypatch):
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "PREFILL", "shared_prompts")
+    monkeypatch.setattr(compact_qwen3, "PREFILL_STEP", "compiled_graph")
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
+                             cache_dir=snapshot_cache)
+    with pytest.raises(ValueError, match="PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built"):
+        backend.cold_start()
+    backend.teardown()

@@ -138,10 +138,13 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
 
 @pytest.mark.parametrize(("setting", "value", "key"), [("LORA_EXPAND", "gemm", "lora_expand"),
                                                        ("ATTENTION_BACKEND", "efficient", "attention_backend"),
-                                                       ("ATTENTION_BACKEND", "flex", "attention_backend")])
+                                                       ("ATTENTION_BACKEND", "flex", "attention_backend"),
+                                                       ("PREFILL", "shared_prompts", "prefill"),
+                                                       ("PREFILL_STEP", "compiled_graph", "prefill_step")])
 def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, setting, value, key):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
-    as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention. The compiled
+    as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention, one prefill
+    per distinct prompt (n = 4 rows share it), the prefill compiled and captured. The compiled
     bf16 engine serves the synced policy and its greedy tokens stay those of the shrink-only engine but for
     near-ties."""
     from rollout_lib.backends import compact_qwen3
@@ -154,6 +157,8 @@ def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkey
     backend, policies, got = _run(study, "graphs", "bfloat16", cells, versions=2)
     try:
         assert backend.environment()[key] == value
+        if key == "prefill_step":  # the prefill replayed a captured graph
+            assert backend.buckets.prefills and all(p.graph is not None for p in backend.buckets.prefills.values())
         assert backend.sync_policy(policies[1]) == policies[1].identity
         same = sum(a.token_ids == b.token_ids for a, b in zip(expected[cells[0]], got[cells[0]], strict=True))
         assert same >= len(got[cells[0]]) - 4, f"{same} of {len(got[cells[0]])} greedy requests identical"

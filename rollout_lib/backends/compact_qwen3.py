@@ -205,6 +205,17 @@ class Layer:
 #   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`); "flex":
 #   FlexAttention for the decode steps with the boolean mask read in the kernel (`_flex_attention`; the
 #   probe's `+flex`; prefill keeps SDPA: one compilation per graph bucket, none per prompt shape).
+# - PREFILL "per_row" (the default): every row's prompt is prefilled, also the n rows of a prompt's n
+#   samples; "shared_prompts" (issue 43 item 5, candidate): rows with identical prompts are prefilled once
+#   and the prompt's k/v columns and last logits are copied to its other rows (`_prefill_shared`), so
+#   each row still samples its first token with its own seed from the same counter noise. The probe's
+#   `+sharedprefill`.
+# - PREFILL_STEP "eager" (the default): the prompt's forward runs op by op (~2,000 launches: 35-45 ms at 4
+#   rows, ~98 ms at 16 rows x 512 in h200-v2, 15-33 % of a p*-r64 cell's wall); "compiled_graph" (issue 43
+#   candidate): through the decode step's inductor pieces (one more compilation, dynamic in the prompt
+#   width) and captured with the first token's sampling as one CUDA graph per (rows, width, cache length)
+#   (`PrefillGraph`), its buffers from one memory pool shared by every prefill graph. The probe's
+#   `+prefillgraph`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -216,6 +227,10 @@ LORA_EXPAND = "reductions"
 LORA_EXPAND_ALLOWED = ("reductions", "gemm")
 ATTENTION_BACKEND = "auto"
 ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex")
+PREFILL = "per_row"
+PREFILL_ALLOWED = ("per_row", "shared_prompts")
+PREFILL_STEP = "eager"
+PREFILL_STEP_ALLOWED = ("eager", "compiled_graph")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -330,6 +345,11 @@ class CompactQwen3:
             raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
         self.lora_expand = _engine_setting("LORA_EXPAND", LORA_EXPAND, LORA_EXPAND_ALLOWED)
         self.attention_backend = _engine_setting("ATTENTION_BACKEND", ATTENTION_BACKEND, ATTENTION_BACKEND_ALLOWED)
+        self.prefill = _engine_setting("PREFILL", PREFILL, PREFILL_ALLOWED)
+        self.prefill_step = _engine_setting("PREFILL_STEP", PREFILL_STEP, PREFILL_STEP_ALLOWED)
+        if self.prefill == "shared_prompts" and self.prefill_step == "compiled_graph":
+            raise ValueError("PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built (a graph per "
+                             "distinct-prompt count); allowed: one of them at a time")
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -830,11 +850,90 @@ class DecodeBucket:
         return [int(t) for t in tokens], logprobs
 
 
+def prefill_step(engine: CompactQwen3, ids: torch.Tensor, pad: torch.Tensor, seeds: torch.Tensor,
+                 step: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor, columns: torch.Tensor,
+                 key_columns: torch.Tensor, cache: StaticCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's forward over left-padded `ids` [B, W] and the first token's sampling: positions and mask
+    from the per-row padding as `generate_static`'s eager prefill builds them. A pure function of its
+    tensors (what `PrefillGraph` captures)."""
+    positions = (columns[None, :] - pad[:, None]).clamp(min=0)
+    valid = ((key_columns[None, None, :] <= columns[None, :, None])
+             & (key_columns[None, None, :] >= pad[:, None, None]))
+    valid = valid | (key_columns[None, None, :] == columns[None, :, None])
+    logits = engine.forward(ids, positions, cache, columns, valid[:, None], compiled=engine.compiled)
+    return counter_noise.sample(logits, seeds, step, inv_temperature, greedy)
+
+
+class PrefillGraph:
+    """PREFILL_STEP "compiled_graph": the prefill of one (rows, prompt width) into one decode bucket's cache,
+    with the first token's sampling, as one captured CUDA graph (eager on a CPU: the same function).
+
+    Reads the bucket's per-row buffers (`pad`, `seeds`, `inv_temperature`, `greedy`) and its own `ids`
+    [B, W]; leaves the first tokens and their log-probabilities in `out` [2, B] (float64)."""
+
+    def __init__(self, bucket: DecodeBucket, width: int, pool: Any):
+        import torch
+
+        self.bucket, self.width = bucket, width
+        device = bucket.engine.device
+        self.ids = torch.zeros(bucket.rows, width, dtype=torch.long, device=device)
+        self.columns = torch.arange(width, dtype=torch.long, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # the first token is noise step 0
+        self.out = torch.zeros(2, bucket.rows, dtype=torch.float64, device=device)
+        self.graph = None
+        self.capture_s: float | None = None
+        if bucket.graph is not None:
+            self._capture(pool)
+
+    def _step(self) -> None:
+        import torch
+
+        b = self.bucket
+        tokens, logprobs = prefill_step(b.engine, self.ids, b.pad, b.seeds, self.step, b.inv_temperature, b.greedy,
+                                        self.columns, b.columns, b.cache)
+        self.out.copy_(torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))))
+
+    def _capture(self, pool: Any) -> None:
+        import time
+
+        import torch
+
+        started = time.perf_counter()
+        device = self.bucket.engine.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # compile and warm outside the capture; the garbage it writes is prefilled over
+                self._step()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+            self._step()
+        torch.cuda.synchronize(device)
+        self.graph = graph
+        self.capture_s = time.perf_counter() - started
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        """Prefill `ids` [B, W] (the bucket's per-row buffers already set); the first tokens and their
+        log-probabilities [2, B] on the device."""
+        import torch
+
+        self.ids.copy_(ids)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with torch.inference_mode():
+                self._step()
+        return self.out
+
+
 class BucketSet:
     """One static cache per row count (sized for the longest cell) and one bucket per (rows, length)."""
 
     def __init__(self, engine: CompactQwen3, max_length: int, use_graphs: bool):
         self.engine, self.max_length, self.use_graphs = engine, max_length, use_graphs
+        self.prefills: dict[tuple[int, int, int], PrefillGraph] = {}  # PREFILL_STEP "compiled_graph"
+        self._prefill_pool = None
         self.caches: dict[int, StaticCache] = {}
         self.buckets: dict[tuple[int, int], DecodeBucket] = {}
 
@@ -848,13 +947,26 @@ class BucketSet:
             self.buckets[key] = DecodeBucket(self.engine, self.caches[rows], length, self.use_graphs)
         return self.buckets[key]
 
+    def prefill(self, bucket: DecodeBucket, width: int) -> PrefillGraph:
+        """The prefill graph of `bucket` for prompts `width` wide, captured on first use (one memory pool for
+        all of them: they replay one at a time on one stream, and each one's outputs stay allocated)."""
+        key = (bucket.rows, width, bucket.length)
+        if key not in self.prefills:
+            if bucket.graph is not None and self._prefill_pool is None:
+                import torch
+
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            self.prefills[key] = PrefillGraph(bucket, width, self._prefill_pool)
+        return self.prefills[key]
+
     @property
     def cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches.values())
 
     @property
     def capture_s(self) -> float:
-        return sum(b.capture_s or 0.0 for b in self.buckets.values())
+        return (sum(b.capture_s or 0.0 for b in self.buckets.values())
+                + sum(p.capture_s or 0.0 for p in self.prefills.values()))
 
 
 def bucket_length(prompt_tokens: int, max_new_tokens: int, multiple: int = 64) -> int:
@@ -863,8 +975,53 @@ def bucket_length(prompt_tokens: int, max_new_tokens: int, multiple: int = 64) -
     return int(math.ceil((prompt_tokens + max_new_tokens) / multiple) * multiple)
 
 
+def _prefill_shared(engine: CompactQwen3, cache: StaticCache, ids: torch.Tensor, positions: torch.Tensor,
+                    columns: torch.Tensor, mask: torch.Tensor, prompts: list) -> torch.Tensor:
+    """PREFILL "shared_prompts": each distinct prompt prefilled once, into the cache's first rows (the same
+    cache length, mask and padding as its rows would have had: only the batch is smaller), then its k/v
+    columns copied to every row of that prompt and its last-position logits gathered per row."""
+    import torch
+
+    first: dict[tuple, int] = {}
+    source = [first.setdefault(tuple(p), len(first)) for p in prompts]  # row -> index of its distinct prompt
+    if len(first) == len(prompts):
+        return engine.forward(ids, positions, cache, columns, mask)
+    device = ids.device
+    pick = torch.tensor([source.index(u) for u in range(len(first))], device=device)  # each one's first row
+    spread = torch.tensor(source, device=device)
+    distinct = len(first)
+    head = StaticCache([t[:distinct] for t in cache.k], [t[:distinct] for t in cache.v])
+    logits = engine.forward(ids.index_select(0, pick), positions.index_select(0, pick), head, columns,
+                            mask.index_select(0, pick))
+    width = ids.shape[1]
+    for layer in cache.k + cache.v:  # index_select copies first, so a row may be read and then overwritten
+        layer[:, :, :width].copy_(layer[:distinct, :, :width].index_select(0, spread))
+    return logits.index_select(0, spread)
+
+
+def _prefill_eager(engine: CompactQwen3, bucket: DecodeBucket, ids: torch.Tensor,
+                   prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's forward op by op (PREFILL_STEP "eager") and the first token's sampling."""
+    import torch
+
+    device, width = ids.device, ids.shape[1]
+    columns = torch.arange(width, device=device)
+    positions = (columns[None, :] - bucket.pad[:, None]).clamp(min=0)
+    key_columns = torch.arange(bucket.length, device=device)
+    valid = ((key_columns[None, None, :] <= columns[None, :, None])
+             & (key_columns[None, None, :] >= bucket.pad[:, None, None]))
+    valid = valid | (key_columns[None, None, :] == columns[None, :, None])
+    if engine.prefill == "shared_prompts":
+        logits = _prefill_shared(engine, bucket.cache, ids, positions, columns, valid[:, None], prompts)
+    else:
+        logits = engine.forward(ids, positions, bucket.cache, columns, valid[:, None])
+    bucket.step.fill_(0)
+    return counter_noise.sample(logits, bucket.seeds, bucket.step, bucket.inv_temperature, bucket.greedy)
+
+
 def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pad_id: int):
-    """Batched decoding on the static cache: an eager prefill, then one graph replay per token."""
+    """Batched decoding on the static cache: a prefill (eager, or one graph replay with PREFILL_STEP
+    "compiled_graph"), then one graph replay per token."""
     import time
 
     import torch
@@ -880,6 +1037,7 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
     width = max(len(r.prompt_token_ids) for r in requests)
     longest = max(r.max_new_tokens for r in requests)
     bucket = buckets.get(rows, bucket_length(width, longest))
+    prefill_graph = buckets.prefill(bucket, width) if engine.prefill_step == "compiled_graph" else None
     device = engine.device
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     pad = torch.empty(rows, dtype=torch.long)
@@ -896,16 +1054,11 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
         synchronize(device)
         start = time.perf_counter()
         ids = ids.to(device)
-        columns = torch.arange(width, device=device)
-        positions = (columns[None, :] - bucket.pad[:, None]).clamp(min=0)
-        key_columns = torch.arange(bucket.length, device=device)
-        valid = ((key_columns[None, None, :] <= columns[None, :, None])
-                 & (key_columns[None, None, :] >= bucket.pad[:, None, None]))
-        valid = valid | (key_columns[None, None, :] == columns[None, :, None])
-        logits = engine.forward(ids, positions, bucket.cache, columns, valid[:, None])
-        bucket.step.fill_(0)
-        tokens, logprobs = counter_noise.sample(logits, bucket.seeds, bucket.step, bucket.inv_temperature,
-                                                bucket.greedy)
+        if prefill_graph is not None:
+            tokens, logprobs = prefill_graph.run(ids)
+            tokens = tokens.long()
+        else:
+            tokens, logprobs = _prefill_eager(engine, bucket, ids, [r.prompt_token_ids for r in requests])
         tracker.add(tokens.tolist(), logprobs.tolist())
         prefill_end = time.perf_counter()
         bucket.start(tokens, column=width, step=1)

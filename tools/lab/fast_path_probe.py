@@ -12,7 +12,10 @@ change one thing each, to read the changes apart: `+f32head` forces the float32 
 `+kvoutside` the k/v cache write inside / outside the compiled piece (CACHE_WRITE), `+cdt` inductor's
 coordinate-descent tuning of launch configurations, `+det` inductor's deterministic mode (one fixed
 configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
-0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`.
+0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`. Issue 43's
+candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+pdl`, `+sharedprefill` (one
+prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured): the last two move
+`ms_prefill` and the wall, not the decode step.
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -50,7 +53,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "expandgemm": ("LORA_EXPAND", "gemm"),
             "sdpaeff": ("ATTENTION_BACKEND", "efficient"),
             "sdpacudnn": ("ATTENTION_BACKEND", "cudnn"),
-            "flex": ("ATTENTION_BACKEND", "flex")}
+            "flex": ("ATTENTION_BACKEND", "flex"),
+            "sharedprefill": ("PREFILL", "shared_prompts"),
+            "prefillgraph": ("PREFILL_STEP", "compiled_graph")}
 
 
 def use_before(path):
@@ -112,14 +117,16 @@ def measure(backend, workload, cell_ids, repetitions):
     for cell_id in cell_ids:
         requests = workload.requests(workload.cell(cell_id))
         backend.generate(requests)  # warmup, excluded
-        walls, decode, steps, tokens = [], [], None, None
+        walls, decode, prefill, steps, tokens = [], [], [], None, None
         for _ in range(repetitions):
             batch = backend.generate(requests)
             walls.append(batch.wall_s)
             decode.append(batch.phases["decode_s"].seconds)
+            prefill.append(batch.phases["prefill_s"].seconds)
             steps, tokens = batch.decode_steps, batch.generated_tokens
         rows[cell_id] = {"median_wall_s": statistics.median(walls), "tokens_per_s": tokens / statistics.median(walls),
                          "ms_per_decode_step": 1000 * statistics.median(decode) / max(steps, 1),
+                         "ms_prefill": 1000 * statistics.median(prefill),
                          "decode_steps": steps, "generated_tokens": tokens}
         print(cell_id, json.dumps(rows[cell_id]), flush=True)
     return rows
