@@ -177,6 +177,9 @@ def main() -> int:
         try:
             inductor_cache = fresh_inductor_cache(caches)
             backend = create_backend("hf_cached", study, **options)
+            if torch.cuda.is_available():  # each variant's own peak (graph pools, caches), the previous one torn down
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
             cold = backend.cold_start()
             syncs = []
@@ -195,6 +198,9 @@ def main() -> int:
                                                                          if backend.buckets else [])}}
             write(args.out, report)  # each step lands as it comes (a killed probe keeps what it measured)
             report[variant]["cells"] = measure(backend, workload, cells, args.repetitions)
+            if torch.cuda.is_available():
+                report[variant]["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+                report[variant]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
             write(args.out, report)
             if args.profile:  # the first two cells: 4 rows and 16 rows with the default cells
                 report[variant]["profile"] = {cell: profile(backend, workload, cell, args.profile, variant)
