@@ -662,3 +662,66 @@ def test_shared_prompts_and_the_compiled_prefill_are_refused_together(smoke_stud
     with pytest.raises(ValueError, match="PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built"):
         backend.cold_start()
     backend.teardown()
+
+
+def _reference_fa3(q, k, v, seqused_k, leftpad_k, scale):
+    """FlashAttention-3's decode semantics as `_fa3_decode` relies on them: query head h reads kv head h // G;
+    row b reads columns leftpad_k[b] <= j < seqused_k[b]."""
+    groups = q.shape[2] // k.shape[2]
+    keys, values = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * scale
+    columns = torch.arange(k.shape[1])
+    keep = (columns[None, :] >= leftpad_k[:, None].long()) & (columns[None, :] < seqused_k[:, None].long())
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), values)
+
+
+def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smoke_study, snapshot_cache, monkeypatch,
+                                                                          outputs):
+    """Issue 43 candidate (ATTENTION_BACKEND "fa3": vLLM's FlashAttention-3 over the static cache, on the H200 in
+    test_gpu_fast_path.py). On the CPU the kernel is replaced by its reference semantics: the engine must hand it
+    the query heads in FA3's grouping, the cache as strided views (no copy per step), and each row's column range
+    as int32 left padding and used length; then float32 tokens and log-probabilities are SDPA's."""
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "ATTENTION_BACKEND", "fa3")
+    monkeypatch.setattr(compact_qwen3, "_check_fa3", lambda device, dtype: None)
+    calls = []
+
+    def kernel(q, k, v, seqused_k, leftpad_k, scale):
+        calls.append((seqused_k.dtype, leftpad_k.dtype, k.is_contiguous(), k.stride(-1), q.shape))
+        return _reference_fa3(q, k, v, seqused_k, leftpad_k, scale)
+
+    monkeypatch.setattr(compact_qwen3, "_fa3_decode", kernel)
+    workload = Workload(smoke_study)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
+                             cache_dir=snapshot_cache)
+    backend.cold_start()
+    try:
+        expected = outputs[("float32", "graphs")]
+        assert backend.sync_policy(expected["policy"]) == expected["identity"]
+        assert backend.environment()["attention_backend"] == "fa3"
+        want = {r.request_id: r for cell in CELLS for r in expected["runs"][cell]}
+        batches = [workload.requests(workload.cell(cell)) for cell in CELLS]
+        # each cell's own batch, then both in one: the 16-token prompts left-padded to the 48-token ones' width
+        for requests in [*batches, [q for batch in batches for q in batch]]:
+            for got in backend.generate(requests).results:
+                ref = want[got.request_id]
+                assert got.token_ids == ref.token_ids and got.stop_reason == ref.stop_reason, got.request_id
+                assert max(abs(x - y) for x, y in zip(got.logprobs, ref.logprobs, strict=True)) < 1e-4
+    finally:
+        backend.teardown()
+    arch = Workload(smoke_study).arch
+    assert calls and {c[:4] for c in calls} == {(torch.int32, torch.int32, False, 1)}
+    assert {c[4][1:] for c in calls} == {(1, arch.num_attention_heads, arch.head_dim)}
+
+
+def test_fa3_is_refused_where_its_kernels_cannot_run(smoke_study, snapshot_cache, monkeypatch):
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "ATTENTION_BACKEND", "fa3")
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="bfloat16", decode="graphs",
+                             cache_dir=snapshot_cache)
+    with pytest.raises(ValueError, match=r"ATTENTION_BACKEND fa3 needs a bf16 engine on a Hopper GPU .*cpu"):
+        backend.cold_start()
+    backend.teardown()

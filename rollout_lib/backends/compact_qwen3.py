@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout_lib.backends import counter_noise
@@ -107,7 +108,7 @@ def _attention_kernel(backend: str):
     call). Entered while the decode graph is captured; replays run the captured kernel."""
     import contextlib
 
-    if backend in ("auto", "flex"):  # flex: the prefill's SDPA call chooses as by default
+    if backend in ("auto", "flex", "fa3"):  # flex, fa3: the prefill's SDPA call chooses as by default
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -145,6 +146,52 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     if _FLEX_COMPILED is None:
         _FLEX_COMPILED = torch.compile(_flex_decode, dynamic=False)
     return _FLEX_COMPILED(q, k, v, allowed, scale)
+
+
+def _fa3_op():
+    """vLLM's FlashAttention-3 forward (`torch.ops._vllm_fa3_C.fwd`; vllm 0.26's wheel ships the sm90 kernels):
+    the op library is loaded by its path, without importing the vllm package. ValueError where it is absent."""
+    import importlib.util
+
+    import torch
+
+    try:
+        return torch.ops._vllm_fa3_C.fwd
+    except (AttributeError, RuntimeError):
+        pass
+    spec = importlib.util.find_spec("vllm")
+    library = (Path(spec.submodule_search_locations[0]) / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so"
+               if spec is not None and spec.submodule_search_locations else None)
+    if library is None or not library.is_file():
+        raise ValueError("ATTENTION_BACKEND fa3 needs vLLM's FlashAttention-3 kernels "
+                         "(vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so, vllm 0.26); not found: install vLLM or choose "
+                         f"one of {', '.join(a for a in ATTENTION_BACKEND_ALLOWED if a != 'fa3')}")
+    torch.ops.load_library(str(library))
+    return torch.ops._vllm_fa3_C.fwd
+
+
+def _check_fa3(device: torch.device, dtype: torch.dtype) -> None:
+    """FA3's kernels are Hopper's (compute capability 9.x), in bf16 or fp16; refused elsewhere, by name."""
+    import torch
+
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability[0] != 9 or dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"ATTENTION_BACKEND fa3 needs a bf16 engine on a Hopper GPU (compute capability 9.x); "
+                         f"this engine: {dtype} on {device} (capability {capability})")
+    _fa3_op()
+
+
+def _fa3_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor,
+                leftpad_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """ATTENTION_BACKEND "fa3": one decode position per row. q [B, 1, H, D]; k, v [B, L, Hk, D] (views of the
+    static cache, head-major in memory: FA3 takes any strides with a contiguous last dimension); row b attends
+    to columns leftpad_k[b] <= j < seqused_k[b] (int32) -- FA3 counts seqused_k from column 0, padding
+    included. Query head h reads kv head h // (H / Hk), as the grouped rows here. FA3 chooses split-KV and
+    packed GQA by its heuristics, from the static shapes, so a captured graph replays one kernel plan."""
+    out = _fa3_op()(q, k, v, None, None, None, None, None, None, None, None, seqused_k, None, None, None, None,
+                    leftpad_k, None, None, None, None, None, None, scale, False, -1, -1, 0.0, True, None, 0, None,
+                    0, None, 1, 0, None)
+    return out[0]
 
 
 def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_rows: int,
@@ -204,7 +251,9 @@ class Layer:
 #   at 16 rows); "efficient" or "cudnn": that SDPA backend only (`torch.nn.attention.sdpa_kernel`), to
 #   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`); "flex":
 #   FlexAttention for the decode steps with the boolean mask read in the kernel (`_flex_attention`; the
-#   probe's `+flex`; prefill keeps SDPA: one compilation per graph bucket, none per prompt shape).
+#   probe's `+flex`; prefill keeps SDPA: one compilation per graph bucket, none per prompt shape); "fa3":
+#   vLLM's FlashAttention-3 decode kernel over the static cache with per-row left padding (`_fa3_decode`;
+#   Hopper, bf16, vLLM installed; the probe's `+fa3`; prefill keeps SDPA).
 # - PREFILL "per_row" (the default): every row's prompt is prefilled, also the n rows of a prompt's n
 #   samples; "shared_prompts" (issue 43 item 5, candidate): rows with identical prompts are prefilled once
 #   and the prompt's k/v columns and last logits are copied to its other rows (`_prefill_shared`), so
@@ -226,7 +275,7 @@ LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
 LORA_EXPAND = "reductions"
 LORA_EXPAND_ALLOWED = ("reductions", "gemm")
 ATTENTION_BACKEND = "auto"
-ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex")
+ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3")
 PREFILL = "per_row"
 PREFILL_ALLOWED = ("per_row", "shared_prompts")
 PREFILL_STEP = "eager"
@@ -345,6 +394,8 @@ class CompactQwen3:
             raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
         self.lora_expand = _engine_setting("LORA_EXPAND", LORA_EXPAND, LORA_EXPAND_ALLOWED)
         self.attention_backend = _engine_setting("ATTENTION_BACKEND", ATTENTION_BACKEND, ATTENTION_BACKEND_ALLOWED)
+        if self.attention_backend == "fa3":
+            _check_fa3(self.device, self.dtype)
         self.prefill = _engine_setting("PREFILL", PREFILL, PREFILL_ALLOWED)
         self.prefill_step = _engine_setting("PREFILL_STEP", PREFILL_STEP, PREFILL_STEP_ALLOWED)
         if self.prefill == "shared_prompts" and self.prefill_step == "compiled_graph":
@@ -648,11 +699,13 @@ class CompactQwen3:
                                  expand_as_gemm=gemm)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
-                mask: torch.Tensor, keep: int = 1, compiled: bool = False) -> torch.Tensor:
+                mask: torch.Tensor, keep: int = 1, compiled: bool = False,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits of the last position of each row [B, V] (tokens/positions [B, T]); with
         `keep` > 1, of the last `keep` positions [B, keep, V] (teacher-forced scoring). Writes this
         chunk's k/v at cache columns `write` [T]; mask: boolean [B, 1, T, L]. `compiled`: the
-        per-layer pieces through inductor (the decode step only; see __init__)."""
+        per-layer pieces through inductor (the decode step only; see __init__). `pad` [B]: each row's
+        left padding, which a decode step passes for ATTENTION_BACKEND "fa3" (the mask, in columns)."""
         import torch
 
         before, after = ((self.before_attention, self.after_attention) if compiled
@@ -662,8 +715,13 @@ class CompactQwen3:
         # the boolean mask once per forward as an additive bias, repeated for the grouped query rows
         # (row g*T + t is query position t); flex's decode steps read the boolean mask in the kernel instead
         flex = self.attention_backend == "flex" and tokens.shape[1] == 1  # prefill stays SDPA
+        fa3 = self.attention_backend == "fa3" and tokens.shape[1] == 1 and pad is not None
         allowed = mask
-        if not flex:
+        if fa3:  # the rows' column ranges, as FA3 reads them: [pad, write] (int32)
+            batch = tokens.shape[0]
+            seqused_k = (write + 1).to(torch.int32).expand(batch).contiguous()
+            leftpad_k = pad.to(torch.int32)
+        elif not flex:
             bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -680,6 +738,10 @@ class CompactQwen3:
                 cache.v[index].index_copy_(2, write, v)
             if flex:
                 attn = _flex_attention(q, cache.k[index], cache.v[index], allowed, scale)
+            elif fa3:  # grouped rows [B, kv, G, D] are the query heads h = kv * G + g: [B, 1, H, D] and back
+                attn = _fa3_decode(q.reshape(batch, 1, self.heads, self.head_dim),
+                                   cache.k[index].transpose(1, 2), cache.v[index].transpose(1, 2), seqused_k,
+                                   leftpad_k, scale).reshape(q.shape)
             else:
                 with _attention_kernel(self.attention_backend):
                     attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
@@ -763,7 +825,7 @@ def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor,
     valid = valid | (columns[None, :] == write)  # a row never attends to nothing
     positions = (write - pad)[:, None]
     logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :],
-                            compiled=engine.compiled)
+                            compiled=engine.compiled, pad=pad)
     engine.mark_rows(logits, seeds, inv_temperature, greedy)
     return engine.sample(logits, seeds, step, inv_temperature, greedy)
 

@@ -13,9 +13,9 @@ change one thing each, to read the changes apart: `+f32head` forces the float32 
 coordinate-descent tuning of launch configurations, `+det` inductor's deterministic mode (one fixed
 configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
 0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`. Issue 43's
-candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+pdl`, `+sharedprefill` (one
-prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured): the last two move
-`ms_prefill` and the wall, not the decode step.
+candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`,
+`+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
+the last two move `ms_prefill` and the wall, not the decode step.
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -54,6 +54,7 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "sdpaeff": ("ATTENTION_BACKEND", "efficient"),
             "sdpacudnn": ("ATTENTION_BACKEND", "cudnn"),
             "flex": ("ATTENTION_BACKEND", "flex"),
+            "fa3": ("ATTENTION_BACKEND", "fa3"),
             "sharedprefill": ("PREFILL", "shared_prompts"),
             "prefillgraph": ("PREFILL_STEP", "compiled_graph")}
 
