@@ -130,3 +130,53 @@ def test_the_child_writes_one_json_line_a_parent_can_read(smoke_study, tmp_path)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["backend"] == "hf_cached" and result["gpu"] == "cpu"
     assert result["cells"]["p16-r8-n1-greedy"]["rows"] == 4
+
+
+def _repetition(cell_id, wall_s, decode_s, steps, warmup=False):
+    return {"record": "repetition", "cell_id": cell_id, "wall_s": wall_s, "warmup": warmup, "decode_steps": steps,
+            "phases": {"decode_s": {"status": "measured", "seconds": decode_s}}}
+
+
+def test_the_report_reads_the_calculators_repetitions_and_puts_each_step_beside_its_floor(prereg_study):
+    """The decode step per cell is the median over exactly the repetitions the aggregate used (matched by wall
+    time; a warm-up and a repetition of another segment with another wall are not), against the floor for the
+    GPU its raw file names; a cell whose repetitions expose no step count is left out, never a 0."""
+    from rollout_lib.report import summary
+
+    header = {"record": "header", "environment": {"gpu": {"name": "NVIDIA H200"}}}
+    records = [header,
+               _repetition("p128-r64-n1-greedy", 9.0, 8.0, 63, warmup=True),
+               _repetition("p128-r64-n1-greedy", 0.20, 0.126, 63),   # 2.0 ms
+               _repetition("p128-r64-n1-greedy", 0.21, 0.1449, 63),  # 2.3 ms
+               _repetition("p128-r64-n1-greedy", 0.22, 0.1512, 63),  # 2.4 ms
+               _repetition("p128-r64-n1-greedy", 0.50, 0.315, 63),   # not among the aggregate's walls
+               _repetition("p512-r512-n4-greedy", 1.9, 1.533, 511),  # 3.0 ms
+               {"record": "repetition", "cell_id": "p128-r64-n4-greedy", "wall_s": 0.3, "warmup": False,
+                "phases": {"decode_s": {"status": "not_measured", "reason": "x"}}}]
+    inputs = {"raw_files": [{"backend": "hf_cached", "records": records, "path": "a", "run_id": "a"}]}
+    cell = {"backend": "hf_cached", "valid": True, "prompt_tokens": 128, "response_tokens": 64, "samples_per_prompt": 1}
+    aggregate = {"cells": [cell | {"cell_id": "p128-r64-n1-greedy", "wall_s": [0.20, 0.21, 0.22]},
+                           cell | {"cell_id": "p512-r512-n4-greedy", "wall_s": [1.9], "prompt_tokens": 512,
+                                   "response_tokens": 512, "samples_per_prompt": 4},
+                           cell | {"cell_id": "p128-r64-n4-greedy", "wall_s": [0.3], "samples_per_prompt": 4},
+                           cell | {"cell_id": "p128-r64-n1-stochastic", "wall_s": [0.2], "valid": False}]}
+    floor = summary.decode_floor(aggregate, inputs, prereg_study)
+    assert [(r["cell_id"], r["rows"]) for r in floor["cells"]] == [("p128-r64-n1-greedy", 4),
+                                                                    ("p512-r512-n4-greedy", 16)]
+    assert floor["cells"][0]["step_s"] == pytest.approx(0.0023)
+    assert floor["by_rows"][4]["median_step_s"] == pytest.approx(0.0023)
+    expected = decode_step_floor(get_architecture("qwen3-0.6b"), "NVIDIA H200", 16, mean_decode_columns(512, 512),
+                                 16, TARGETS)
+    assert floor["cells"][1]["floor"] == expected
+    assert floor["by_rows"][16]["median_over_floor"] == pytest.approx(0.003 / expected["step_floor_s"])
+    sentence = summary.decode_floor_sentence(floor)
+    assert sentence.startswith("hf_cached decode step: 2.30 ms at 4 rows (median of 1 cells; ")
+    assert "3.00 ms at 16 rows" in sentence
+    table = summary.decode_floor_table(floor)
+    assert list(table["decode step"]) == ["2.30 ms", "3.00 ms"]
+    # on a machine without a bandwidth figure: said so in every place
+    header["environment"]["gpu"] = {"status": "not_applicable"}
+    floor = summary.decode_floor(aggregate, inputs, prereg_study)
+    assert floor["by_rows"][4]["median_over_floor"] == "not_applicable"
+    assert "no bandwidth figure for this GPU" in summary.decode_floor_sentence(floor)
+    assert set(summary.decode_floor_table(floor)["step / floor"]) == {"not_applicable"}

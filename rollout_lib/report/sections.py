@@ -100,6 +100,11 @@ def speed_html(aggregate: dict[str, Any], study: Preregistration, inputs: dict[s
                 + table_html(report.phase_table(aggregate))),
                ("Cold start per raw file", table_html(report.cold_start_table(aggregate, inputs))
                 or "<p>No cold start recorded in the raw files this campaign uses.</p>"))
+    floor = report.decode_floor(aggregate, inputs, study)
+    if floor["cells"]:
+        details += ((f"Decode step against the memory-bandwidth floor ({floor['backend']})",
+                     f"<p>{html.escape(report.decode_floor_sentence(floor))}</p>"
+                     + table_html(report.decode_floor_table(floor))),)
     return section("speed", "Speed", finding, body, details)
 
 

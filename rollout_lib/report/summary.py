@@ -270,6 +270,77 @@ def phase_table(aggregate: dict[str, Any]):
     return pd.DataFrame(rows).set_index(["backend", "cell_id"]) if rows else pd.DataFrame()
 
 
+def decode_floor(aggregate: dict[str, Any], inputs: dict[str, Any], study: Preregistration,
+                 backend: str = "hf_cached") -> dict[str, Any]:
+    """`backend`'s decode step against the step's memory-bandwidth floor (rollout_lib/measure/floor.py), per
+    valid cell: the median over the repetitions the calculator used (matched by wall time in the raw files
+    of the campaign) of decode seconds / decode steps, and the floor for the GPU its raw file names. Also the
+    median over the cells at each row count, the figure issue 43's targets name (ms per step at 4 and 16
+    rows). Cells whose backend exposes no decode phase or step count are left out."""
+    import statistics
+
+    from rollout_lib.measure.floor import decode_step_floor, mean_decode_columns
+    from rollout_lib.study.workload import Workload
+
+    arch, lora = Workload(study).arch, study.actor.lora
+    repetitions: dict[tuple[str, float], tuple[float, str]] = {}
+    for raw in inputs["raw_files"]:
+        if raw["backend"] != backend or not raw["records"]:
+            continue
+        gpu = (raw["records"][0].get("environment", {}).get("gpu", {}) or {}).get("name", "not_measured")
+        for record in raw["records"]:
+            phase = (record.get("phases") or {}).get("decode_s") or {}
+            if (record.get("record") == "repetition" and not record.get("warmup") and record.get("decode_steps")
+                    and phase.get("status") == "measured"):
+                repetitions[(record["cell_id"], record["wall_s"])] = (phase["seconds"] / record["decode_steps"], gpu)
+    rows = []
+    for cell in aggregate["cells"]:
+        if cell["backend"] != backend or not cell.get("valid"):
+            continue
+        walls = cell.get("wall_s", [])
+        found = [repetitions[(cell["cell_id"], w)] for w in walls if (cell["cell_id"], w) in repetitions]
+        if len(found) != len(walls) or not found:
+            continue
+        step = statistics.median(s for s, _ in found)
+        row_count = study.workload.logical_prompts * cell["samples_per_prompt"]
+        floor = decode_step_floor(arch, found[0][1], row_count,
+                                  mean_decode_columns(cell["prompt_tokens"], cell["response_tokens"]), lora.rank,
+                                  tuple(lora.target_modules))
+        rows.append({"cell_id": cell["cell_id"], "rows": row_count, "step_s": step, "floor": floor})
+    by_rows = {}
+    for count in sorted({r["rows"] for r in rows}):
+        chosen = [r for r in rows if r["rows"] == count]
+        ratios = [r["step_s"] / r["floor"]["step_floor_s"] for r in chosen if r["floor"]["status"] == "measured"]
+        by_rows[count] = {"cells": len(chosen), "median_step_s": statistics.median(r["step_s"] for r in chosen),
+                          "median_over_floor": statistics.median(ratios) if ratios else "not_applicable"}
+    return {"backend": backend, "cells": rows, "by_rows": by_rows}
+
+
+def decode_floor_table(floor: dict[str, Any]):
+    import pandas as pd
+
+    rows = [{"cell": r["cell_id"], "rows": r["rows"], "decode step": f"{1000 * r['step_s']:.2f} ms",
+             "floor (weights + LoRA + KV)": (f"{1000 * r['floor']['step_floor_s']:.3f} ms"
+                                             if r["floor"]["status"] == "measured" else r["floor"]["status"]),
+             "step / floor": (f"{r['step_s'] / r['floor']['step_floor_s']:.1f}x"
+                              if r["floor"]["status"] == "measured" else "not_applicable")}
+            for r in floor["cells"]]
+    return pd.DataFrame(rows)
+
+
+def decode_floor_sentence(floor: dict[str, Any]) -> str:
+    """One line: the median step per row count and its distance to the floor."""
+    parts = []
+    for count, entry in floor["by_rows"].items():
+        over = entry["median_over_floor"]
+        parts.append(f"{1000 * entry['median_step_s']:.2f} ms at {count} rows (median of {entry['cells']} cells"
+                     + (f"; {over:.1f}x the bandwidth floor)" if isinstance(over, float) else
+                        "; no bandwidth figure for this GPU)"))
+    return (f"{floor['backend']} decode step: " + ", ".join(parts) + ". The floor reads the bf16 weights, the "
+            "float32 LoRA tensors and each row's filled KV cache once at the GPU's nominal HBM bandwidth; the "
+            "gap is kernel launches and kernels below bandwidth (docs/perf-notes.md).") if parts else ""
+
+
 def cold_start_table(aggregate: dict[str, Any], inputs: dict[str, Any]):
     """One row per raw file whose cells the calculator uses: the cold start's total (this process's
     timer, from the raw file's `cold_start` record) and the phases its backend exposes (vLLM: its own
