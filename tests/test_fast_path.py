@@ -79,6 +79,14 @@ def test_temperature_scales_the_distribution():
 CELLS = ["p48-r24-n2-greedy", "p16-r24-n2-stochastic"]
 
 
+def assert_same_results(got, want, tolerance: float = 1e-4) -> None:
+    """Request by request: the same tokens and stop, log-probabilities within `tolerance` (float32 rounding of
+    the same math in another order)."""
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason, a.request_id
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < tolerance, a.request_id
+
+
 @pytest.fixture(scope="module")
 def outputs(smoke_study, snapshot_cache):
     workload = Workload(smoke_study)
@@ -102,9 +110,7 @@ def outputs(smoke_study, snapshot_cache):
 
 def test_float32_greedy_tokens_and_stops_equal_the_eager_path(outputs):
     eager, fast = outputs[("float32", "eager")], outputs[("float32", "graphs")]
-    for a, b in zip(eager["runs"]["p48-r24-n2-greedy"], fast["runs"]["p48-r24-n2-greedy"], strict=True):
-        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    assert_same_results(fast["runs"]["p48-r24-n2-greedy"], eager["runs"]["p48-r24-n2-greedy"])
 
 
 def test_both_paths_serve_the_same_identity(outputs):
@@ -273,9 +279,7 @@ def test_inductor_step_gives_the_uncompiled_tokens(smoke_study, snapshot_cache):
         assert backend.environment()["step_compile"] == mode
         backend.teardown()
     for cell in CELLS:
-        for a, b in zip(results["off"][cell], results["inductor"][cell], strict=True):
-            assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+        assert_same_results(results["inductor"][cell], results["off"][cell])
 
 
 # ------------------------------------------------------------------------------------------
@@ -365,9 +369,7 @@ def test_compiled_step_variants_give_the_uncompiled_tokens(smoke_study, snapshot
             assert compilations == (2 if shapes == "per_rows" else 1), compilations
         backend.teardown()
     for cell in cells:
-        for a, b in zip(results["off"][cell], results["inductor"][cell], strict=True):
-            assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+        assert_same_results(results["inductor"][cell], results["off"][cell])
 
 
 def test_unknown_compile_variant_is_refused(smoke_study, snapshot_cache, monkeypatch):
@@ -553,24 +555,11 @@ def test_flex_attention_serves_the_same_float32_tokens_and_log_probabilities(smo
         assert backend.environment()["attention_backend"] == "flex"
         cell = "p48-r24-n2-greedy"
         results = backend.generate(workload.requests(workload.cell(cell))).results
-        for got, want in zip(results, expected["runs"][cell], strict=True):
-            assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
-            assert max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)) < 1e-4
+        assert_same_results(results, expected["runs"][cell])
         # every layer of every decode step went through flex (one query position, the grouped heads as rows)
         assert calls and all(shape[2] == 2 for shape in calls) and len(calls) % 2 == 0, len(calls)  # 2 layers
     finally:
         backend.teardown()
-
-
-def test_lora_shrink_in_the_base_gemm_is_refused_for_a_float32_engine(smoke_study, snapshot_cache, monkeypatch):
-    from rollout_lib.backends import compact_qwen3
-
-    monkeypatch.setattr(compact_qwen3, "LORA_SHRINK", "in_base_gemm")
-    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
-                             cache_dir=snapshot_cache)
-    with pytest.raises(ValueError, match=r"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not torch\.float32"):
-        backend.cold_start()
-    backend.teardown()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -605,13 +594,12 @@ def test_a_prompts_samples_share_one_prefill_and_keep_their_own_tokens(smoke_stu
             shuffled = requests[1::2] + requests[0::2]  # a prompt's samples apart and out of order
             by_id = {r.request_id: r for r in backend.generate(shuffled).results}
             alone = {q.request_id: backend.generate([q]).results[0] for q in requests[:2]}
-            for got, want in zip(results, expected["runs"][cell], strict=True):
+            for got in results:
                 assert got.token_ids == by_id[got.request_id].token_ids
                 if got.request_id in alone:
                     assert got.token_ids == alone[got.request_id].token_ids
-                if dtype == "float32":
-                    assert got.token_ids == want.token_ids and got.stop_reason == want.stop_reason
-                    assert max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)) < 1e-5
+            if dtype == "float32":
+                assert_same_results(results, expected["runs"][cell], tolerance=1e-5)
     finally:
         backend.teardown()
     assert "prefill" not in outputs[(dtype, "graphs")]["environment"], "the default adds no key"
@@ -647,21 +635,7 @@ def test_the_compiled_prefill_gives_the_eager_prefills_tokens(smoke_study, snaps
     assert prefills["eager"] == [] and [(rows, width) for rows, width, _ in prefills["compiled_graph"]] == [
         (8, 16), (8, 48)]
     for cell in cells:
-        for a, b in zip(results["eager"][cell], results["compiled_graph"][cell], strict=True):
-            assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
-
-
-def test_shared_prompts_and_the_compiled_prefill_are_refused_together(smoke_study, snapshot_cache, monkeypatch):
-    from rollout_lib.backends import compact_qwen3
-
-    monkeypatch.setattr(compact_qwen3, "PREFILL", "shared_prompts")
-    monkeypatch.setattr(compact_qwen3, "PREFILL_STEP", "compiled_graph")
-    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
-                             cache_dir=snapshot_cache)
-    with pytest.raises(ValueError, match="PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built"):
-        backend.cold_start()
-    backend.teardown()
+        assert_same_results(results["compiled_graph"][cell], results["eager"][cell])
 
 
 def _reference_fa3(q, k, v, seqused_k, leftpad_k, scale):
@@ -705,10 +679,8 @@ def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smok
         batches = [workload.requests(workload.cell(cell)) for cell in CELLS]
         # each cell's own batch, then both in one: the 16-token prompts left-padded to the 48-token ones' width
         for requests in [*batches, [q for batch in batches for q in batch]]:
-            for got in backend.generate(requests).results:
-                ref = want[got.request_id]
-                assert got.token_ids == ref.token_ids and got.stop_reason == ref.stop_reason, got.request_id
-                assert max(abs(x - y) for x, y in zip(got.logprobs, ref.logprobs, strict=True)) < 1e-4
+            results = backend.generate(requests).results
+            assert_same_results(results, [want[r.request_id] for r in results])
     finally:
         backend.teardown()
     arch = Workload(smoke_study).arch
@@ -716,12 +688,21 @@ def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smok
     assert {c[4][1:] for c in calls} == {(1, arch.num_attention_heads, arch.head_dim)}
 
 
-def test_fa3_is_refused_where_its_kernels_cannot_run(smoke_study, snapshot_cache, monkeypatch):
+@pytest.mark.parametrize(("settings", "dtype", "message"), [
+    ({"LORA_SHRINK": "in_base_gemm"}, "float32",
+     r"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not torch\.float32"),
+    ({"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"}, "float32",
+     "PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built"),
+    ({"ATTENTION_BACKEND": "fa3"}, "bfloat16", r"ATTENTION_BACKEND fa3 needs a bf16 engine on a Hopper GPU .*cpu"),
+])
+def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
+                                                          message):
     from rollout_lib.backends import compact_qwen3
 
-    monkeypatch.setattr(compact_qwen3, "ATTENTION_BACKEND", "fa3")
-    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="bfloat16", decode="graphs",
+    for name, value in settings.items():
+        monkeypatch.setattr(compact_qwen3, name, value)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype=dtype, decode="graphs",
                              cache_dir=snapshot_cache)
-    with pytest.raises(ValueError, match=r"ATTENTION_BACKEND fa3 needs a bf16 engine on a Hopper GPU .*cpu"):
+    with pytest.raises(ValueError, match=message):
         backend.cold_start()
     backend.teardown()
