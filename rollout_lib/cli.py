@@ -1045,8 +1045,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the diagnostic: the oracle's generation log-probs vs its own teacher-forced "
                         "scoring, and that scoring against itself (run to run, batch composition)")
     p.add_argument("--candidate-option", action="append", default=None, metavar="KEY=VALUE",
-                   help="an hf_cached backend option for a diagnostic run (e.g. lora_add=bf16_like_nf4_oracle): "
-                        "the report's kind is then local_conformance_diagnostic, which no gate reads")
+                   help="an hf_cached backend option for a diagnostic run (e.g. lora_add=bf16_like_nf4_oracle, "
+                        "or engine='{\"LORA_SHRINK\": \"in_base_gemm\"}'): the report's kind is then "
+                        "local_conformance_diagnostic, which no gate reads")
     p.set_defaults(func=cmd_conformance)
 
     p = sub.add_parser("refresh", help="eight policy refreshes through one backend + teardown proof; writes --out")

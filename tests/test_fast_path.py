@@ -706,3 +706,41 @@ def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_
     with pytest.raises(ValueError, match=message):
         backend.cold_start()
     backend.teardown()
+
+
+def test_an_engine_candidate_is_an_option_of_one_backend_not_a_module_edit(smoke_study, snapshot_cache, outputs):
+    """hf_cached's `engine` option sets issue 43's candidates for this backend alone (a conformance run or a
+    campaign can name them; `rollout conformance --candidate-option 'engine={...}'`); the module's defaults stay,
+    the environment names what differs, and the float32 tokens stay the default engine's."""
+    from rollout_lib.backends import compact_qwen3
+
+    workload = Workload(smoke_study)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
+                             cache_dir=snapshot_cache, engine={"PREFILL": "shared_prompts", "LORA_EXPAND": "gemm"})
+    backend.cold_start()
+    try:
+        expected = outputs[("float32", "graphs")]
+        assert backend.sync_policy(expected["policy"]) == expected["identity"]
+        env = backend.environment()
+        assert (env["prefill"], env["lora_expand"]) == ("shared_prompts", "gemm") and "lora_shrink" not in env
+        assert (compact_qwen3.PREFILL, compact_qwen3.LORA_EXPAND) == ("per_row", "reductions")
+        cell = "p16-r24-n2-stochastic"
+        assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results, expected["runs"][cell])
+    finally:
+        backend.teardown()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"engine": {"LORA_SHRINK": "fused"}}, "hf_cached: LORA_SHRINK 'fused' is not allowed; allowed: reductions, "
+                                           "in_base_gemm"),
+    ({"engine": {"STEP_SHAPES": "dynamic"}}, "hf_cached: engine setting 'STEP_SHAPES' is not allowed; allowed: "
+                                             "LORA_SHRINK, LORA_EXPAND, ATTENTION_BACKEND, PREFILL, PREFILL_STEP"),
+    ({"engine": ["PREFILL=shared_prompts"]}, "hf_cached: engine ['PREFILL=shared_prompts'] is not allowed; allowed: "
+                                             "a mapping of LORA_SHRINK"),
+    ({"engine": {"PREFILL": "shared_prompts"}, "decode": "eager"}, "hf_cached: engine settings apply to decode "
+                                                                   "graphs only"),
+])
+def test_a_bad_engine_option_is_refused_before_anything_loads(smoke_study, options, message):
+    with pytest.raises(ValueError) as caught:
+        create_backend("hf_cached", smoke_study, device="cpu", **options)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)

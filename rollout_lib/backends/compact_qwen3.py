@@ -289,6 +289,28 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+# the settings an engine takes per instance (hf_cached's `engine` option: a candidate measured or checked for
+# conformance without editing this module); each falls back to the module's value above
+ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAND_ALLOWED,
+                   "ATTENTION_BACKEND": ATTENTION_BACKEND_ALLOWED, "PREFILL": PREFILL_ALLOWED,
+                   "PREFILL_STEP": PREFILL_STEP_ALLOWED}
+
+
+def check_engine_settings(settings: Any) -> dict[str, str]:
+    """An `engine` option: a mapping of ENGINE_SETTINGS names to allowed values; anything else is refused in
+    one line naming the key and what is allowed."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"engine {settings!r} is not allowed; allowed: a mapping of "
+                         f"{', '.join(ENGINE_SETTINGS)} to their values")
+    for name, value in settings.items():
+        if name not in ENGINE_SETTINGS:
+            raise ValueError(f"engine setting {name!r} is not allowed; allowed: {', '.join(ENGINE_SETTINGS)}")
+        _engine_setting(name, value, ENGINE_SETTINGS[name])
+    return dict(settings)
+
+
 # recompilations allowed per compiled function: the row counts of one engine, times the engines a
 # process builds (tests, the probe's variants); past dynamo's default (8) it would run them eagerly
 RECOMPILE_LIMIT = 64
@@ -365,7 +387,7 @@ class CompactQwen3:
     """Built from a peft-wrapped mirror (`actor.add_lora(build_mirror_base(...))`)."""
 
     def __init__(self, peft_mirror: Any, lora_rank: int, lora_targets: tuple[str, ...], scaling: float,
-                 compile_step: bool = False, lora_add: str = "float32_once"):
+                 compile_step: bool = False, lora_add: str = "float32_once", settings: dict[str, str] | None = None):
         import functools
 
         import torch
@@ -389,15 +411,20 @@ class CompactQwen3:
         self._lora_groups: list[tuple[torch.Tensor, list[str]]] | None = None
         self._served: tuple[list[torch.Tensor], dict[str, torch.Tensor]] | None = None  # see served_lora
         self.scaling = float(scaling)
-        self.lora_shrink = _engine_setting("LORA_SHRINK", LORA_SHRINK, LORA_SHRINK_ALLOWED)
+        chosen = check_engine_settings(settings)
+
+        def setting(name: str) -> str:  # this engine's value (the `engine` option), else the module's
+            return _engine_setting(name, chosen.get(name, globals()[name]), ENGINE_SETTINGS[name])
+
+        self.lora_shrink = setting("LORA_SHRINK")
         if self.lora_shrink == "in_base_gemm" and self.dtype != torch.bfloat16:
             raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
-        self.lora_expand = _engine_setting("LORA_EXPAND", LORA_EXPAND, LORA_EXPAND_ALLOWED)
-        self.attention_backend = _engine_setting("ATTENTION_BACKEND", ATTENTION_BACKEND, ATTENTION_BACKEND_ALLOWED)
+        self.lora_expand = setting("LORA_EXPAND")
+        self.attention_backend = setting("ATTENTION_BACKEND")
         if self.attention_backend == "fa3":
             _check_fa3(self.device, self.dtype)
-        self.prefill = _engine_setting("PREFILL", PREFILL, PREFILL_ALLOWED)
-        self.prefill_step = _engine_setting("PREFILL_STEP", PREFILL_STEP, PREFILL_STEP_ALLOWED)
+        self.prefill = setting("PREFILL")
+        self.prefill_step = setting("PREFILL_STEP")
         if self.prefill == "shared_prompts" and self.prefill_step == "compiled_graph":
             raise ValueError("PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built (a graph per "
                              "distinct-prompt count); allowed: one of them at a time")

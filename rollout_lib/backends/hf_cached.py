@@ -42,7 +42,7 @@ STEP_COMPILE = ("auto", "inductor", "off")  # auto: inductor on CUDA, off on a C
 class HFCachedBackend(HFBackendBase):
     name = "hf_cached"
     description = "batched KV-cache decoding on the BF16 mirror of the NF4 actor, exact live LoRA synced per version"
-    allowed_options = (*HFBackendBase.allowed_options, "decode", "step_compile", "lora_add")
+    allowed_options = (*HFBackendBase.allowed_options, "decode", "step_compile", "lora_add", "engine")
 
     def __init__(self, study, **options):
         super().__init__(study, **options)
@@ -53,7 +53,15 @@ class HFCachedBackend(HFBackendBase):
         if self.step_compile not in STEP_COMPILE:
             raise ValueError(f"hf_cached: step_compile {self.step_compile!r} is not allowed; "
                              f"allowed: {', '.join(STEP_COMPILE)}")
-        from rollout_lib.backends.compact_qwen3 import LORA_ADD_ALLOWED, lora_add_mode
+        from rollout_lib.backends.compact_qwen3 import LORA_ADD_ALLOWED, check_engine_settings, lora_add_mode
+
+        # issue 43's engine candidates for this backend only (e.g. {"LORA_SHRINK": "in_base_gemm"}), checked now
+        try:
+            self.engine_settings = check_engine_settings(options.get("engine"))
+        except ValueError as exc:
+            raise ValueError(f"hf_cached: {exc}") from exc
+        if self.engine_settings and self.decode != "graphs":
+            raise ValueError("hf_cached: engine settings apply to decode graphs only")
 
         # how the graphs path adds the low-rank term (a conformance diagnostic; see _fused_linear)
         try:
@@ -84,7 +92,7 @@ class HFCachedBackend(HFBackendBase):
 
         compile_step = self.step_compile == "inductor" or (self.step_compile == "auto" and self.device.type == "cuda")
         self.engine = CompactQwen3(mirror, lora.rank, tuple(lora.target_modules), lora.alpha / lora.rank,
-                                   compile_step=compile_step, lora_add=self.lora_add)
+                                   compile_step=compile_step, lora_add=self.lora_add, settings=self.engine_settings)
         del mirror  # the engine keeps what it reads (fused copies, norms, embedding, float32 head)
         work = self.study.workload
         lengths = [bucket_length(p, r) for p in work.prompt_tokens for r in work.response_tokens]
