@@ -475,7 +475,8 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
     try:  # run_diagnostic checks the values before it starts anything
         check_variants(variants)
         report = run_diagnostic(study, cells, args.repetitions, stream_intervals=intervals,
-                                non_streamed=args.non_streamed, variants=variants)
+                                non_streamed=args.non_streamed, variants=variants,
+                                hf_cached_options=_backend_options(args.hf_cached_option))
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     write_json_atomic(out, report)
@@ -1124,6 +1125,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which sides run, each in its own process: managed, inprocess_adapter, "
                         "inprocess_no_adapter, hf_cached (this project's fast path, judged against "
                         "inprocess_no_adapter; default: the three vLLM sides)")
+    p.add_argument("--hf-cached-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="an option of the hf_cached side, e.g. engine='{\"LORA_SHRINK\": \"in_base_gemm\"}' "
+                        "(a candidate of issue 43)")
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
     p.set_defaults(func=cmd_vllm_diagnostic)

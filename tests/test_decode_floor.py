@@ -70,7 +70,11 @@ def test_hf_cached_runs_in_its_own_process_beside_the_engine_without_lora(smoke_
     monkeypatch.setattr(vllm_inprocess, "run_child", engine_child)
     report = vllm_inprocess.run_diagnostic(smoke_study, ["p16-r8-n1-greedy"], repetitions=2,
                                            variants=("hf_cached", "inprocess_no_adapter"),
-                                           backend_options={"cache_dir": str(tmp_path / "cache")})
+                                           backend_options={"cache_dir": str(tmp_path / "cache")},
+                                           hf_cached_options={"engine": {"PREFILL": "shared_prompts"}})
+    # the candidate reached the child's engine, and the file says which options the hf_cached side ran with
+    assert report["hf_cached"]["environment"]["prefill"] == "shared_prompts"
+    assert report["hf_cached_options"] == {"engine": {"PREFILL": "shared_prompts"}}
     assert started == [False], "only the engine without LoRA was started"
     assert report["variants"] == ["inprocess_no_adapter", "hf_cached"] and "managed" not in report
     (row,) = report["rows"]
@@ -99,15 +103,19 @@ def test_the_report_table_shows_only_the_sides_that_ran():
                    "floor ms/step (weights + LoRA + KV)": "0.276", "step / floor": "7.6"}
 
 
-@pytest.mark.parametrize("variants, message", [
-    ("hf_cached,sglang", "variants ['hf_cached', 'sglang']: unknown sglang; allowed: a comma-separated subset of "
-                         "managed, inprocess_adapter, inprocess_no_adapter, hf_cached"),
-    (",", "variants []: none given; allowed:"),
+@pytest.mark.parametrize("extra, message", [
+    (["--variants", "hf_cached,sglang"], "variants ['hf_cached', 'sglang']: unknown sglang; allowed: a "
+                                         "comma-separated subset of managed, inprocess_adapter, inprocess_no_adapter, "
+                                         "hf_cached"),
+    (["--variants", ","], "variants []: none given; allowed:"),
+    (["--variants", "hf_cached", "--hf-cached-option", 'engine={"LORA_SHRINK": "fused"}'],
+     "hf_cached: LORA_SHRINK 'fused' is not allowed; allowed: reductions, in_base_gemm"),
+    (["--hf-cached-option", "decode=eager"], "hf_cached_options: options of the hf_cached side; add hf_cached"),
 ])
-def test_bad_variants_are_refused_in_one_line_before_anything_runs(tmp_path, variants, message):
+def test_bad_variants_and_options_are_refused_in_one_line_before_anything_runs(tmp_path, extra, message):
     out = tmp_path / "diag.json"
     done = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "vllm-diagnostic", "--params",
-                           "params/profiles/smoke.yaml", "--cells", "p16-r8-n1-greedy", "--variants", variants,
+                           "params/profiles/smoke.yaml", "--cells", "p16-r8-n1-greedy", *extra,
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -129,17 +129,22 @@ def _hf_cached_columns(study: Preregistration, workload: Workload, cell_id: str,
 def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 3,
                    backend_options: dict[str, Any] | None = None,
                    stream_intervals: tuple[int, ...] = (1,), non_streamed: bool = False,
-                   variants: tuple[str, ...] = DEFAULT_VARIANTS) -> dict[str, Any]:
+                   variants: tuple[str, ...] = DEFAULT_VARIANTS,
+                   hf_cached_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """`stream_intervals`: the managed backend once per value (`stream_interval` option; 1 is the
     preregistered setting and the one the 5% goal is judged on). `non_streamed`: once more with
     `streaming: false` (one response per request, built once at the end as the in-process engine
     does), reported beside the preregistered setting, never instead of it. `variants`: which sides run
     (VARIANTS; `hf_cached` adds this project's fast path in its own process, judged against the
-    in-process engine without LoRA: issue 43's side-by-side)."""
+    in-process engine without LoRA: issue 43's side-by-side; `hf_cached_options` are its backend options,
+    e.g. {"engine": {...}} for a candidate, checked here before anything starts)."""
     if 1 not in stream_intervals or any(not isinstance(n, int) or n < 1 for n in stream_intervals):
         raise ValueError(f"stream_intervals {list(stream_intervals)!r}: integers >= 1, including 1 (the "
                          "preregistered setting)")
     variants = check_variants(tuple(variants))
+    if hf_cached_options and "hf_cached" not in variants:
+        raise ValueError("hf_cached_options: options of the hf_cached side; add hf_cached to the variants")
+    create_backend("hf_cached", study, **(hf_cached_options or {}))  # its options refused now, not in the child
     if non_streamed and "managed" not in variants:
         raise ValueError("non_streamed: a setting of the managed backend; add managed to the variants")
     workload = Workload(study)
@@ -163,7 +168,7 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
     if "inprocess_no_adapter" in variants:
         inprocess["no_adapter"] = run_child(managed.server_python, job)
     hf_cached = (run_backend_child({"params": str(Path(study.source_path).resolve()), "backend": "hf_cached",
-                                    "cells": cells, "repetitions": repetitions, "options": {}})
+                                    "cells": cells, "repetitions": repetitions, "options": hf_cached_options or {}})
                  if "hf_cached" in variants else None)
     by_interval = ({n: _measure_managed(study, workload, policy, cells, repetitions,
                                         options | {"stream_interval": n}) for n in sorted(set(stream_intervals))}
@@ -208,5 +213,6 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
             "policy_identity": policy.identity, **({"managed": by_interval[1]} if by_interval else {}),
             "managed_by_stream_interval": {str(n): v for n, v in by_interval.items() if n != 1},
             **({"managed_non_streamed": unstreamed} if unstreamed is not None else {}),
-            "inprocess": inprocess, **({"hf_cached": hf_cached} if hf_cached is not None else {}),
+            "inprocess": inprocess,
+            **({"hf_cached": hf_cached, "hf_cached_options": hf_cached_options or {}} if hf_cached is not None else {}),
             "rows": rows, "verdict": verdict}
