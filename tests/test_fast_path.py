@@ -744,3 +744,31 @@ def test_a_bad_engine_option_is_refused_before_anything_loads(smoke_study, optio
     with pytest.raises(ValueError) as caught:
         create_backend("hf_cached", smoke_study, device="cpu", **options)
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_one_piece_across_layers_is_the_same_step(smoke_study, snapshot_cache, outputs):
+    """Issue 43 candidate (STEP_PIECES "across_layers": a layer's MLP and residual with the next layer's norm,
+    projections and rotary in one compiled piece, so the residual add and the RMSNorm fuse). Uncompiled it is
+    the very same sequence of operations (identical results); compiled by inductor it is the same float32 math
+    in another order, compiled once for every layer boundary."""
+    from rollout_lib.backends import compact_qwen3
+
+    workload = Workload(smoke_study)
+    policy = outputs[("float32", "graphs")]["policy"]
+    results = {}
+    for mode in ("off", "inductor"):
+        torch._dynamo.reset()
+        backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile=mode,
+                                 cache_dir=snapshot_cache, engine={"STEP_PIECES": "across_layers"})
+        backend.cold_start()
+        backend.sync_policy(policy)
+        before = _compiled_entries(compact_qwen3.CompactQwen3._between_layers)
+        results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
+        assert backend.environment()["step_pieces"] == "across_layers"
+        if mode == "inductor":
+            assert _compiled_entries(compact_qwen3.CompactQwen3._between_layers) - before >= 1
+        backend.teardown()
+    for cell in CELLS:
+        default = outputs[("float32", "graphs")]["runs"][cell]
+        assert_same_results(results["off"][cell], default, tolerance=1e-12)
+        assert_same_results(results["inductor"][cell], default)

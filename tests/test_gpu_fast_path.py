@@ -141,12 +141,14 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
                                                        ("ATTENTION_BACKEND", "flex", "attention_backend"),
                                                        ("ATTENTION_BACKEND", "fa3", "attention_backend"),
                                                        ("PREFILL", "shared_prompts", "prefill"),
-                                                       ("PREFILL_STEP", "compiled_graph", "prefill_step")])
+                                                       ("PREFILL_STEP", "compiled_graph", "prefill_step"),
+                                                       ("STEP_PIECES", "across_layers", "step_pieces")])
 def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, setting, value, key):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
     as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention, vLLM's
     FlashAttention-3 decode kernel over the static cache, one prefill
-    per distinct prompt (n = 4 rows share it), the prefill compiled and captured. The compiled
+    per distinct prompt (n = 4 rows share it), the prefill compiled and captured, one compiled piece from each
+    layer's attention to the next. The compiled
     bf16 engine serves the synced policy and its greedy tokens stay those of the shrink-only engine but for
     near-ties."""
     import importlib.util

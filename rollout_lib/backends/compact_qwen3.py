@@ -265,6 +265,10 @@ class Layer:
 #   width) and captured with the first token's sampling as one CUDA graph per (rows, width, cache length)
 #   (`PrefillGraph`), its buffers from one memory pool shared by every prefill graph. The probe's
 #   `+prefillgraph`.
+# - STEP_PIECES "per_half_layer" (the default): two compiled pieces per layer, before and after attention;
+#   "across_layers" (issue 43 candidate: RMSNorm + residual in one kernel): layer i's part after attention
+#   and layer i+1's part before it are one piece (`_between_layers`), so inductor fuses the MLP's residual
+#   add with the next input norm (27 boundaries fewer per step). The probe's `+acrosslayers`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -280,6 +284,8 @@ PREFILL = "per_row"
 PREFILL_ALLOWED = ("per_row", "shared_prompts")
 PREFILL_STEP = "eager"
 PREFILL_STEP_ALLOWED = ("eager", "compiled_graph")
+STEP_PIECES = "per_half_layer"
+STEP_PIECES_ALLOWED = ("per_half_layer", "across_layers")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -293,7 +299,7 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
 # conformance without editing this module); each falls back to the module's value above
 ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAND_ALLOWED,
                    "ATTENTION_BACKEND": ATTENTION_BACKEND_ALLOWED, "PREFILL": PREFILL_ALLOWED,
-                   "PREFILL_STEP": PREFILL_STEP_ALLOWED}
+                   "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -425,6 +431,7 @@ class CompactQwen3:
             _check_fa3(self.device, self.dtype)
         self.prefill = setting("PREFILL")
         self.prefill_step = setting("PREFILL_STEP")
+        self.step_pieces = setting("STEP_PIECES")
         if self.prefill == "shared_prompts" and self.prefill_step == "compiled_graph":
             raise ValueError("PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built (a graph per "
                              "distinct-prompt count); allowed: one of them at a time")
@@ -473,6 +480,8 @@ class CompactQwen3:
                     torch._dynamo.mark_static(tensor)
         self.before_attention = compile(self._before_attention) if self.compiled else None
         self.after_attention = compile(self._after_attention) if self.compiled else None
+        self.between_layers = (compile(self._between_layers) if self.compiled and self.step_pieces == "across_layers"
+                               else None)
         self.sample = compile(counter_noise.sample) if self.compiled else counter_noise.sample
 
     def mark_rows(self, *tensors: torch.Tensor | None) -> None:
@@ -725,6 +734,17 @@ class CompactQwen3:
         return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add,
                                  expand_as_gemm=gemm)
 
+    def _between_layers(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor, o: tuple,
+                        gate_up: tuple, down: tuple, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
+                        q_norm: torch.Tensor, k_norm: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None,
+                        lora_b: torch.Tensor | None, fused: bool = False, cache_k: torch.Tensor | None = None,
+                        cache_v: torch.Tensor | None = None, write: torch.Tensor | None = None):
+        """STEP_PIECES "across_layers": one layer's part after attention and the next layer's part before it,
+        as one piece: (h, q, k, v) of the next layer (k, v None when written into the caches here)."""
+        h = self._after_attention(h, attn, post_norm, o, gate_up, down, fused)
+        return (h, *self._before_attention(h, cos, sin, input_norm, q_norm, k_norm, weight, lora_a, lora_b, fused,
+                                           cache_k, cache_v, write))
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
                 mask: torch.Tensor, keep: int = 1, compiled: bool = False,
                 pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -737,6 +757,8 @@ class CompactQwen3:
 
         before, after = ((self.before_attention, self.after_attention) if compiled
                          else (self._before_attention, self._after_attention))
+        between = (self.between_layers if compiled else self._between_layers) \
+            if self.step_pieces == "across_layers" else None
         h = torch.nn.functional.embedding(tokens, self.embed)
         cos, sin = self._rope(positions)
         # the boolean mask once per forward as an additive bias, repeated for the grouped query rows
@@ -753,13 +775,20 @@ class CompactQwen3:
             mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
         scale = 1.0 / math.sqrt(self.head_dim)
         inside = compiled and self.cache_write == "inside"
-        for index, layer in enumerate(self.layers):
+
+        def cache_args(index: int) -> dict[str, torch.Tensor]:
             # CACHE_WRITE "inside": the compiled piece writes k/v; otherwise index_copy_ between the pieces
-            write_inside = {"cache_k": cache.k[index], "cache_v": cache.v[index], "write": write} if inside else {}
-            if compiled:
-                self.mark_rows(h, cos, sin, write_inside.get("cache_k"), write_inside.get("cache_v"))
-            q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
-                             fused=compiled, **write_inside)
+            return {"cache_k": cache.k[index], "cache_v": cache.v[index], "write": write} if inside else {}
+
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            if index == 0 or between is None:
+                write_inside = cache_args(index)
+                if compiled:
+                    self.mark_rows(h, cos, sin, write_inside.get("cache_k"), write_inside.get("cache_v"))
+                q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
+                                 fused=compiled, **write_inside)
+            # else: q, k, v come from the previous layer's `between` piece
             if not inside:
                 cache.k[index].index_copy_(2, write, k)
                 cache.v[index].index_copy_(2, write, v)
@@ -775,6 +804,15 @@ class CompactQwen3:
                                                                             attn_mask=mask, scale=scale)
             if compiled:
                 self.mark_rows(h, attn)
+            if between is not None and index < last:
+                following = self.layers[index + 1]
+                write_inside = cache_args(index + 1)
+                if compiled:
+                    self.mark_rows(write_inside.get("cache_k"), write_inside.get("cache_v"))
+                h, q, k, v = between(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"),
+                                     layer.tensors("down"), cos, sin, following.input_norm, following.q_norm,
+                                     following.k_norm, *following.tensors("qkv"), fused=compiled, **write_inside)
+                continue
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),
                       fused=compiled)
         h = _rms(h[:, -keep:, :], self.final_norm, self.eps)
