@@ -125,11 +125,12 @@ def _raw_records(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _backend_dir(output_dir: Path, campaign: str, backend: str) -> Path:
+def backend_dir_of(output_dir: Path, campaign: str, backend: str) -> Path:
+    """Where one backend's raw files of a campaign live: <output-dir>/raw/<campaign>/<backend>."""
     return Path(output_dir) / "raw" / campaign / backend
 
 
-def _backend_raw_files(backend_dir: Path) -> list[list[dict[str, Any]]]:
+def backend_raw_files(backend_dir: Path) -> list[list[dict[str, Any]]]:
     """The records of each readable, non-empty raw file of one backend, in name (run id) order."""
     return [records for records in map(_raw_records, sorted(backend_dir.glob("*.jsonl"))) if records]
 
@@ -278,8 +279,8 @@ def make_plan(study: Preregistration, campaign: str, backend: str, output_dir: P
     `identity` (`own_identity`: sha256, key and where it came from); without one the newest raw
     file's stands in for it (the worker decides exactly at run time). `lease_s`: see `schedule.plan`."""
     todo = cells if cells is not None else campaign_cells(study, campaign, output_dir)[backend]["to_measure"]
-    backend_dir = _backend_dir(output_dir, campaign, backend)
-    files = _backend_raw_files(backend_dir)
+    backend_dir = backend_dir_of(output_dir, campaign, backend)
+    files = backend_raw_files(backend_dir)
     headers = [records[0] for records in files]
     if identity is None or not identity.get("sha256"):
         newest = headers[-1] if headers else {}
@@ -323,7 +324,7 @@ def identity_of_raw_files(output_dir: Path, campaign: str, backend: str, prefix:
     """The measurement identity (`own_identity`'s shape) of this backend's raw files whose SHA-256 begins with
     `prefix`: `campaign plan --as-identity` costs continuations as a worker with it would (a machine that
     cannot have it, a CPU, can still plan a lease). ValueError naming the identities found otherwise."""
-    found = _identities([records[0] for records in _backend_raw_files(_backend_dir(output_dir, campaign, backend))])
+    found = _identities([records[0] for records in backend_raw_files(backend_dir_of(output_dir, campaign, backend))])
     matching = [sha for sha in found if sha.startswith(prefix)]
     if len(matching) != 1:
         known = ", ".join(sha[:10] for sha in sorted(found)) or "none"
@@ -395,8 +396,8 @@ def waiting_repetitions(output_dir: Path, campaign: str, backend: str,
                         todo: list[str]) -> dict[str, list[tuple[str, int]]]:
     """Per to-do cell, the measured repetitions its cut segments hold, per measurement identity (SHA-256,
     count): what a worker under that identity continues instead of measuring again."""
-    backend_dir = _backend_dir(output_dir, campaign, backend)
-    headers = [records[0] for records in _backend_raw_files(backend_dir)]
+    backend_dir = backend_dir_of(output_dir, campaign, backend)
+    headers = [records[0] for records in backend_raw_files(backend_dir)]
     out: dict[str, list[tuple[str, int]]] = {}
     for identity_sha256, cell_id, count in _cut_segments(backend_dir, sorted(_identities(headers)), todo):
         out.setdefault(cell_id, []).append((identity_sha256, count))
@@ -589,7 +590,7 @@ def _run_workers(runner: Any, the_plan: Plan, calibration: dict[str, Any], study
 
     def launch(slot: int, run_id: str, cells: list[str], replaces: str | None = None) -> None:
         log = folder / "logs" / f"{backend}-{run_id}.log"
-        raw_file = str(_backend_dir(output_dir, campaign, backend) / f"{run_id}.jsonl")
+        raw_file = str(backend_dir_of(output_dir, campaign, backend) / f"{run_id}.jsonl")
         command = _worker_command(study_path, campaign, backend, output_dir, run_id, cells, deadline_unix,
                                   {c: estimates[c] for c in cells}, "", {c: warmup_estimates[c] for c in cells})
         job = WorkerJob(slot=slot, run_id=run_id, cells=cells, command=command, raw_file=raw_file, log=str(log),
@@ -804,7 +805,7 @@ def _worker_raw_file(worker: dict[str, Any], output_dir: Path, campaign: str, ba
     written = Path(worker["raw_file"])
     if written.exists():
         return written
-    return _backend_dir(output_dir, campaign, backend) / written.name
+    return backend_dir_of(output_dir, campaign, backend) / written.name
 
 
 def _count_words(words: Iterable[str]) -> str:

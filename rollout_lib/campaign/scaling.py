@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.campaign.driver import _backend_dir, _backend_raw_files, estimate_costs
+from rollout_lib.campaign.driver import backend_dir_of, backend_raw_files, estimate_costs
 from rollout_lib.campaign.schedule import COLD_START_S, DEFAULT_COLD_START_S, plan
 from rollout_lib.study.prereg import BACKEND_NAMES, Preregistration
 from rollout_lib.study.workload import Workload
@@ -64,7 +64,7 @@ def measured_cold_start(files: list[list[dict[str, Any]]], backend: str) -> tupl
 
 def raw_files_by_backend(output_dir: Path, campaign: str) -> dict[str, list[list[dict[str, Any]]]]:
     """The records of each readable raw file of the campaign, per backend (the campaign driver's reader)."""
-    return {b: _backend_raw_files(_backend_dir(Path(output_dir), campaign, b)) for b in BACKEND_NAMES}
+    return {b: backend_raw_files(backend_dir_of(Path(output_dir), campaign, b)) for b in BACKEND_NAMES}
 
 
 def backend_scaling(study: Preregistration, backend: str, files: list[list[dict[str, Any]]],
