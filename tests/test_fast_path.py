@@ -632,8 +632,8 @@ def test_the_compiled_prefill_gives_the_eager_prefills_tokens(smoke_study, snaps
     # the prefill really ran through the compiled pieces: one more compilation per prompt width at most (this
     # torch specializes the two widths here: 2)
     assert 1 <= compilations["compiled_graph"] - compilations["eager"] <= 2, compilations
-    assert prefills["eager"] == [] and [(rows, width) for rows, width, _ in prefills["compiled_graph"]] == [
-        (8, 16), (8, 48)]
+    assert prefills["eager"] == [] and [(rows, width, distinct) for rows, width, _, distinct
+                                        in prefills["compiled_graph"]] == [(8, 16, None), (8, 48, None)]
     for cell in cells:
         assert_same_results(results["compiled_graph"][cell], results["eager"][cell])
 
@@ -691,8 +691,6 @@ def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smok
 @pytest.mark.parametrize(("settings", "dtype", "message"), [
     ({"LORA_SHRINK": "in_base_gemm"}, "float32",
      r"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not torch\.float32"),
-    ({"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"}, "float32",
-     "PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built"),
     ({"ATTENTION_BACKEND": "fa3"}, "bfloat16", r"ATTENTION_BACKEND fa3 needs a bf16 engine on a Hopper GPU .*cpu"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
@@ -772,3 +770,30 @@ def test_one_piece_across_layers_is_the_same_step(smoke_study, snapshot_cache, o
         default = outputs[("float32", "graphs")]["runs"][cell]
         assert_same_results(results["off"][cell], default, tolerance=1e-12)
         assert_same_results(results["inductor"][cell], default)
+
+
+def test_shared_prompts_in_the_compiled_prefill_graph(smoke_study, snapshot_cache, outputs):
+    """Both prefill candidates together: the compiled prefill runs on the distinct prompts only and copies their
+    k/v and logits to every row inside the same function (the captured graph on CUDA), each row's spread given
+    per call, so a shuffled batch reuses the graph. Float32: the default engine's tokens and log-probabilities."""
+    workload = Workload(smoke_study)
+    expected = outputs[("float32", "graphs")]
+    torch._dynamo.reset()
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile="inductor",
+                             cache_dir=snapshot_cache,
+                             engine={"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"})
+    backend.cold_start()
+    try:
+        backend.sync_policy(expected["policy"])
+        for cell in CELLS:
+            requests = workload.requests(workload.cell(cell))
+            assert_same_results(backend.generate(requests).results, expected["runs"][cell])
+            shuffled = requests[1::2] + requests[0::2]
+            results = backend.generate(shuffled).results
+            assert_same_results(results, [next(r for r in expected["runs"][cell] if r.request_id == q.request_id)
+                                          for q in results])
+        rows = len(workload.requests(workload.cell(CELLS[0])))
+        assert sorted((r, w, d) for r, w, _, d in backend.buckets.prefills) == [(rows, 16, rows // 2),
+                                                                                 (rows, 48, rows // 2)]
+    finally:
+        backend.teardown()

@@ -136,37 +136,38 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
         backend.teardown()
 
 
-@pytest.mark.parametrize(("setting", "value", "key"), [("LORA_EXPAND", "gemm", "lora_expand"),
-                                                       ("ATTENTION_BACKEND", "efficient", "attention_backend"),
-                                                       ("ATTENTION_BACKEND", "flex", "attention_backend"),
-                                                       ("ATTENTION_BACKEND", "fa3", "attention_backend"),
-                                                       ("PREFILL", "shared_prompts", "prefill"),
-                                                       ("PREFILL_STEP", "compiled_graph", "prefill_step"),
-                                                       ("STEP_PIECES", "across_layers", "step_pieces")])
-def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, setting, value, key):
+@pytest.mark.parametrize("settings", [{"LORA_EXPAND": "gemm"}, {"ATTENTION_BACKEND": "efficient"},
+                                      {"ATTENTION_BACKEND": "flex"}, {"ATTENTION_BACKEND": "fa3"},
+                                      {"PREFILL": "shared_prompts"}, {"PREFILL_STEP": "compiled_graph"},
+                                      {"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"},
+                                      {"STEP_PIECES": "across_layers"}])
+def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, settings):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
     as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention, vLLM's
-    FlashAttention-3 decode kernel over the static cache, one prefill
-    per distinct prompt (n = 4 rows share it), the prefill compiled and captured, one compiled piece from each
-    layer's attention to the next. The compiled
-    bf16 engine serves the synced policy and its greedy tokens stay those of the shrink-only engine but for
-    near-ties."""
+    FlashAttention-3 decode kernel over the static cache, one prefill per distinct prompt (n = 4 rows share
+    it), the prefill compiled and captured (with the shared prompts too), one compiled piece from each layer's
+    attention to the next. The compiled bf16 engine serves the synced policy and its greedy tokens stay those
+    of the shrink-only engine but for near-ties."""
     import importlib.util
 
     from rollout_lib.backends import compact_qwen3
 
-    if value == "fa3" and importlib.util.find_spec("vllm") is None:
+    if settings.get("ATTENTION_BACKEND") == "fa3" and importlib.util.find_spec("vllm") is None:
         pytest.skip("ATTENTION_BACKEND fa3 reads vLLM's FlashAttention-3 kernels: vLLM is not installed here")
     cells = ["p128-r64-n4-greedy"]
     monkeypatch.setattr(compact_qwen3, "LORA_SHRINK", "in_base_gemm")
     reference, _, expected = _run(study, "graphs", "bfloat16", cells)
     reference.teardown()
-    monkeypatch.setattr(compact_qwen3, setting, value)
+    for name, value in settings.items():
+        monkeypatch.setattr(compact_qwen3, name, value)
     backend, policies, got = _run(study, "graphs", "bfloat16", cells, versions=2)
     try:
-        assert backend.environment()[key] == value
-        if key == "prefill_step":  # the prefill replayed a captured graph
-            assert backend.buckets.prefills and all(p.graph is not None for p in backend.buckets.prefills.values())
+        env = backend.environment()
+        assert all(env[name.lower()] == value for name, value in settings.items()), env
+        if "PREFILL_STEP" in settings:  # the prefill replayed a captured graph (of the 4 distinct prompts, if shared)
+            graphs = backend.buckets.prefills
+            assert graphs and all(p.graph is not None for p in graphs.values())
+            assert {key[3] for key in graphs} == ({4} if "PREFILL" in settings else {None})
         assert backend.sync_policy(policies[1]) == policies[1].identity
         same = sum(a.token_ids == b.token_ids for a, b in zip(expected[cells[0]], got[cells[0]], strict=True))
         assert same >= len(got[cells[0]]) - 4, f"{same} of {len(got[cells[0]])} greedy requests identical"

@@ -264,7 +264,8 @@ class Layer:
 #   candidate): through the decode step's inductor pieces (one more compilation, dynamic in the prompt
 #   width) and captured with the first token's sampling as one CUDA graph per (rows, width, cache length)
 #   (`PrefillGraph`), its buffers from one memory pool shared by every prefill graph. The probe's
-#   `+prefillgraph`.
+#   `+prefillgraph`. With PREFILL "shared_prompts" too, the graph prefills the distinct prompts only and copies
+#   their k/v and logits to the rows inside the graph (one graph per distinct-prompt count).
 # - STEP_PIECES "per_half_layer" (the default): two compiled pieces per layer, before and after attention;
 #   "across_layers" (issue 43 candidate: RMSNorm + residual in one kernel): layer i's part after attention
 #   and layer i+1's part before it are one piece (`_between_layers`), so inductor fuses the MLP's residual
@@ -432,9 +433,6 @@ class CompactQwen3:
         self.prefill = setting("PREFILL")
         self.prefill_step = setting("PREFILL_STEP")
         self.step_pieces = setting("STEP_PIECES")
-        if self.prefill == "shared_prompts" and self.prefill_step == "compiled_graph":
-            raise ValueError("PREFILL shared_prompts with PREFILL_STEP compiled_graph: not built (a graph per "
-                             "distinct-prompt count); allowed: one of them at a time")
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -875,6 +873,16 @@ class StaticCache:
         """The first `length` columns (shared storage: one cache per row count serves every length)."""
         return StaticCache([t[:, :, :length] for t in self.k], [t[:, :, :length] for t in self.v])
 
+    def rows(self, count: int) -> StaticCache:
+        """The first `count` rows (shared storage): where PREFILL "shared_prompts" prefills each distinct prompt."""
+        return StaticCache([t[:count] for t in self.k], [t[:count] for t in self.v])
+
+    def spread_rows(self, count: int, width: int, spread: torch.Tensor) -> None:
+        """Row r's first `width` columns become those of row spread[r] (< count) in every layer; index_select
+        copies first, so a source row may itself be overwritten."""
+        for layer in self.k + self.v:
+            layer[:, :, :width].copy_(layer[:count, :, :width].index_select(0, spread))
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -983,12 +991,18 @@ def prefill_step(engine: CompactQwen3, ids: torch.Tensor, pad: torch.Tensor, see
     """The prompt's forward over left-padded `ids` [B, W] and the first token's sampling: positions and mask
     from the per-row padding as `generate_static`'s eager prefill builds them. A pure function of its
     tensors (what `PrefillGraph` captures)."""
+    logits = prefill_logits(engine, ids, pad, columns, key_columns, cache)
+    return counter_noise.sample(logits, seeds, step, inv_temperature, greedy)
+
+
+def prefill_logits(engine: CompactQwen3, ids: torch.Tensor, pad: torch.Tensor, columns: torch.Tensor,
+                   key_columns: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+    """The prompt's forward (the last position's logits [B, V]), writing its k/v into `cache`."""
     positions = (columns[None, :] - pad[:, None]).clamp(min=0)
     valid = ((key_columns[None, None, :] <= columns[None, :, None])
              & (key_columns[None, None, :] >= pad[:, None, None]))
     valid = valid | (key_columns[None, None, :] == columns[None, :, None])
-    logits = engine.forward(ids, positions, cache, columns, valid[:, None], compiled=engine.compiled)
-    return counter_noise.sample(logits, seeds, step, inv_temperature, greedy)
+    return engine.forward(ids, positions, cache, columns, valid[:, None], compiled=engine.compiled)
 
 
 class PrefillGraph:
@@ -996,14 +1010,21 @@ class PrefillGraph:
     with the first token's sampling, as one captured CUDA graph (eager on a CPU: the same function).
 
     Reads the bucket's per-row buffers (`pad`, `seeds`, `inv_temperature`, `greedy`) and its own `ids`
-    [B, W]; leaves the first tokens and their log-probabilities in `out` [2, B] (float64)."""
+    [B, W]; leaves the first tokens and their log-probabilities in `out` [2, B] (float64). With `distinct`
+    (< rows; PREFILL "shared_prompts" too): `ids` and `pad` hold the distinct prompts [D, W], [D], prefilled
+    into the cache's first D rows, and `spread` [B] says which one each row is: its k/v columns and logits
+    are copied to the rows inside the graph."""
 
-    def __init__(self, bucket: DecodeBucket, width: int, pool: Any):
+    def __init__(self, bucket: DecodeBucket, width: int, pool: Any, distinct: int | None = None):
         import torch
 
         self.bucket, self.width = bucket, width
         device = bucket.engine.device
-        self.ids = torch.zeros(bucket.rows, width, dtype=torch.long, device=device)
+        shared = distinct is not None and distinct < bucket.rows
+        self.distinct = distinct if shared else None
+        self.ids = torch.zeros(distinct if shared else bucket.rows, width, dtype=torch.long, device=device)
+        self.pad = torch.zeros(distinct, dtype=torch.long, device=device) if shared else None
+        self.spread = torch.zeros(bucket.rows, dtype=torch.long, device=device) if shared else None
         self.columns = torch.arange(width, dtype=torch.long, device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)  # the first token is noise step 0
         self.out = torch.zeros(2, bucket.rows, dtype=torch.float64, device=device)
@@ -1016,8 +1037,14 @@ class PrefillGraph:
         import torch
 
         b = self.bucket
-        tokens, logprobs = prefill_step(b.engine, self.ids, b.pad, b.seeds, self.step, b.inv_temperature, b.greedy,
-                                        self.columns, b.columns, b.cache)
+        if self.distinct is None:
+            tokens, logprobs = prefill_step(b.engine, self.ids, b.pad, b.seeds, self.step, b.inv_temperature,
+                                            b.greedy, self.columns, b.columns, b.cache)
+        else:
+            logits = prefill_logits(b.engine, self.ids, self.pad, self.columns, b.columns, b.cache.rows(self.distinct))
+            b.cache.spread_rows(self.distinct, self.width, self.spread)
+            tokens, logprobs = counter_noise.sample(logits.index_select(0, self.spread), b.seeds, self.step,
+                                                    b.inv_temperature, b.greedy)
         self.out.copy_(torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))))
 
     def _capture(self, pool: Any) -> None:
@@ -1040,12 +1067,17 @@ class PrefillGraph:
         self.graph = graph
         self.capture_s = time.perf_counter() - started
 
-    def run(self, ids: torch.Tensor) -> torch.Tensor:
-        """Prefill `ids` [B, W] (the bucket's per-row buffers already set); the first tokens and their
+    def run(self, ids: torch.Tensor, pad: torch.Tensor | None = None,
+            spread: torch.Tensor | None = None) -> torch.Tensor:
+        """Prefill `ids` [B, W] (the bucket's per-row buffers already set), or with `distinct` the distinct
+        prompts' `ids` [D, W], their `pad` [D] and each row's `spread` [B]; the first tokens and their
         log-probabilities [2, B] on the device."""
         import torch
 
         self.ids.copy_(ids)
+        if self.distinct is not None:
+            self.pad.copy_(pad)
+            self.spread.copy_(spread)
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -1059,7 +1091,7 @@ class BucketSet:
 
     def __init__(self, engine: CompactQwen3, max_length: int, use_graphs: bool):
         self.engine, self.max_length, self.use_graphs = engine, max_length, use_graphs
-        self.prefills: dict[tuple[int, int, int], PrefillGraph] = {}  # PREFILL_STEP "compiled_graph"
+        self.prefills: dict[tuple, PrefillGraph] = {}  # PREFILL_STEP "compiled_graph": (rows, width, length, distinct)
         self._prefill_pool = None
         self.caches: dict[int, StaticCache] = {}
         self.buckets: dict[tuple[int, int], DecodeBucket] = {}
@@ -1074,16 +1106,18 @@ class BucketSet:
             self.buckets[key] = DecodeBucket(self.engine, self.caches[rows], length, self.use_graphs)
         return self.buckets[key]
 
-    def prefill(self, bucket: DecodeBucket, width: int) -> PrefillGraph:
-        """The prefill graph of `bucket` for prompts `width` wide, captured on first use (one memory pool for
-        all of them: they replay one at a time on one stream, and each one's outputs stay allocated)."""
-        key = (bucket.rows, width, bucket.length)
+    def prefill(self, bucket: DecodeBucket, width: int, distinct: int | None = None) -> PrefillGraph:
+        """The prefill graph of `bucket` for prompts `width` wide (of `distinct` distinct prompts, if fewer than
+        the rows), captured on first use (one memory pool for all of them: they replay one at a time on one
+        stream, and each one's outputs stay allocated)."""
+        distinct = distinct if distinct is not None and distinct < bucket.rows else None
+        key = (bucket.rows, width, bucket.length, distinct)
         if key not in self.prefills:
             if bucket.graph is not None and self._prefill_pool is None:
                 import torch
 
                 self._prefill_pool = torch.cuda.graph_pool_handle()
-            self.prefills[key] = PrefillGraph(bucket, width, self._prefill_pool)
+            self.prefills[key] = PrefillGraph(bucket, width, self._prefill_pool, distinct)
         return self.prefills[key]
 
     @property
@@ -1109,21 +1143,23 @@ def _prefill_shared(engine: CompactQwen3, cache: StaticCache, ids: torch.Tensor,
     columns copied to every row of that prompt and its last-position logits gathered per row."""
     import torch
 
-    first: dict[tuple, int] = {}
-    source = [first.setdefault(tuple(p), len(first)) for p in prompts]  # row -> index of its distinct prompt
-    if len(first) == len(prompts):
+    pick, spread = distinct_prompts(prompts)
+    if len(pick) == len(prompts):
         return engine.forward(ids, positions, cache, columns, mask)
     device = ids.device
-    pick = torch.tensor([source.index(u) for u in range(len(first))], device=device)  # each one's first row
-    spread = torch.tensor(source, device=device)
-    distinct = len(first)
-    head = StaticCache([t[:distinct] for t in cache.k], [t[:distinct] for t in cache.v])
-    logits = engine.forward(ids.index_select(0, pick), positions.index_select(0, pick), head, columns,
-                            mask.index_select(0, pick))
-    width = ids.shape[1]
-    for layer in cache.k + cache.v:  # index_select copies first, so a row may be read and then overwritten
-        layer[:, :, :width].copy_(layer[:distinct, :, :width].index_select(0, spread))
+    pick, spread = torch.tensor(pick, device=device), torch.tensor(spread, device=device)
+    logits = engine.forward(ids.index_select(0, pick), positions.index_select(0, pick), cache.rows(len(pick)),
+                            columns, mask.index_select(0, pick))
+    cache.spread_rows(len(pick), ids.shape[1], spread)
     return logits.index_select(0, spread)
+
+
+def distinct_prompts(prompts: list) -> tuple[list[int], list[int]]:
+    """PREFILL "shared_prompts": the first row of each distinct prompt (in order of first appearance) and, per
+    row, the index of its distinct prompt."""
+    first: dict[tuple, int] = {}
+    spread = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    return [spread.index(u) for u in range(len(first))], spread
 
 
 def _prefill_eager(engine: CompactQwen3, bucket: DecodeBucket, ids: torch.Tensor,
@@ -1164,7 +1200,10 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
     width = max(len(r.prompt_token_ids) for r in requests)
     longest = max(r.max_new_tokens for r in requests)
     bucket = buckets.get(rows, bucket_length(width, longest))
-    prefill_graph = buckets.prefill(bucket, width) if engine.prefill_step == "compiled_graph" else None
+    pick, spread = (distinct_prompts([r.prompt_token_ids for r in requests]) if engine.prefill == "shared_prompts"
+                    else (list(range(rows)), list(range(rows))))
+    prefill_graph = (buckets.prefill(bucket, width, len(pick)) if engine.prefill_step == "compiled_graph"
+                     else None)
     device = engine.device
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     pad = torch.empty(rows, dtype=torch.long)
@@ -1181,7 +1220,12 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
         synchronize(device)
         start = time.perf_counter()
         ids = ids.to(device)
-        if prefill_graph is not None:
+        if prefill_graph is not None and prefill_graph.distinct is not None:
+            rows_of = torch.tensor(pick, device=device)
+            tokens, logprobs = prefill_graph.run(ids.index_select(0, rows_of), bucket.pad.index_select(0, rows_of),
+                                                 torch.tensor(spread, device=device))
+            tokens = tokens.long()
+        elif prefill_graph is not None:
             tokens, logprobs = prefill_graph.run(ids)
             tokens = tokens.long()
         else:
