@@ -31,6 +31,10 @@ def main() -> int:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     cold_start_s = time.perf_counter() - started
+    try:  # on by default for generative models: a repeated prompt (the warm-up's) skips its prefill
+        prefix_caching = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+    except AttributeError:
+        prefix_caching = "not_measured"
     cells = {}
     for cell_id, requests in job["cells"].items():
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
@@ -49,7 +53,8 @@ def main() -> int:
         median = walls[len(walls) // 2]
         cells[cell_id] = {"wall_s": walls, "median_wall_s": median, "generated_tokens": tokens,
                           "tokens_per_s": tokens / median}
-    print(json.dumps({"cold_start_s": cold_start_s, "cells": cells, "adapter": bool(lora_request)}))
+    print(json.dumps({"cold_start_s": cold_start_s, "cells": cells, "adapter": bool(lora_request),
+                      "prefix_caching": prefix_caching}))
     return 0
 
 
