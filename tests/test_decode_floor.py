@@ -186,5 +186,10 @@ def test_the_report_reads_the_calculators_repetitions_and_puts_each_step_beside_
     header["environment"]["gpu"] = {"status": "not_applicable"}
     floor = summary.decode_floor(aggregate, inputs, prereg_study)
     assert floor["by_rows"][4]["median_over_floor"] == "not_applicable"
-    assert "no bandwidth figure for this GPU" in summary.decode_floor_sentence(floor)
+    sentence = summary.decode_floor_sentence(floor)
+    assert sentence.startswith("hf_cached decode step: 2.30 ms at 4 rows (median of 1 cells), 3.00 ms at 16 rows")
+    assert sentence.endswith("No bandwidth floor: measured without a GPU.")
+    header["environment"]["gpu"] = {"status": "measured", "name": "NVIDIA B200"}
+    assert summary.decode_floor_sentence(summary.decode_floor(aggregate, inputs, prereg_study)).endswith(
+        "No bandwidth floor: no nominal HBM figure for NVIDIA B200.")
     assert set(summary.decode_floor_table(floor)["step / floor"]) == {"not_applicable"}

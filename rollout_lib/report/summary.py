@@ -17,6 +17,7 @@ from rollout_lib.safe_read import read_json
 from rollout_lib.study.prereg import Preregistration
 
 GIB = 2**30
+NO_GPU = "no GPU"  # a raw file whose environment names no GPU (a CPU run)
 BACKEND_ORDER = ("hf_reference", "hf_cached", "vllm")
 
 
@@ -287,7 +288,7 @@ def decode_floor(aggregate: dict[str, Any], inputs: dict[str, Any], study: Prere
     for raw in inputs["raw_files"]:
         if raw["backend"] != backend or not raw["records"]:
             continue
-        gpu = (raw["records"][0].get("environment", {}).get("gpu", {}) or {}).get("name", "not_measured")
+        gpu = (raw["records"][0].get("environment", {}).get("gpu", {}) or {}).get("name") or NO_GPU
         for record in raw["records"]:
             phase = (record.get("phases") or {}).get("decode_s") or {}
             if (record.get("record") == "repetition" and not record.get("warmup") and record.get("decode_steps")
@@ -329,16 +330,24 @@ def decode_floor_table(floor: dict[str, Any]):
 
 
 def decode_floor_sentence(floor: dict[str, Any]) -> str:
-    """One line: the median step per row count and its distance to the floor."""
-    parts = []
+    """One line: the median step per row count and, where the GPU has a bandwidth figure, its distance to the
+    floor."""
+    parts, floors = [], False
     for count, entry in floor["by_rows"].items():
         over = entry["median_over_floor"]
+        floors = floors or isinstance(over, float)
         parts.append(f"{1000 * entry['median_step_s']:.2f} ms at {count} rows (median of {entry['cells']} cells"
-                     + (f"; {over:.1f}x the bandwidth floor)" if isinstance(over, float) else
-                        "; no bandwidth figure for this GPU)"))
-    return (f"{floor['backend']} decode step: " + ", ".join(parts) + ". The floor reads the bf16 weights, the "
-            "float32 LoRA tensors and each row's filled KV cache once at the GPU's nominal HBM bandwidth; the "
-            "gap is kernel launches and kernels below bandwidth (docs/perf-notes.md).") if parts else ""
+                     + (f"; {over:.1f}x the bandwidth floor)" if isinstance(over, float) else ")"))
+    if not parts:
+        return ""
+    said = f"{floor['backend']} decode step: " + ", ".join(parts) + "."
+    if not floors:
+        gpus = sorted({r["floor"]["gpu"] for r in floor["cells"]} - {NO_GPU})
+        return said + (f" No bandwidth floor: no nominal HBM figure for {', '.join(gpus)}." if gpus
+                       else " No bandwidth floor: measured without a GPU.")
+    return said + (" The floor reads the bf16 weights, the float32 LoRA tensors and each row's filled KV cache "
+                   "once at the GPU's nominal HBM bandwidth; the gap is kernel launches and kernels below "
+                   "bandwidth (docs/perf-notes.md).")
 
 
 def cold_start_table(aggregate: dict[str, Any], inputs: dict[str, Any]):
