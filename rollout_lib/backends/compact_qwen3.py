@@ -270,6 +270,10 @@ class Layer:
 #   "across_layers" (issue 43 candidate: RMSNorm + residual in one kernel): layer i's part after attention
 #   and layer i+1's part before it are one piece (`_between_layers`), so inductor fuses the MLP's residual
 #   add with the next input norm (27 boundaries fewer per step). The probe's `+acrosslayers`.
+# - SAMPLER "row" (the default): the decode step's sampler reduces each row's 151,936 logits in one program (a
+#   compiled step: 4-16 programs, ~85 us per step on the H200, lease 23's traces); "chunked" (issue 43
+#   candidate): the same noise and formulas with every vocabulary reduction split into up to 128 chunks
+#   (`counter_noise.sample_chunked`). The probe's `+chunkedsampler`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -287,6 +291,8 @@ PREFILL_STEP = "eager"
 PREFILL_STEP_ALLOWED = ("eager", "compiled_graph")
 STEP_PIECES = "per_half_layer"
 STEP_PIECES_ALLOWED = ("per_half_layer", "across_layers")
+SAMPLER = "row"
+SAMPLER_ALLOWED = ("row", "chunked")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -300,7 +306,8 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
 # conformance without editing this module); each falls back to the module's value above
 ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAND_ALLOWED,
                    "ATTENTION_BACKEND": ATTENTION_BACKEND_ALLOWED, "PREFILL": PREFILL_ALLOWED,
-                   "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED}
+                   "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED,
+                   "SAMPLER": SAMPLER_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -433,6 +440,7 @@ class CompactQwen3:
         self.prefill = setting("PREFILL")
         self.prefill_step = setting("PREFILL_STEP")
         self.step_pieces = setting("STEP_PIECES")
+        self.sampler_reduction = setting("SAMPLER")
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -480,7 +488,9 @@ class CompactQwen3:
         self.after_attention = compile(self._after_attention) if self.compiled else None
         self.between_layers = (compile(self._between_layers) if self.compiled and self.step_pieces == "across_layers"
                                else None)
-        self.sample = compile(counter_noise.sample) if self.compiled else counter_noise.sample
+        sample = (counter_noise.sample if self.sampler_reduction == "row" else
+                  functools.partial(counter_noise.sample_chunked, chunks=counter_noise.vocabulary_chunks(self.vocab)))
+        self.sample = compile(sample) if self.compiled else sample
 
     def mark_rows(self, *tensors: torch.Tensor | None) -> None:
         """Before a compiled piece is called with these per-row tensors (dimension 0 = rows): with

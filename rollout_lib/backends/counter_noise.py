@@ -58,3 +58,39 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor | int, 
     race = logp - torch.log(-torch.log(uniform(seeds, step, logits.shape[-1])))
     tokens = torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def vocabulary_chunks(vocab_size: int, most: int = 128) -> int:
+    """The largest divisor of `vocab_size` up to `most`: how many chunks `sample_chunked` splits a row into
+    (151,936 = 128 x 1,187; a prime vocabulary gets 1, which is `sample`'s one pass per row)."""
+    return max(d for d in range(1, most + 1) if vocab_size % d == 0)
+
+
+def sample_chunked(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor | int,
+                   inv_temperature: torch.Tensor, greedy: torch.Tensor,
+                   chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` with every reduction over the vocabulary split into `chunks` pieces, then combined, so a
+    compiled step runs B x chunks reduction programs instead of B (one per row: 4-16 of the GPU's 132 SMs,
+    ~85 us per step on the H200 for what is ~10 MB of logits). The same noise and the same formulas:
+    log p = (z - max) - log(sum exp(z - max)), the race argmax(log p - log E), the first maximum on ties; only
+    the order of the sum differs (float32 rounding of log p)."""
+    import torch
+
+    rows, vocab = logits.shape
+    width = vocab // chunks
+    z = (logits * inv_temperature[:, None]).view(rows, chunks, width)
+    top = z.amax(dim=-1).amax(dim=-1)  # [B]: the row's max, from per-chunk maxima
+    shifted = z - top[:, None, None]
+    log_sum = torch.log(torch.exp(shifted).sum(dim=-1).sum(dim=-1))  # [B]
+    logp = shifted - log_sum[:, None, None]
+    noise = uniform(seeds, step, vocab).view(rows, chunks, width)
+    race = logp - torch.log(-torch.log(noise))
+    first = torch.arange(chunks, device=logits.device) * width
+
+    def argmax_of(values: torch.Tensor) -> torch.Tensor:  # [B, S, W] -> [B]: the first maximum's index
+        best, at = values.max(dim=-1)
+        chunk = best.argmax(dim=-1, keepdim=True)
+        return (first[chunk] + at.gather(-1, chunk))[:, 0]
+
+    tokens = torch.where(greedy, argmax_of(logits.view(rows, chunks, width)), argmax_of(race))
+    return tokens, logp.view(rows, vocab).gather(-1, tokens[:, None])[:, 0]

@@ -201,7 +201,8 @@ class HFCachedBackend(HFBackendBase):
                       # a non-default engine setting (issue 43 candidates) is named; a default adds no key
                       **{key: getattr(self.engine, key) for key, default in (
                           ("lora_shrink", "reductions"), ("lora_expand", "reductions"), ("attention_backend", "auto"),
-                          ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"))
+                          ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"),
+                          ("sampler_reduction", "row"))
                          if getattr(self.engine, key) != default},
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,

@@ -14,7 +14,7 @@ coordinate-descent tuning of launch configurations, `+det` inductor's determinis
 configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
 0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`. Issue 43's
 candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`, `+maxat`,
-`+acrosslayers` (one compiled piece from one layer's attention to the next),
+`+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step.
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
@@ -61,7 +61,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "fa3": ("ATTENTION_BACKEND", "fa3"),
             "sharedprefill": ("PREFILL", "shared_prompts"),
             "prefillgraph": ("PREFILL_STEP", "compiled_graph"),
-            "acrosslayers": ("STEP_PIECES", "across_layers")}
+            "acrosslayers": ("STEP_PIECES", "across_layers"),
+            "chunkedsampler": ("SAMPLER", "chunked")}
 
 
 def use_before(path):
