@@ -759,7 +759,8 @@ class CompactQwen3:
         """Float32 logits of the last position of each row [B, V] (tokens/positions [B, T]); with
         `keep` > 1, of the last `keep` positions [B, keep, V] (teacher-forced scoring). Writes this
         chunk's k/v at cache columns `write` [T]; mask: boolean [B, 1, T, L]. `compiled`: the
-        per-layer pieces through inductor (the decode step only; see __init__). `pad` [B]: each row's
+        per-layer pieces through inductor (the decode step; the prefill too with PREFILL_STEP "compiled_graph";
+        see __init__). `pad` [B]: each row's
         left padding, which a decode step passes for ATTENTION_BACKEND "fa3" (the mask, in columns)."""
         import torch
 
