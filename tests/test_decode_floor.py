@@ -193,3 +193,30 @@ def test_the_report_reads_the_calculators_repetitions_and_puts_each_step_beside_
     assert summary.decode_floor_sentence(summary.decode_floor(aggregate, inputs, prereg_study)).endswith(
         "No bandwidth floor: no nominal HBM figure for NVIDIA B200.")
     assert set(summary.decode_floor_table(floor)["step / floor"]) == {"not_applicable"}
+
+
+def test_the_side_by_side_is_speed_evidence_and_the_lora_tax_stays_with_exactness(prereg_study, tmp_path):
+    """A diagnostic with hf_cached among its sides is shown in the speed section's details (with its ratio and
+    floor columns); the vLLM-only diagnostics stay in the exactness section's."""
+    from rollout_lib.evidence.publish import collect_inputs
+    from rollout_lib.evidence.reproducibility import reproducibility
+    from rollout_lib.report import sections
+
+    aggregate = json.loads((REPO / "outputs" / "aggregate" / "h200-v2.json").read_text())
+    inputs = collect_inputs(prereg_study, "h200-v2", REPO / "outputs")
+    (tmp_path / "perf").mkdir()
+    side = {"kind": "vllm_inprocess_diagnostic", "variants": ["inprocess_no_adapter", "hf_cached"],
+            "rows": [{"cell_id": "p128-r64-n1-greedy", "inprocess_no_adapter_tokens_per_s": 1248.0,
+                      "hf_cached_tokens_per_s": 1500.0, "hf_cached_over_inprocess_no_adapter": 1500 / 1248,
+                      "hf_cached_median_decode_step_s": 0.0021, "hf_cached_decode_step_over_floor": 7.7,
+                      "decode_step_floor": {"status": "measured", "step_floor_s": 0.000272}}]}
+    tax = {"kind": "vllm_inprocess_diagnostic", "rows": [{"cell_id": "c1", "managed_tokens_per_s": 800.0,
+                                                          "inprocess_adapter_tokens_per_s": 1000.0}]}
+    (tmp_path / "perf" / "side.json").write_text(json.dumps(side))
+    (tmp_path / "perf" / "tax.json").write_text(json.dumps(tax))
+    speed = sections.speed_html(aggregate, prereg_study, inputs, tmp_path)
+    assert "in-process engine without LoRA (diagnostic runs, beside the gates)" in speed
+    assert "side.json" in speed and "tax.json" not in speed and " >1.20</td>" in speed
+    exactness = sections.exactness_html(aggregate, prereg_study, reproducibility(aggregate, inputs), "h200-v2",
+                                        tmp_path)
+    assert "tax.json" in exactness and "side.json" not in exactness

@@ -157,7 +157,7 @@ def summary_notebook() -> nbformat.NotebookNode:
         new_code_cell(SUMMARY_PARAMETERS, metadata={"tags": ["parameters", "remove-cell"]}),
         code(SUMMARY_LOAD),
         code("display(HTML(answer.answer_html(aggregate, study, campaign)))"),
-        code("display(HTML(sections.speed_html(aggregate, study, inputs)))"),
+        code("display(HTML(sections.speed_html(aggregate, study, inputs, out)))"),
         code("display(HTML(sections.exactness_html(aggregate, study, reproducibility(aggregate, inputs), campaign, "
              "out)))"),
         code("display(HTML(sections.memory_html(aggregate, study)))"),

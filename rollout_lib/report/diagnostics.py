@@ -30,6 +30,11 @@ def diagnostic_files(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
+def with_hf_cached(report: dict[str, Any]) -> bool:
+    """An in-process diagnostic whose sides include hf_cached (issue 43's side by side: speed, not exactness)."""
+    return report.get("kind") == "vllm_inprocess_diagnostic" and "hf_cached" in report.get("variants", [])
+
+
 def _num(value: Any, digits: int = 4) -> str:
     from rollout_lib.report.summary import text
 

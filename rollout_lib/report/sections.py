@@ -53,7 +53,8 @@ def _gate_phrase(g: dict[str, Any] | None) -> str:
             f"(gate ≥ {g['threshold']:g}×: {gate_outcome(g)})")
 
 
-def speed_html(aggregate: dict[str, Any], study: Preregistration, inputs: dict[str, Any]) -> str:
+def speed_html(aggregate: dict[str, Any], study: Preregistration, inputs: dict[str, Any],
+               output_dir: Path | None = None) -> str:
     import pandas as pd
 
     from rollout_lib.report import figures
@@ -105,7 +106,21 @@ def speed_html(aggregate: dict[str, Any], study: Preregistration, inputs: dict[s
         details += ((f"Decode step against the memory-bandwidth floor ({floor['backend']})",
                      f"<p>{html.escape(report.decode_floor_sentence(floor))}</p>"
                      + table_html(report.decode_floor_table(floor))),)
+    side_by_side = _side_by_side_html(output_dir) if output_dir is not None else ""
+    if side_by_side:
+        details += (("hf_cached beside vLLM's in-process engine without LoRA (diagnostic runs, beside the gates)",
+                     side_by_side),)
     return section("speed", "Speed", finding, body, details)
+
+
+def _side_by_side_html(output_dir: Path) -> str:
+    """The diagnostic files that measured hf_cached beside vLLM's engine (`rollout vllm-diagnostic --variants
+    ...,hf_cached`), each with its caption and table: speed evidence, so shown here, not with exactness."""
+    from rollout_lib.report import diagnostics
+
+    return "".join(f"<p>{_md(diagnostics.caption(path, report))}</p>"
+                   + table_html(diagnostics.diagnostic_table(path, report))
+                   for path, report in diagnostics.diagnostic_files(output_dir) if diagnostics.with_hf_cached(report))
 
 
 # ---------------------------------------------------------------- exactness
@@ -157,7 +172,7 @@ def exactness_html(aggregate: dict[str, Any], study: Preregistration, reproducib
                       f"rollout reproducibility --campaign {campaign}; seeded stochastic samples of the oracle and "
                       "greedy tokens of vLLM that differ between repetitions make their token-level comparisons hold "
                       "for one run only.", f"outputs/raw/{campaign}/"))
-    found = diagnostics.diagnostic_files(output_dir)
+    found = [(path, d) for path, d in diagnostics.diagnostic_files(output_dir) if not diagnostics.with_hf_cached(d)]
     diag = ""
     ladder = diagnostics.ladder_summary(found)
     if ladder is not None:
