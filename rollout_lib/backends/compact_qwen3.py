@@ -256,7 +256,7 @@ class Layer:
 #   Hopper, bf16, vLLM installed; the probe's `+fa3`; prefill keeps SDPA).
 # - PREFILL "per_row" (the default): every row's prompt is prefilled, also the n rows of a prompt's n
 #   samples; "shared_prompts" (issue 43 item 5, candidate): rows with identical prompts are prefilled once
-#   and the prompt's k/v columns and last logits are copied to its other rows (`_prefill_shared`), so
+#   and the prompt's k/v columns and last logits are copied to its other rows (`prefill_rows`), so
 #   each row still samples its first token with its own seed from the same counter noise. The probe's
 #   `+sharedprefill`.
 # - PREFILL_STEP "eager" (the default): the prompt's forward runs op by op (~2,000 launches: 35-45 ms at 4
@@ -996,24 +996,30 @@ class DecodeBucket:
         return [int(t) for t in tokens], logprobs
 
 
-def prefill_step(engine: CompactQwen3, ids: torch.Tensor, pad: torch.Tensor, seeds: torch.Tensor,
-                 step: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor, columns: torch.Tensor,
-                 key_columns: torch.Tensor, cache: StaticCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompt's forward over left-padded `ids` [B, W] and the first token's sampling: positions and mask
-    from the per-row padding as `generate_static`'s eager prefill builds them. A pure function of its
-    tensors (what `PrefillGraph` captures)."""
-    logits = prefill_logits(engine, ids, pad, columns, key_columns, cache)
-    return counter_noise.sample(logits, seeds, step, inv_temperature, greedy)
-
-
 def prefill_logits(engine: CompactQwen3, ids: torch.Tensor, pad: torch.Tensor, columns: torch.Tensor,
-                   key_columns: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-    """The prompt's forward (the last position's logits [B, V]), writing its k/v into `cache`."""
+                   key_columns: torch.Tensor, cache: StaticCache, compiled: bool) -> torch.Tensor:
+    """The prompt's forward over left-padded `ids` [B, W] (the last position's logits [B, V]), writing its k/v
+    into `cache`; positions and mask from the per-row padding `pad` [B]."""
     positions = (columns[None, :] - pad[:, None]).clamp(min=0)
     valid = ((key_columns[None, None, :] <= columns[None, :, None])
              & (key_columns[None, None, :] >= pad[:, None, None]))
     valid = valid | (key_columns[None, None, :] == columns[None, :, None])
-    return engine.forward(ids, positions, cache, columns, valid[:, None], compiled=engine.compiled)
+    return engine.forward(ids, positions, cache, columns, valid[:, None], compiled=compiled)
+
+
+def prefill_rows(engine: CompactQwen3, ids: torch.Tensor, pad: torch.Tensor, columns: torch.Tensor,
+                 key_columns: torch.Tensor, cache: StaticCache, compiled: bool,
+                 spread: torch.Tensor | None = None) -> torch.Tensor:
+    """Every row's prefill logits [B, V]. With `spread` (PREFILL "shared_prompts"), `ids` [D, W] and `pad` [D]
+    are the distinct prompts: each is prefilled once into the cache's first D rows (the same cache length,
+    mask and padding as its rows would have had: only the batch is smaller), then its k/v columns are copied
+    to every row of that prompt (`spread` [B]: row -> distinct prompt) and its logits gathered per row."""
+    if spread is None:
+        return prefill_logits(engine, ids, pad, columns, key_columns, cache, compiled)
+    distinct = ids.shape[0]
+    logits = prefill_logits(engine, ids, pad, columns, key_columns, cache.rows(distinct), compiled)
+    cache.spread_rows(distinct, ids.shape[1], spread)
+    return logits.index_select(0, spread)
 
 
 class PrefillGraph:
@@ -1048,14 +1054,9 @@ class PrefillGraph:
         import torch
 
         b = self.bucket
-        if self.distinct is None:
-            tokens, logprobs = prefill_step(b.engine, self.ids, b.pad, b.seeds, self.step, b.inv_temperature,
-                                            b.greedy, self.columns, b.columns, b.cache)
-        else:
-            logits = prefill_logits(b.engine, self.ids, self.pad, self.columns, b.columns, b.cache.rows(self.distinct))
-            b.cache.spread_rows(self.distinct, self.width, self.spread)
-            tokens, logprobs = counter_noise.sample(logits.index_select(0, self.spread), b.seeds, self.step,
-                                                    b.inv_temperature, b.greedy)
+        logits = prefill_rows(b.engine, self.ids, b.pad if self.distinct is None else self.pad, self.columns,
+                              b.columns, b.cache, b.engine.compiled, self.spread)
+        tokens, logprobs = counter_noise.sample(logits, b.seeds, self.step, b.inv_temperature, b.greedy)
         self.out.copy_(torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))))
 
     def _capture(self, pool: Any) -> None:
@@ -1147,24 +1148,6 @@ def bucket_length(prompt_tokens: int, max_new_tokens: int, multiple: int = 64) -
     return int(math.ceil((prompt_tokens + max_new_tokens) / multiple) * multiple)
 
 
-def _prefill_shared(engine: CompactQwen3, cache: StaticCache, ids: torch.Tensor, positions: torch.Tensor,
-                    columns: torch.Tensor, mask: torch.Tensor, prompts: list) -> torch.Tensor:
-    """PREFILL "shared_prompts": each distinct prompt prefilled once, into the cache's first rows (the same
-    cache length, mask and padding as its rows would have had: only the batch is smaller), then its k/v
-    columns copied to every row of that prompt and its last-position logits gathered per row."""
-    import torch
-
-    pick, spread = distinct_prompts(prompts)
-    if len(pick) == len(prompts):
-        return engine.forward(ids, positions, cache, columns, mask)
-    device = ids.device
-    pick, spread = torch.tensor(pick, device=device), torch.tensor(spread, device=device)
-    logits = engine.forward(ids.index_select(0, pick), positions.index_select(0, pick), cache.rows(len(pick)),
-                            columns, mask.index_select(0, pick))
-    cache.spread_rows(len(pick), ids.shape[1], spread)
-    return logits.index_select(0, spread)
-
-
 def distinct_prompts(prompts: list) -> tuple[list[int], list[int]]:
     """PREFILL "shared_prompts": the first row of each distinct prompt (in order of first appearance) and, per
     row, the index of its distinct prompt."""
@@ -1174,21 +1157,18 @@ def distinct_prompts(prompts: list) -> tuple[list[int], list[int]]:
 
 
 def _prefill_eager(engine: CompactQwen3, bucket: DecodeBucket, ids: torch.Tensor,
-                   prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompt's forward op by op (PREFILL_STEP "eager") and the first token's sampling."""
+                   pick: torch.Tensor | None, spread: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's forward op by op (PREFILL_STEP "eager"), of the distinct prompts' rows `pick` only when
+    they are shared (`prefill_rows`), and the first token's sampling."""
     import torch
 
-    device, width = ids.device, ids.shape[1]
-    columns = torch.arange(width, device=device)
-    positions = (columns[None, :] - bucket.pad[:, None]).clamp(min=0)
+    device = ids.device
+    columns = torch.arange(ids.shape[1], device=device)
     key_columns = torch.arange(bucket.length, device=device)
-    valid = ((key_columns[None, None, :] <= columns[None, :, None])
-             & (key_columns[None, None, :] >= bucket.pad[:, None, None]))
-    valid = valid | (key_columns[None, None, :] == columns[None, :, None])
-    if engine.prefill == "shared_prompts":
-        logits = _prefill_shared(engine, bucket.cache, ids, positions, columns, valid[:, None], prompts)
-    else:
-        logits = engine.forward(ids, positions, bucket.cache, columns, valid[:, None])
+    pad = bucket.pad
+    if pick is not None:
+        ids, pad = ids.index_select(0, pick), pad.index_select(0, pick)
+    logits = prefill_rows(engine, ids, pad, columns, key_columns, bucket.cache, False, spread)
     bucket.step.fill_(0)
     return counter_noise.sample(logits, bucket.seeds, bucket.step, bucket.inv_temperature, bucket.greedy)
 
@@ -1211,10 +1191,13 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
     width = max(len(r.prompt_token_ids) for r in requests)
     longest = max(r.max_new_tokens for r in requests)
     bucket = buckets.get(rows, bucket_length(width, longest))
+    # PREFILL "shared_prompts": each distinct prompt's first row and each row's distinct prompt (None: per row)
     pick, spread = (distinct_prompts([r.prompt_token_ids for r in requests]) if engine.prefill == "shared_prompts"
-                    else (list(range(rows)), list(range(rows))))
-    prefill_graph = (buckets.prefill(bucket, width, len(pick)) if engine.prefill_step == "compiled_graph"
-                     else None)
+                    else (None, None))
+    if pick is not None and len(pick) == rows:
+        pick, spread = None, None  # every prompt distinct: nothing to share
+    prefill_graph = (buckets.prefill(bucket, width, len(pick) if pick is not None else None)
+                     if engine.prefill_step == "compiled_graph" else None)
     device = engine.device
     ids = torch.full((rows, width), pad_id, dtype=torch.long)
     pad = torch.empty(rows, dtype=torch.long)
@@ -1231,16 +1214,16 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
         synchronize(device)
         start = time.perf_counter()
         ids = ids.to(device)
-        if prefill_graph is not None and prefill_graph.distinct is not None:
-            rows_of = torch.tensor(pick, device=device)
-            tokens, logprobs = prefill_graph.run(ids.index_select(0, rows_of), bucket.pad.index_select(0, rows_of),
-                                                 torch.tensor(spread, device=device))
-            tokens = tokens.long()
-        elif prefill_graph is not None:
-            tokens, logprobs = prefill_graph.run(ids)
-            tokens = tokens.long()
+        if pick is not None:
+            pick, spread = torch.tensor(pick, device=device), torch.tensor(spread, device=device)
+        if prefill_graph is None:
+            tokens, logprobs = _prefill_eager(engine, bucket, ids, pick, spread)
         else:
-            tokens, logprobs = _prefill_eager(engine, bucket, ids, [r.prompt_token_ids for r in requests])
+            if pick is None:
+                out = prefill_graph.run(ids)
+            else:
+                out = prefill_graph.run(ids.index_select(0, pick), bucket.pad.index_select(0, pick), spread)
+            tokens, logprobs = out[0].long(), out[1]
         tracker.add(tokens.tolist(), logprobs.tolist())
         prefill_end = time.perf_counter()
         bucket.start(tokens, column=width, step=1)
