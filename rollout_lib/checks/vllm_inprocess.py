@@ -27,7 +27,7 @@ from typing import Any
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.vllm_managed import LORA_RANKS
 from rollout_lib.lifetime import run_bound
-from rollout_lib.measure.floor import decode_step_floor, mean_decode_columns
+from rollout_lib.measure.floor import cell_floor, over_floor
 from rollout_lib.models.policy import policy_versions, write_peft_adapter
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
@@ -110,16 +110,11 @@ def _hf_cached_columns(study: Preregistration, workload: Workload, cell_id: str,
     """hf_cached's rate, its decode step against the step's bandwidth floor, and the ratio to the
     in-process engine without LoRA (the issue's reference) where that ran."""
     cell = workload.cell(cell_id)
-    lora = study.actor.lora
-    floor = decode_step_floor(workload.arch, gpu, measured["rows"],
-                              mean_decode_columns(cell.prompt_tokens, cell.response_tokens), lora.rank,
-                              tuple(lora.target_modules))
+    floor = cell_floor(study, gpu, measured["rows"], cell.prompt_tokens, cell.response_tokens)
     step = measured["median_decode_step_s"]
     out = {"hf_cached_tokens_per_s": measured["tokens_per_s"], "hf_cached_rows": measured["rows"],
            "hf_cached_median_decode_step_s": step, "decode_step_floor": floor,
-           "hf_cached_decode_step_over_floor": (step / floor["step_floor_s"]
-                                                if floor["status"] == "measured" and isinstance(step, float)
-                                                else "not_applicable")}
+           "hf_cached_decode_step_over_floor": over_floor(step, floor)}
     if no_adapter is not None:
         out["hf_cached_over_inprocess_no_adapter"] = (measured["tokens_per_s"]
                                                       / no_adapter["cells"][cell_id]["tokens_per_s"])

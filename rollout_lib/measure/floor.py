@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from rollout_lib.study.arch import Qwen3Arch
+from rollout_lib.study.prereg import Preregistration
+from rollout_lib.study.workload import Workload
 
 # nominal HBM bandwidth (bytes/s), from each vendor datasheet; keyed by torch.cuda.get_device_name()
 HBM_BYTES_PER_S = {
@@ -70,3 +72,18 @@ def mean_decode_columns(prompt_tokens: int, response_tokens: int) -> float:
     prompt and the k tokens before it (the first token comes from the prefill)."""
     steps = max(response_tokens - 1, 1)
     return prompt_tokens + (steps + 1) / 2
+
+
+def cell_floor(study: Preregistration, gpu_name: str, rows: int, prompt_tokens: int,
+               response_tokens: int) -> dict[str, Any]:
+    """`decode_step_floor` of the study's actor (its shape and live LoRA) for one cell's rows and lengths."""
+    lora = study.actor.lora
+    return decode_step_floor(Workload(study).arch, gpu_name, rows, mean_decode_columns(prompt_tokens, response_tokens),
+                             lora.rank, tuple(lora.target_modules))
+
+
+def over_floor(step_s: Any, floor: dict[str, Any]) -> float | str:
+    """A measured step's multiple of its floor; `not_applicable` without a floor or a measured step."""
+    if floor["status"] != "measured" or not isinstance(step_s, float):
+        return "not_applicable"
+    return step_s / floor["step_floor_s"]

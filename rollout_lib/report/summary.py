@@ -280,10 +280,8 @@ def decode_floor(aggregate: dict[str, Any], inputs: dict[str, Any], study: Prere
     rows). Cells whose backend exposes no decode phase or step count are left out."""
     import statistics
 
-    from rollout_lib.measure.floor import decode_step_floor, mean_decode_columns
-    from rollout_lib.study.workload import Workload
+    from rollout_lib.measure.floor import cell_floor, over_floor
 
-    arch, lora = Workload(study).arch, study.actor.lora
     repetitions: dict[tuple[str, float], tuple[float, str]] = {}
     for raw in inputs["raw_files"]:
         if raw["backend"] != backend or not raw["records"]:
@@ -304,14 +302,13 @@ def decode_floor(aggregate: dict[str, Any], inputs: dict[str, Any], study: Prere
             continue
         step = statistics.median(s for s, _ in found)
         row_count = study.workload.logical_prompts * cell["samples_per_prompt"]
-        floor = decode_step_floor(arch, found[0][1], row_count,
-                                  mean_decode_columns(cell["prompt_tokens"], cell["response_tokens"]), lora.rank,
-                                  tuple(lora.target_modules))
-        rows.append({"cell_id": cell["cell_id"], "rows": row_count, "step_s": step, "floor": floor})
+        floor = cell_floor(study, found[0][1], row_count, cell["prompt_tokens"], cell["response_tokens"])
+        rows.append({"cell_id": cell["cell_id"], "rows": row_count, "step_s": step, "floor": floor,
+                     "over_floor": over_floor(step, floor)})
     by_rows = {}
     for count in sorted({r["rows"] for r in rows}):
         chosen = [r for r in rows if r["rows"] == count]
-        ratios = [r["step_s"] / r["floor"]["step_floor_s"] for r in chosen if r["floor"]["status"] == "measured"]
+        ratios = [r["over_floor"] for r in chosen if isinstance(r["over_floor"], float)]
         by_rows[count] = {"cells": len(chosen), "median_step_s": statistics.median(r["step_s"] for r in chosen),
                           "median_over_floor": statistics.median(ratios) if ratios else "not_applicable"}
     return {"backend": backend, "cells": rows, "by_rows": by_rows}
@@ -323,8 +320,7 @@ def decode_floor_table(floor: dict[str, Any]):
     rows = [{"cell": r["cell_id"], "rows": r["rows"], "decode step": f"{1000 * r['step_s']:.2f} ms",
              "floor (weights + LoRA + KV)": (f"{1000 * r['floor']['step_floor_s']:.3f} ms"
                                              if r["floor"]["status"] == "measured" else r["floor"]["status"]),
-             "step / floor": (f"{r['step_s'] / r['floor']['step_floor_s']:.1f}x"
-                              if r["floor"]["status"] == "measured" else "not_applicable")}
+             "step / floor": (f"{r['over_floor']:.1f}x" if isinstance(r["over_floor"], float) else r["over_floor"])}
             for r in floor["cells"]]
     return pd.DataFrame(rows)
 
