@@ -3,6 +3,7 @@ same step the CUDA graphs capture, run eagerly) against the transformers + peft 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -85,6 +86,20 @@ def assert_same_results(got, want, tolerance: float = 1e-4) -> None:
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason, a.request_id
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < tolerance, a.request_id
+
+
+@contextlib.contextmanager
+def synced_engine(study, cache_dir, outputs, dtype: str = "float32", **options):
+    """A graphs-path hf_cached on the CPU serving the `outputs` fixture's policy (its identity checked), torn
+    down afterwards."""
+    expected = outputs[(dtype, "graphs")]
+    backend = create_backend("hf_cached", study, device="cpu", compute_dtype=dtype, cache_dir=cache_dir, **options)
+    backend.cold_start()
+    try:
+        assert backend.sync_policy(expected["policy"]) == expected["identity"]
+        yield backend
+    finally:
+        backend.teardown()
 
 
 @pytest.fixture(scope="module")
@@ -546,20 +561,13 @@ def test_flex_attention_serves_the_same_float32_tokens_and_log_probabilities(smo
     flex = compact_qwen3._flex_decode
     monkeypatch.setattr(compact_qwen3, "_flex_decode", lambda *args: calls.append(args[0].shape) or flex(*args))
     workload = Workload(smoke_study)
-    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
-                             cache_dir=snapshot_cache)
-    backend.cold_start()
-    try:
-        expected = outputs[("float32", "graphs")]
-        assert backend.sync_policy(expected["policy"]) == expected["identity"]
+    with synced_engine(smoke_study, snapshot_cache, outputs) as backend:
         assert backend.environment()["attention_backend"] == "flex"
         cell = "p48-r24-n2-greedy"
         results = backend.generate(workload.requests(workload.cell(cell))).results
-        assert_same_results(results, expected["runs"][cell])
+        assert_same_results(results, outputs[("float32", "graphs")]["runs"][cell])
         # every layer of every decode step went through flex (one query position, the grouped heads as rows)
         assert calls and all(shape[2] == 2 for shape in calls) and len(calls) % 2 == 0, len(calls)  # 2 layers
-    finally:
-        backend.teardown()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -573,13 +581,9 @@ def test_a_prompts_samples_share_one_prefill_and_keep_their_own_tokens(smoke_stu
 
     monkeypatch.setattr(compact_qwen3, "PREFILL", "shared_prompts")
     workload = Workload(smoke_study)
-    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype=dtype, decode="graphs",
-                             cache_dir=snapshot_cache)
-    backend.cold_start()
     prefill_rows = []
-    try:
+    with synced_engine(smoke_study, snapshot_cache, outputs, dtype) as backend:
         expected = outputs[(dtype, "graphs")]
-        assert backend.sync_policy(expected["policy"]) == expected["identity"]
         assert backend.environment()["prefill"] == "shared_prompts"
         forward = backend.engine.forward
         monkeypatch.setattr(backend.engine, "forward", lambda tokens, *a, **k: (
@@ -600,8 +604,6 @@ def test_a_prompts_samples_share_one_prefill_and_keep_their_own_tokens(smoke_stu
                     assert got.token_ids == alone[got.request_id].token_ids
             if dtype == "float32":
                 assert_same_results(results, expected["runs"][cell], tolerance=1e-5)
-    finally:
-        backend.teardown()
     assert "prefill" not in outputs[(dtype, "graphs")]["environment"], "the default adds no key"
 
 
@@ -668,12 +670,8 @@ def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smok
 
     monkeypatch.setattr(compact_qwen3, "_fa3_decode", kernel)
     workload = Workload(smoke_study)
-    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
-                             cache_dir=snapshot_cache)
-    backend.cold_start()
-    try:
+    with synced_engine(smoke_study, snapshot_cache, outputs) as backend:
         expected = outputs[("float32", "graphs")]
-        assert backend.sync_policy(expected["policy"]) == expected["identity"]
         assert backend.environment()["attention_backend"] == "fa3"
         want = {r.request_id: r for cell in CELLS for r in expected["runs"][cell]}
         batches = [workload.requests(workload.cell(cell)) for cell in CELLS]
@@ -681,9 +679,7 @@ def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smok
         for requests in [*batches, [q for batch in batches for q in batch]]:
             results = backend.generate(requests).results
             assert_same_results(results, [want[r.request_id] for r in results])
-    finally:
-        backend.teardown()
-    arch = Workload(smoke_study).arch
+    arch = workload.arch
     assert calls and {c[:4] for c in calls} == {(torch.int32, torch.int32, False, 1)}
     assert {c[4][1:] for c in calls} == {(1, arch.num_attention_heads, arch.head_dim)}
 
@@ -713,19 +709,14 @@ def test_an_engine_candidate_is_an_option_of_one_backend_not_a_module_edit(smoke
     from rollout_lib.backends import compact_qwen3
 
     workload = Workload(smoke_study)
-    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", decode="graphs",
-                             cache_dir=snapshot_cache, engine={"PREFILL": "shared_prompts", "LORA_EXPAND": "gemm"})
-    backend.cold_start()
-    try:
-        expected = outputs[("float32", "graphs")]
-        assert backend.sync_policy(expected["policy"]) == expected["identity"]
+    with synced_engine(smoke_study, snapshot_cache, outputs,
+                       engine={"PREFILL": "shared_prompts", "LORA_EXPAND": "gemm"}) as backend:
         env = backend.environment()
         assert (env["prefill"], env["lora_expand"]) == ("shared_prompts", "gemm") and "lora_shrink" not in env
         assert (compact_qwen3.PREFILL, compact_qwen3.LORA_EXPAND) == ("per_row", "reductions")
         cell = "p16-r24-n2-stochastic"
-        assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results, expected["runs"][cell])
-    finally:
-        backend.teardown()
+        assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results,
+                            outputs[("float32", "graphs")]["runs"][cell])
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -779,12 +770,8 @@ def test_shared_prompts_in_the_compiled_prefill_graph(smoke_study, snapshot_cach
     workload = Workload(smoke_study)
     expected = outputs[("float32", "graphs")]
     torch._dynamo.reset()
-    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile="inductor",
-                             cache_dir=snapshot_cache,
-                             engine={"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"})
-    backend.cold_start()
-    try:
-        backend.sync_policy(expected["policy"])
+    with synced_engine(smoke_study, snapshot_cache, outputs, step_compile="inductor",
+                       engine={"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"}) as backend:
         for cell in CELLS:
             requests = workload.requests(workload.cell(cell))
             assert_same_results(backend.generate(requests).results, expected["runs"][cell])
@@ -795,8 +782,6 @@ def test_shared_prompts_in_the_compiled_prefill_graph(smoke_study, snapshot_cach
         rows = len(workload.requests(workload.cell(CELLS[0])))
         assert sorted((r, w, d) for r, w, _, d in backend.buckets.prefills) == [(rows, 16, rows // 2),
                                                                                  (rows, 48, rows // 2)]
-    finally:
-        backend.teardown()
 
 
 @pytest.mark.parametrize("vocab", [151936, 1024, 1187])
@@ -832,14 +817,9 @@ def test_an_engine_with_the_chunked_sampler_samples_as_the_default(smoke_study, 
     expected = outputs[("float32", "graphs")]
     for mode in ("off", "inductor"):
         torch._dynamo.reset()
-        backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile=mode,
-                                 cache_dir=snapshot_cache, engine={"SAMPLER": "chunked"})
-        backend.cold_start()
-        try:
-            backend.sync_policy(expected["policy"])
+        with synced_engine(smoke_study, snapshot_cache, outputs, step_compile=mode,
+                           engine={"SAMPLER": "chunked"}) as backend:
             assert backend.environment()["sampler_reduction"] == "chunked"
             for cell in CELLS:
                 assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results,
                                     expected["runs"][cell])
-        finally:
-            backend.teardown()
