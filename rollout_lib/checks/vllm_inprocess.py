@@ -139,7 +139,8 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
     variants = check_variants(tuple(variants))
     if hf_cached_options and "hf_cached" not in variants:
         raise ValueError("hf_cached_options: options of the hf_cached side; add hf_cached to the variants")
-    create_backend("hf_cached", study, **(hf_cached_options or {}))  # its options refused now, not in the child
+    if "hf_cached" in variants:  # its options refused now, not in the child
+        create_backend("hf_cached", study, **(hf_cached_options or {}))
     if non_streamed and "managed" not in variants:
         raise ValueError("non_streamed: a setting of the managed backend; add managed to the variants")
     workload = Workload(study)
