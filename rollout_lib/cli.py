@@ -133,7 +133,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_models_train(args: argparse.Namespace) -> int:
     """`rollout models train`: a trained stand-in snapshot (rollout_lib/models/train_standin.py)."""
     from rollout_lib.core import write_json_atomic
-    from rollout_lib.models.train_standin import TrainError, fingerprint_mismatches, plan_training, train_standin
+    from rollout_lib.models.train_standin import (
+        TrainError,
+        TrainKernels,
+        fingerprint_mismatches,
+        plan_training,
+        train_standin,
+    )
     from rollout_lib.study.bpe_tokenizer import TokenizerError
     from rollout_lib.study.corpus import CorpusError
 
@@ -149,12 +155,15 @@ def cmd_models_train(args: argparse.Namespace) -> int:
             raise CommandError(f"out: {args.out} exists; choose a new directory or pass --replace")
         plan = plan_training(args.arch, role=args.role, seed=args.seed, corpus=args.corpus,
                              bpe_vocab_size=args.bpe_vocab_size, steps=args.steps, device=args.device,
-                             compute_dtype=args.compute_dtype, attention=args.attention)
+                             compute_dtype=args.compute_dtype,
+                             kernels=TrainKernels(attention=args.attention, loss=args.loss, optimizer=args.optimizer,
+                                                  fill_uninitialized=args.fill_uninitialized == "on"))
     except (TrainError, CorpusError, TokenizerError) as err:
         raise CommandError(str(err)) from err
     print(f"training {plan.arch.name} ({plan.role}, init seed {plan.seed}) on corpus {plan.manifest.name}: "
           f"{plan.recipe.steps} steps x {plan.recipe.tokens_per_step} tokens = {plan.recipe.planned_tokens} tokens, "
-          f"{plan.device} {plan.compute_dtype}", file=sys.stderr)
+          f"{plan.device} {plan.compute_dtype}; attention {plan.kernels.attention}, loss {plan.kernels.loss}, "
+          f"optimizer {plan.kernels.optimizer}, fill-uninitialized {args.fill_uninitialized}", file=sys.stderr)
     record = train_standin(plan, args.out, replace_existing=args.replace,
                            log=lambda line: print(f"  {line}", file=sys.stderr))
     if args.record:
@@ -980,7 +989,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default=None,
                        help="default: bfloat16 autocast on CUDA, float32 on CPU")
     train.add_argument("--attention", choices=("eager", "sdpa"), default="eager",
-                       help="attention in training (eager: no fused backward with atomics; the default)")
+                       help="attention in training: eager (the reference) or sdpa (FlashAttention-2 with its "
+                            "deterministic backward; nondeterministic ops then raise instead of warning)")
+    train.add_argument("--loss", choices=("full", "chunked"), default="full",
+                       help="head + cross-entropy over the whole batch (the reference) or per 1,024 tokens, "
+                            "recomputed in backward")
+    train.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach",
+                       help="AdamW implementation: foreach (the reference) or fused")
+    train.add_argument("--fill-uninitialized", choices=("on", "off"), default="on",
+                       help="torch's NaN fill of fresh allocations under deterministic algorithms (on: the "
+                            "reference; off changes no result unless a kernel reads memory it did not write)")
     train.add_argument("--record", default=None, help="also write the record JSON here")
     train.add_argument("--expect", default=None, help="a previous rollout_trained.json: exit 1 unless the digest "
                                                       "matches or the fingerprint is within tolerance")

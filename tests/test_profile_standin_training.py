@@ -1,5 +1,6 @@
 """tools/profile_standin_training.py on the tiny stand-in on CPU: every setup phase and every step phase is
-timed, each attention implementation gets its Chrome trace, bad input is refused by name."""
+timed per variant (the product's own kernel choices), each variant gets its Chrome trace and its determinism
+check, bad input is refused by name."""
 
 from __future__ import annotations
 
@@ -7,28 +8,65 @@ import json
 
 import pytest
 
-from tools.profile_standin_training import main
+from tools.profile_standin_training import gradients_repeat, main, parse_variant
 
 
-def test_the_tiny_training_step_is_profiled_per_phase_and_attention(tmp_path):
-    assert main(["--arch", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]) == 0
+def test_the_tiny_training_step_is_profiled_per_phase_and_variant(tmp_path):
+    variants = ["eager", "sdpa+nofill+fused+chunked", "eager+batch16"]
+    assert main(["--arch", "tiny", "--device", "cpu", "--variants", ",".join(variants), "--warmup", "1",
+                 "--steps", "2", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["setup_s"]) == {"build_initial_snapshot", "token_streams"}
-    assert set(summary["attention"]) == {"eager", "sdpa"}
-    for attention, row in summary["attention"].items():
+    assert list(summary["variants"]) == variants
+    for name, row in summary["variants"].items():
         assert row["steps"] == 2 and row["tokens_per_s"] > 0
         phases = row["median_s"]
         assert set(phases) == {"forward_s", "loss_s", "backward_s", "clip_s", "optimizer_s", "step_s"}
         assert phases["step_s"] >= phases["forward_s"] > 0 and phases["backward_s"] > 0
         assert row["top_ops_by_self_time_us"], "the profiled step's top operators"
-        assert json.loads((tmp_path / f"trace-{attention}.json").read_text())["traceEvents"]
-    assert "init_heldout_metrics_s" in summary["attention"]["eager"]
+        assert json.loads((tmp_path / f"trace-{name}.json").read_text())["traceEvents"]
+        assert row["gradients_repeat"]["identical"] is True and row["gradients_repeat"]["tensors"] > 20
+    rows = summary["variants"]
+    assert "init_heldout_metrics_s" in rows["eager"] and rows["eager"]["tokens_per_s_over_first"] == 1.0
+    assert rows["sdpa+nofill+fused+chunked"]["kernels"] == {
+        "attention": "sdpa", "loss": "chunked", "optimizer": "fused", "fill_uninitialized": False,
+        "sdpa_backend": "flash_attention", "loss_chunk_tokens": 1024}
+    assert rows["eager+batch16"]["tokens_per_step"] == 2 * rows["eager"]["tokens_per_step"]
+
+
+def test_a_step_whose_gradients_change_when_repeated_is_reported(monkeypatch):
+    import torch
+
+    from rollout_lib.models import train_standin
+    from rollout_lib.models.train_standin import TrainKernels
+
+    model = torch.nn.Linear(3, 1, bias=False)
+    passes = iter(range(10))
+    # a stand-in for a nondeterministic backward: each pass scales the output a little differently
+    monkeypatch.setattr(train_standin, "forward_for_loss",
+                        lambda m, inputs, kernels, autocast: m.weight * (1.0 + 1e-3 * next(passes)))
+    monkeypatch.setattr(train_standin, "loss_of", lambda m, out, targets, kernels, autocast: out.sum())
+    result = gradients_repeat(model, torch.zeros(1, 2, dtype=torch.long), TrainKernels(), False)
+    assert result["identical"] is False and result["loss_identical"] is False
+    assert result["tensors"] == 1 and result["tensors_differing"] == 1
+    assert abs(result["max_abs_grad_diff"] - 1e-3) < 1e-6
+
+
+def test_variants_parse_to_the_products_kernel_choices():
+    kernels, factor = parse_variant("sdpa+fused")
+    assert (kernels.attention, kernels.loss, kernels.optimizer, kernels.fill_uninitialized, factor) == \
+        ("sdpa", "full", "fused", True, 1)
+    with pytest.raises(ValueError, match="modifier 'fused'; allowed once each"):
+        parse_variant("eager+fused+fused")
 
 
 def test_bad_input_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["--attention", "flash", "--out", str(tmp_path)])
-    assert "--attention: 'flash'; allowed: eager, sdpa" in capsys.readouterr().err
+        main(["--variants", "flash", "--out", str(tmp_path)])
+    assert "--variants: 'flash': attention 'flash'; allowed: eager, sdpa" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--variants", "eager+compiled", "--out", str(tmp_path)])
+    assert "modifier 'compiled'; allowed once each: chunked, fused, nofill, batch16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--arch", "qwen9", "--device", "cpu", "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()

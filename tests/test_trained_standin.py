@@ -191,6 +191,80 @@ def test_tiny_training_is_deterministic_and_matches_the_profile_pin(trained_acto
     assert record["payload_digest"] == pinned, "a CPU rebuild differs from the profile's pinned digest"
 
 
+def test_the_faster_kernels_train_deterministically_and_the_record_names_them(trained_actor, tmp_path):
+    from rollout_lib.models.train_standin import TrainKernels, plan_training, train_standin
+
+    fast = TrainKernels(attention="sdpa", loss="chunked", optimizer="fused", fill_uninitialized=False)
+    first = train_standin(plan_training("tiny", role="actor", kernels=fast), tmp_path / "a")
+    second = train_standin(plan_training("tiny", role="actor", kernels=fast), tmp_path / "b")
+    assert first["payload_digest"] == second["payload_digest"]
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert first["payload_digest"] != trained_actor[1]["payload_digest"], "other kernels, other rounding"
+    assert first["kernels"] == {"attention": "sdpa", "loss": "chunked", "optimizer": "fused",
+                                "fill_uninitialized": False, "sdpa_backend": "flash_attention",
+                                "loss_chunk_tokens": 1024}
+    assert first["deterministic"]["warn_only"] is False and first["deterministic"]["fill_uninitialized_memory"] is False
+    assert trained_actor[1]["deterministic"]["warn_only"] is True
+    # a faster kernel is no excuse for a worse model: the same recipe reaches about the same held-out loss
+    reference_loss = trained_actor[1]["final_metrics"]["heldout_loss_nats"]
+    assert abs(first["final_metrics"]["heldout_loss_nats"] - reference_loss) < 0.1
+
+
+def test_no_nan_fill_changes_no_result_and_the_settings_are_restored(trained_actor, tmp_path):
+    import torch
+
+    from rollout_lib.models.train_standin import TrainKernels, plan_training, train_standin
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    record = train_standin(plan_training("tiny", role="actor", kernels=TrainKernels(fill_uninitialized=False)),
+                           tmp_path / "nofill")
+    assert record["payload_digest"] == trained_actor[1]["payload_digest"]
+    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory) == before
+
+
+def test_the_sdpa_choice_makes_a_nondeterministic_op_raise_instead_of_warning():
+    import torch
+
+    from rollout_lib.models.train_standin import TrainKernels, deterministic_kernels
+
+    target = torch.zeros(4)
+    with deterministic_kernels("cpu", TrainKernels()), pytest.warns(UserWarning, match="deterministic"):
+        target.put_(torch.tensor([1]), torch.tensor([2.0]))  # the reference warns (and records the warning)
+    with deterministic_kernels("cpu", TrainKernels(attention="sdpa")), \
+            pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+        target.put_(torch.tensor([1]), torch.tensor([2.0]))
+
+
+def test_the_chunked_loss_is_the_full_loss_summed_in_another_order():
+    import torch
+
+    from rollout_lib.models.train_standin import chunked_cross_entropy
+
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)  # float32, as the loss computes
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=generator)
+    full = torch.nn.functional.cross_entropy(hidden @ weight.T, targets)
+    full_grads = torch.autograd.grad(full, (hidden, weight))
+    chunked = chunked_cross_entropy(hidden, weight, targets, chunk_tokens=8)  # 5 chunks, the last of 5 tokens
+    chunked_grads = torch.autograd.grad(chunked, (hidden, weight))
+    assert torch.allclose(chunked, full, rtol=0, atol=1e-5)  # one token's share of the mean is ~0.1
+    for got, want in zip(chunked_grads, full_grads, strict=True):
+        assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_bad_kernels_are_refused_by_name_before_any_work(tmp_path):
+    from rollout_lib.models.train_standin import TrainError, TrainKernels, plan_training
+
+    with pytest.raises(TrainError, match=r"^loss: 'tiled'; allowed: full, chunked$"):
+        plan_training("tiny", kernels=TrainKernels(loss="tiled"))
+    result = rollout("models", "train", "--arch", "tiny", "--out", str(tmp_path / "x"), "--optimizer", "adam8bit")
+    assert result.returncode == 2 and "argument --optimizer: invalid choice: 'adam8bit'" in result.stderr
+    assert "'foreach', 'fused'" in result.stderr and not (tmp_path / "x").exists()
+
+
 def test_the_snapshot_is_a_normal_hf_snapshot_with_the_record(trained_actor):
     from rollout_lib.models.synthetic import payload_digest
 

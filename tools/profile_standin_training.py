@@ -1,16 +1,26 @@
-"""Where `rollout models train` spends its time (issue 42: the pair took 6.6 GPU-minutes on the H200 in lease
-22, against a budget of 5; the issue's trial trained ~2x faster per token). Profile before changing the recipe.
+"""Where `rollout models train` spends its time, and what each kernel choice buys (issue 42: the pair took
+6.6 GPU-minutes on the H200 in lease 22, against a budget of 5; the issue's trial trained ~2x faster per token).
+Profile before changing the recipe.
 
-    python tools/profile_standin_training.py --arch qwen3-0.6b --device cuda --attention eager,sdpa --out DIR
+    python tools/profile_standin_training.py --arch qwen3-0.6b --device cuda \
+        --variants eager,sdpa,sdpa+nofill,sdpa+nofill+fused,sdpa+nofill+fused+chunked --out DIR
+
+A variant is an attention implementation (`eager`, the reference, or `sdpa`: FlashAttention-2 with its
+deterministic backward) with optional modifiers, each one `TrainKernels` choice of
+`rollout_lib/models/train_standin.py` (the product's own step code, not a copy): `+chunked` (head and
+cross-entropy per 1,024 tokens), `+fused` (fused AdamW), `+nofill` (no NaN fill of fresh allocations), and
+`+batch16` (16 sequences per step instead of the recipe's 8: tokens/s at another batch, not a kernel).
 
 Regime: one process. First the setup phases `train_standin` runs before its loop, each timed: the seeded
-initial snapshot (`build_snapshot`), the corpus token streams, loading the float32 model, the held-out
-metrics of the initial model. Then, per attention implementation, `--warmup` training steps (named,
-excluded), `--steps` timed steps (CUDA synchronized around forward, loss, backward, clipping, optimizer
-step: per-phase medians), and one step under torch.profiler: Chrome trace `DIR/trace-<attention>.json`
-(trim with tools/lab/trim_trace.py before committing) and the top CUDA kernels and CPU ops in
-`DIR/summary.json`. The steps use the recipe's batch, sequence length, optimizer and autocast, on the
-recipe's first batches; nothing is written but DIR.
+initial snapshot (`build_snapshot`), the corpus token streams; the first variant also times loading the
+float32 model and the held-out metrics of the initial model. Then, per variant, from the same initial
+weights under that variant's deterministic settings: `--warmup` training steps (named, excluded),
+`--steps` timed steps (CUDA synchronized around forward, loss, backward, clipping, optimizer step:
+per-phase medians), the peak allocated memory, one step under torch.profiler (Chrome trace
+`DIR/trace-<variant>.json`, trim with tools/lab/trim_trace.py before committing; the top CUDA kernels and
+CPU ops in `DIR/summary.json`), and a determinism check: the gradients of one fixed batch computed twice
+from the same weights, compared bit for bit. The steps use the recipe's optimizer, learning rate and
+autocast on the recipe's first batches; nothing is written but DIR.
 """
 from __future__ import annotations
 
@@ -20,10 +30,29 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+MODIFIERS = ("chunked", "fused", "nofill", "batch16")
+
+
+def parse_variant(text: str):
+    """`sdpa+nofill+fused` -> (TrainKernels, batch multiplier); ValueError naming the bad part."""
+    from rollout_lib.models.train_standin import TrainKernels
+
+    attention, *mods = text.split("+")
+    if attention not in ("eager", "sdpa"):
+        raise ValueError(f"{text!r}: attention {attention!r}; allowed: eager, sdpa")
+    for mod in mods:
+        if mod not in MODIFIERS or mods.count(mod) > 1:
+            raise ValueError(f"{text!r}: modifier {mod!r}; allowed once each: {', '.join(MODIFIERS)}")
+    kernels = TrainKernels(attention=attention, loss="chunked" if "chunked" in mods else "full",
+                           optimizer="fused" if "fused" in mods else "foreach",
+                           fill_uninitialized="nofill" not in mods)
+    return kernels, 2 if "batch16" in mods else 1
 
 
 def _sync(device: str) -> None:
@@ -41,18 +70,15 @@ def _timed(device: str, fn):
     return value, time.perf_counter() - started
 
 
-def _step_phases(model, optimizer, batch, recipe, autocast: bool, device: str) -> dict[str, float]:
+def _step_phases(model, optimizer, batch, recipe, kernels, autocast: bool, device: str) -> dict[str, float]:
     import torch
 
+    from rollout_lib.models.train_standin import forward_for_loss, loss_of
+
     phases = {}
-
-    def forward():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            return model(input_ids=batch[:, :-1]).logits
-
-    logits, phases["forward_s"] = _timed(device, forward)
-    loss, phases["loss_s"] = _timed(device, lambda: torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))
+    out, phases["forward_s"] = _timed(device, lambda: forward_for_loss(model, batch[:, :-1], kernels, autocast))
+    loss, phases["loss_s"] = _timed(device, lambda: loss_of(model, out, batch[:, 1:], kernels, autocast))
+    out = None  # the loss holds what backward needs
     optimizer.zero_grad(set_to_none=True)
     _, phases["backward_s"] = _timed(device, loss.backward)
     _, phases["clip_s"] = _timed(device, lambda: torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -62,11 +88,34 @@ def _step_phases(model, optimizer, batch, recipe, autocast: bool, device: str) -
     return phases
 
 
+def gradients_repeat(model, batch, kernels, autocast: bool) -> dict:
+    """The gradients of one batch computed twice from the same weights: bit-identical, or by how much not."""
+    import torch
+
+    from rollout_lib.models.train_standin import forward_for_loss, loss_of
+
+    runs = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(model, forward_for_loss(model, batch[:, :-1], kernels, autocast), batch[:, 1:], kernels,
+                       autocast)
+        loss.backward()
+        runs.append((loss.detach().clone(), [p.grad.detach().clone() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    differing = [i for i, (a, b) in enumerate(zip(grads_a, grads_b, strict=True)) if not torch.equal(a, b)]
+    worst = max((float((grads_a[i] - grads_b[i]).abs().max()) for i in differing), default=0.0)
+    return {"loss_identical": bool(torch.equal(loss_a, loss_b)), "tensors": len(grads_a),
+            "tensors_differing": len(differing), "max_abs_grad_diff": worst,
+            "identical": not differing and bool(torch.equal(loss_a, loss_b))}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b or tiny")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--attention", default="eager,sdpa", help="comma-separated: eager, sdpa")
+    parser.add_argument("--variants", default="eager,sdpa",
+                        help="comma-separated: eager or sdpa, each with optional +" + ", +".join(MODIFIERS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", required=True, type=Path)
@@ -76,9 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    attentions = args.attention.split(",")
-    if any(a not in ("eager", "sdpa") for a in attentions):
-        parser.error(f"--attention: {args.attention!r}; allowed: eager, sdpa (comma-separated)")
+    names = args.variants.split(",")
+    try:
+        variants = {name: parse_variant(name) for name in names}
+    except ValueError as exc:
+        parser.error(f"--variants: {exc}")
+    if len(variants) != len(names):
+        parser.error(f"--variants: {args.variants!r} names a variant twice")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps: integers >= 1")
 
@@ -88,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_lib.models.synthetic import build_snapshot
     from rollout_lib.models.train_standin import (
         TrainError,
-        _deterministic_setup,
         _load_float32,
         batch_indices,
+        deterministic_kernels,
         eval_windows,
         heldout_metrics,
+        make_optimizer,
         plan_training,
         token_stream,
         windows,
@@ -104,62 +158,74 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainError, UnknownArchitectureError) as exc:
         parser.error(str(exc).strip("'\""))
     args.out.mkdir(parents=True, exist_ok=True)
-    recipe, device = plan.recipe, plan.device
-    _deterministic_setup(device)
+    device, cuda = plan.device, plan.device.startswith("cuda")
     torch.manual_seed(plan.seed)
     summary: dict = {"arch": plan.arch.name, "device": device, "compute_dtype": plan.compute_dtype,
-                     "tokens_per_step": recipe.tokens_per_step, "setup_s": {}, "attention": {}}
+                     "gpu": torch.cuda.get_device_name(device) if cuda else None, "torch": torch.__version__,
+                     "tokens_per_step": plan.recipe.tokens_per_step, "setup_s": {}, "variants": {}}
+    autocast = cuda and plan.compute_dtype == "bfloat16"
     with tempfile.TemporaryDirectory(prefix="standin-profile-") as tmp:
-        _, summary["setup_s"]["build_initial_snapshot"] = _timed(
-            device, lambda: build_snapshot(plan.arch, plan.seed, Path(tmp), logit_scale=1.0))
-        (train_ids, heldout_ids), summary["setup_s"]["token_streams"] = _timed(device, lambda: (
-            token_stream(plan.manifest, plan.bpe_vocab_size, "train"),
-            token_stream(plan.manifest, plan.bpe_vocab_size, "heldout")))
-        train_set, eval_set = windows(train_ids, recipe.sequence_tokens), eval_windows(heldout_ids, recipe)
-        for attention in attentions:
-            model, load_s = _timed(device, lambda a=attention: _load_float32(Path(tmp), device, a))
-            row: dict = {"load_s": load_s}
-            if attention == attentions[0]:
-                model.eval()
-                _, row["init_heldout_metrics_s"] = _timed(
-                    device, lambda m=model: heldout_metrics(m, eval_set, device, with_fingerprint=False))
-            model.train()
-            decay = [p for p in model.parameters() if p.ndim >= 2]
-            no_decay = [p for p in model.parameters() if p.ndim < 2]
-            optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                                           {"params": no_decay, "weight_decay": 0.0}],
-                                          lr=recipe.peak_lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
-            autocast = device.startswith("cuda") and plan.compute_dtype == "bfloat16"
-            timed = []
-            for step in range(args.warmup + args.steps + 1):
-                batch = torch.as_tensor(train_set[batch_indices(plan.seed, len(train_set), step,
-                                                                recipe.batch_sequences)], device=device)
-                if step < args.warmup + args.steps:
-                    phases = _step_phases(model, optimizer, batch, recipe, autocast, device)
-                    if step >= args.warmup:
-                        timed.append(phases)
-                    continue
-                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-                with profile(activities=activities) as prof:
-                    _step_phases(model, optimizer, batch, recipe, autocast, device)
-                prof.export_chrome_trace(str(args.out / f"trace-{attention}.json"))
-                averages = prof.key_averages()
-                device_key = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-                row["top_ops_by_self_time_us"] = [
-                    {"name": e.key, "calls": e.count, "self_us": round(getattr(e, device_key), 1)}
-                    for e in sorted(averages, key=lambda e: -getattr(e, device_key))[:25]]
+        with deterministic_kernels(device, variants[names[0]][0]):
+            _, summary["setup_s"]["build_initial_snapshot"] = _timed(
+                device, lambda: build_snapshot(plan.arch, plan.seed, Path(tmp), logit_scale=1.0))
+            (train_ids, heldout_ids), summary["setup_s"]["token_streams"] = _timed(device, lambda: (
+                token_stream(plan.manifest, plan.bpe_vocab_size, "train"),
+                token_stream(plan.manifest, plan.bpe_vocab_size, "heldout")))
+        eval_set = eval_windows(heldout_ids, plan.recipe)
+        train_set = windows(train_ids, plan.recipe.sequence_tokens)
+        for name in names:
+            kernels, batch_factor = variants[name]
+            recipe = replace(plan.recipe, batch_sequences=plan.recipe.batch_sequences * batch_factor)
+            row: dict = {"kernels": kernels.describe(), "tokens_per_step": recipe.tokens_per_step}
+            with deterministic_kernels(device, kernels):
+                model, row["load_s"] = _timed(device, lambda k=kernels: _load_float32(Path(tmp), device, k.attention))
+                if name == names[0]:
+                    model.eval()
+                    _, row["init_heldout_metrics_s"] = _timed(
+                        device, lambda m=model: heldout_metrics(m, eval_set, device, with_fingerprint=False))
+                model.train()
+                optimizer = make_optimizer(model, recipe, kernels)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                timed = []
+                for step in range(args.warmup + args.steps + 1):
+                    batch = torch.as_tensor(train_set[batch_indices(plan.seed, len(train_set), step,
+                                                                    recipe.batch_sequences)], device=device)
+                    if step < args.warmup + args.steps:
+                        phases = _step_phases(model, optimizer, batch, recipe, kernels, autocast, device)
+                        if step >= args.warmup:
+                            timed.append(phases)
+                        continue
+                    if cuda:
+                        row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                    with profile(activities=activities) as prof:
+                        _step_phases(model, optimizer, batch, recipe, kernels, autocast, device)
+                    prof.export_chrome_trace(str(args.out / f"trace-{name}.json"))
+                    averages = prof.key_averages()
+                    device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+                    row["top_ops_by_self_time_us"] = [
+                        {"name": e.key, "calls": e.count, "self_us": round(getattr(e, device_key), 1)}
+                        for e in sorted(averages, key=lambda e: -getattr(e, device_key))[:25]]
+                    row["gradients_repeat"] = gradients_repeat(model, batch, kernels, autocast)
             row["steps"] = len(timed)
             row["median_s"] = {k: round(statistics.median(p[k] for p in timed), 5) for k in timed[0]}
             row["tokens_per_s"] = round(recipe.tokens_per_step / row["median_s"]["step_s"], 1)
-            summary["attention"][attention] = row
+            summary["variants"][name] = row
             del model, optimizer
-            if device.startswith("cuda"):
+            if cuda:
                 torch.cuda.empty_cache()
+    reference = summary["variants"][names[0]]["tokens_per_s"]
+    for row in summary["variants"].values():
+        row["tokens_per_s_over_first"] = round(row["tokens_per_s"] / reference, 3)
     path = args.out / "summary.json"
     path.write_text(json.dumps(summary, indent=1) + "\n")
-    for attention, row in summary["attention"].items():
-        print(f"{attention}: step {row['median_s']['step_s']:.3f} s ({row['tokens_per_s']:.0f} tok/s): "
-              + ", ".join(f"{k} {v:.3f}" for k, v in row["median_s"].items() if k != "step_s"))
+    for name, row in summary["variants"].items():
+        repeat = row["gradients_repeat"]
+        print(f"{name}: step {row['median_s']['step_s']:.3f} s ({row['tokens_per_s']:.0f} tok/s, "
+              f"x{row['tokens_per_s_over_first']:.2f}): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in row["median_s"].items() if k != "step_s")
+              + f"; gradients {'identical' if repeat['identical'] else 'DIFFER'} when repeated")
     print("setup: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["setup_s"].items()) + f"; wrote {path}")
     return 0
 

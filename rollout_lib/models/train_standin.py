@@ -14,6 +14,13 @@ Deterministic by construction where the hardware allows:
   TF32 off, one intra-op thread on CPU (a reduction's order can follow the thread count), and eager
   attention (plain matmul + softmax; no fused attention backward with atomics); any
   warning about a nondeterministic op is recorded in the result, never hidden.
+- the step's kernels are a choice (`TrainKernels`, recorded): the reference above, or faster ones that
+  stay deterministic: FlashAttention-2 through SDPA (PyTorch passes `deterministic=True` to its backward
+  only when deterministic algorithms are on *without* warn_only, so that choice turns warn_only off: a
+  nondeterministic op then raises instead of warning), the head and cross-entropy per chunk of tokens
+  (recomputed in backward, no [tokens, 151936] float32 block), the fused AdamW, and no NaN fill of fresh
+  allocations (`torch.utils.deterministic.fill_uninitialized_memory`: a debugging aid that costs a write
+  of each new buffer and changes no result unless a kernel reads memory it did not write).
 Bit-exact reproduction on a *second* GPU machine is not known (different GPUs or drivers may pick
 other cuBLAS kernels), so besides the payload digest the record carries a tolerance-checked
 fingerprint: the held-out loss (to `FINGERPRINT_LOSS_TOL`) and the top-8 logits at 64 fixed held-out
@@ -28,6 +35,7 @@ CLI: `rollout models train --arch qwen3-0.6b --out DIR --device cuda` (rollout_l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,6 +44,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -113,6 +122,41 @@ RECIPES: dict[str, TrainRecipe] = {
 
 class TrainError(ValueError):
     """Bad training input (named field); raised before any work is done or file written."""
+
+
+LOSS_CHUNK_TOKENS = 1024  # float32 logits of one chunk at vocabulary 151,936: 0.62 GB
+
+
+@dataclass(frozen=True)
+class TrainKernels:
+    """How a training step is computed; the recipe (data, steps, learning rate) is the same whichever is
+    chosen, the weights differ in rounding only. The defaults are the reference kernels of lease 22's
+    stand-ins (issue 42); `tools/profile_standin_training.py` measures each choice against them."""
+
+    attention: str = "eager"  # eager | sdpa (FlashAttention-2, its deterministic backward)
+    loss: str = "full"  # full | chunked (head + cross-entropy per LOSS_CHUNK_TOKENS, recomputed in backward)
+    optimizer: str = "foreach"  # foreach | fused (torch's fused AdamW: one kernel per step)
+    fill_uninitialized: bool = True  # torch fills fresh allocations with NaN under deterministic algorithms
+
+    @property
+    def strict_determinism(self) -> bool:
+        """Deterministic algorithms without warn_only: FlashAttention-2's backward is deterministic only then."""
+        return self.attention == "sdpa"
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self) | {"sdpa_backend": "flash_attention" if self.attention == "sdpa" else None,
+                               "loss_chunk_tokens": LOSS_CHUNK_TOKENS if self.loss == "chunked" else None}
+
+
+KERNEL_CHOICES = {"attention": ("eager", "sdpa"), "loss": ("full", "chunked"), "optimizer": ("foreach", "fused"),
+                  "fill_uninitialized": (True, False)}
+
+
+def check_kernels(kernels: TrainKernels) -> None:
+    for field, allowed in KERNEL_CHOICES.items():
+        value = getattr(kernels, field)
+        if value not in allowed:
+            raise TrainError(f"{field}: {value!r}; allowed: {', '.join(str(a).lower() for a in allowed)}")
 
 
 def lr_at(recipe: TrainRecipe, step: int) -> float:
@@ -241,15 +285,92 @@ def fingerprint_mismatches(expected: dict[str, Any], got: dict[str, Any], *, los
     return problems
 
 
-def _deterministic_setup(device: str) -> None:
+@contextlib.contextmanager
+def deterministic_kernels(device: str, kernels: TrainKernels) -> Iterator[None]:
+    """Deterministic algorithms for the kernels' choice, restored on exit (a process that trains in-process,
+    a test run, keeps its own settings afterwards)."""
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True, warn_only=not kernels.strict_determinism)
+    torch.utils.deterministic.fill_uninitialized_memory = kernels.fill_uninitialized
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = saved[3:]
+
+
+def _attention_context(kernels: TrainKernels) -> contextlib.AbstractContextManager:
+    """SDPA pinned to FlashAttention-2: no silent fallback to a kernel whose backward is not deterministic
+    (memory-efficient, cuDNN) or to the math path; an input flash cannot take raises."""
+    if kernels.attention != "sdpa":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
+def make_optimizer(model: Any, recipe: TrainRecipe, kernels: TrainKernels) -> Any:
+    """AdamW(betas 0.9/0.95, eps 1e-8), weight decay on matrices only, float32 master weights."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    implementation = {"fused": True} if kernels.optimizer == "fused" else {"foreach": True}
+    return torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=recipe.peak_lr, betas=(0.9, 0.95), eps=1e-8, **implementation)
+
+
+def forward_for_loss(model: Any, inputs: Any, kernels: TrainKernels, autocast: bool) -> Any:
+    """The forward pass up to what the loss takes: the logits (`full`) or the final hidden states (`chunked`)."""
+    import torch
+
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), _attention_context(kernels):
+        if kernels.loss == "chunked":
+            return model.model(input_ids=inputs).last_hidden_state
+        return model(input_ids=inputs).logits
+
+
+def loss_of(model: Any, out: Any, targets: Any, kernels: TrainKernels, autocast: bool) -> Any:
+    """Mean next-token cross-entropy over every position of the batch, in float32."""
+    import torch
+
+    if kernels.loss == "chunked":
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return chunked_cross_entropy(out.reshape(-1, out.shape[-1]), model.get_output_embeddings().weight,
+                                         targets.reshape(-1))
+    return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets.reshape(-1))
+
+
+def chunked_cross_entropy(hidden: Any, weight: Any, targets: Any, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> Any:
+    """Mean cross-entropy of `hidden @ weight.T` against `targets`, one chunk of tokens at a time; each chunk is
+    checkpointed, so backward recomputes its logits instead of keeping a [tokens, vocabulary] float32 block."""
+    from torch.utils.checkpoint import checkpoint
+
+    total = None
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        part = checkpoint(_chunk_nll_sum, hidden[start:start + chunk_tokens], weight,
+                          targets[start:start + chunk_tokens], use_reentrant=False)
+        total = part if total is None else total + part
+    return total / hidden.shape[0]
+
+
+def _chunk_nll_sum(hidden: Any, weight: Any, targets: Any) -> Any:
+    import torch
+
+    logits = torch.nn.functional.linear(hidden, weight)
+    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
 
 
 def _load_float32(snapshot: Path, device: str, attention: str):
@@ -278,14 +399,14 @@ class TrainPlan:
     recipe: TrainRecipe
     device: str
     compute_dtype: str  # "bfloat16" (autocast) or "float32"
-    attention: str
+    kernels: TrainKernels
 
 
 def plan_training(arch_name: str, *, role: str | None = None, seed: int | None = None, corpus: str | None = None,
                   bpe_vocab_size: int | None = None, steps: int | None = None, device: str = "cpu",
-                  compute_dtype: str | None = None, attention: str = "eager") -> TrainPlan:
+                  compute_dtype: str | None = None, kernels: TrainKernels | None = None) -> TrainPlan:
     """Every input checked (named field) before any work: architecture, corpus (verified file by file),
-    vocabulary, steps, device, dtype."""
+    vocabulary, steps, device, dtype, kernels."""
     arch = get_architecture(arch_name)
     role = role or ("teacher" if arch.name == "qwen3-1.7b" else "actor")
     if role not in ("actor", "teacher"):
@@ -307,8 +428,8 @@ def plan_training(arch_name: str, *, role: str | None = None, seed: int | None =
     dtype = compute_dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype not in ("bfloat16", "float32"):
         raise TrainError(f"compute_dtype: {dtype!r}; allowed: bfloat16, float32")
-    if attention not in ("eager", "sdpa"):
-        raise TrainError(f"attention: {attention!r}; allowed: eager, sdpa")
+    kernels = kernels or TrainKernels()
+    check_kernels(kernels)
     if device.startswith("cuda"):
         import torch
 
@@ -316,7 +437,7 @@ def plan_training(arch_name: str, *, role: str | None = None, seed: int | None =
             raise TrainError(f"device: {device!r} but torch sees no CUDA device here; allowed: cpu")
     return TrainPlan(arch=arch, role=role, seed=seed if seed is not None else INIT_SEEDS[(arch.name, role)],
                      manifest=manifest, bpe_vocab_size=bpe, recipe=recipe, device=device, compute_dtype=dtype,
-                     attention=attention)
+                     kernels=kernels)
 
 
 def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: bool = False,
@@ -332,14 +453,17 @@ def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: boo
         raise TrainError(f"out: {out} exists; choose a new directory or pass --replace")
     out.parent.mkdir(parents=True, exist_ok=True)
     arch, recipe, device = plan.arch, plan.recipe, plan.device
-    _deterministic_setup(device)
     torch.manual_seed(plan.seed)
     threads = torch.get_num_threads()
     if device == "cpu":  # a CPU reduction's order can follow the thread count: one thread, one order
         torch.set_num_threads(1)
     started = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    settings = contextlib.ExitStack()
     try:
+        # from before the first cuBLAS call (its workspace setting is read when its handle is made) to the
+        # final metrics, as lease 22's stand-ins were trained
+        settings.enter_context(deterministic_kernels(device, plan.kernels))
         caught: list[str] = []
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -349,7 +473,7 @@ def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: boo
             heldout_ids = token_stream(plan.manifest, plan.bpe_vocab_size, "heldout")
             train_set = windows(train_ids, recipe.sequence_tokens)
             eval_set = eval_windows(heldout_ids, recipe)
-            model = _load_float32(tmp, device, plan.attention)
+            model = _load_float32(tmp, device, plan.kernels.attention)
             model.eval()
             init_metrics = heldout_metrics(model, eval_set, device, with_fingerprint=False)
             model.train()
@@ -388,8 +512,10 @@ def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: boo
             "trained_tokens": recipe.planned_tokens,
             "epochs_over_train_split": round(recipe.planned_tokens / max(1, len(train_set) * recipe.sequence_tokens),
                                              4),
-            "device": device, "compute_dtype": plan.compute_dtype, "attention_in_training": plan.attention,
-            "deterministic": {"use_deterministic_algorithms": True, "warn_only": True,
+            "device": device, "compute_dtype": plan.compute_dtype, "attention_in_training": plan.kernels.attention,
+            "kernels": plan.kernels.describe(),
+            "deterministic": {"use_deterministic_algorithms": True, "warn_only": not plan.kernels.strict_determinism,
+                              "fill_uninitialized_memory": plan.kernels.fill_uninitialized,
                               "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                               "nondeterminism_warnings": caught},
             "heldout_loss_curve": curve, "train_loss_every_step": train_losses,
@@ -408,6 +534,7 @@ def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: boo
         _publish(tmp, out, replace_existing)
         return record
     finally:
+        settings.close()
         torch.set_num_threads(threads)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -417,12 +544,8 @@ def _train_loop(model: Any, plan: TrainPlan, train_set: np.ndarray, eval_set: np
                 log: Any) -> tuple[list[dict[str, Any]], list[float]]:
     import torch
 
-    recipe, device = plan.recipe, plan.device
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=recipe.peak_lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    recipe, device, kernels = plan.recipe, plan.device, plan.kernels
+    optimizer = make_optimizer(model, recipe, kernels)
     autocast = device.startswith("cuda") and plan.compute_dtype == "bfloat16"
     curve: list[dict[str, Any]] = []
     train_losses: list[float] = []
@@ -449,10 +572,9 @@ def _train_loop(model: Any, plan: TrainPlan, train_set: np.ndarray, eval_set: np
             group["lr"] = lr_at(recipe, step)
         batch = torch.as_tensor(train_set[batch_indices(plan.seed, len(train_set), step, recipe.batch_sequences)],
                                 device=device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                 batch[:, 1:].reshape(-1))
+        out = forward_for_loss(model, batch[:, :-1], kernels, autocast)
+        loss = loss_of(model, out, batch[:, 1:], kernels, autocast)
+        del out
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
