@@ -55,3 +55,16 @@ def test_option_suffixes_merge_and_are_restored_after_their_variant(tmp_path, mo
     assert (dict(compact_qwen3.INDUCTOR_OPTIONS), compact_qwen3.STEP_SHAPES) == own
     report = json.loads(out.read_text())
     assert report["off"]["inductor_cache"] == report["off+cdt+det+perrows"]["inductor_cache"] == "fresh"
+
+
+def test_every_inductor_option_a_suffix_sets_is_one_this_torch_knows():
+    """A misspelt option would cost a lease's variant: inductor's config refuses unknown keys by name."""
+    import torch._inductor.config as inductor_config
+
+    options = {suffix: value for suffix, (attribute, value) in fast_path_probe.SUFFIXES.items()
+               if attribute == "INDUCTOR_OPTIONS"}
+    assert {"pdl", "maxat", "combo", "det", "cdt"} <= set(options)
+    for suffix, settings in options.items():
+        with inductor_config.patch(settings):  # raises on a key inductor does not have
+            for key, value in settings.items():
+                assert inductor_config.get_config_copy()[key] == value, (suffix, key)

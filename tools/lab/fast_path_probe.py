@@ -13,7 +13,7 @@ change one thing each, to read the changes apart: `+f32head` forces the float32 
 coordinate-descent tuning of launch configurations, `+det` inductor's deterministic mode (one fixed
 configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
 0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`. Issue 43's
-candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`, `+maxat`,
+candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`, `+maxat`, `+combo`,
 `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step.
@@ -51,6 +51,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # autotuned GEMMs: inductor benchmarks Triton templates against cuBLAS for each projection's skinny
             # GEMM (4-16 rows) at compile time (GEMMs were 0.75 ms of a 16-row step at 3x their weights' floor)
             "maxat": ("INDUCTOR_OPTIONS", {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON,ATEN"}),
+            # inductor's combo kernels: data-independent kernels of one compiled piece (q_norm and k_norm, the
+            # LoRA terms of a group, the k/v cache writes) launched as one; at 4 rows a step is ~575 launches
+            "combo": ("INDUCTOR_OPTIONS", {"combo_kernels": True}),
             "kvinside": ("CACHE_WRITE", "inside"),
             "kvoutside": ("CACHE_WRITE", "outside"),
             "shrinkgemm": ("LORA_SHRINK", "in_base_gemm"),
