@@ -1,0 +1,87 @@
+"""tools/lab/probe_table.py on a hand-made probe folder: each variant against the baseline per cell (differences
+computed by hand below), kernels and gaps per step from its trimmed trace, a variant whose attention takes two
+kernels a layer counted by the trace's span instead, a failed variant shown as failed, bad input refused."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from tools.lab.probe_table import main, probe_rows, render
+
+LAYERS = 28
+
+
+def _trace(path, steps: int, attention_kernels_per_layer: int) -> float:
+    """Kernels of `steps` decode steps: per layer a 10 us GEMM then the attention kernels of 5 us, 1 us apart.
+    Returns the ms per step."""
+    events, ts = [], 0.0
+    for _ in range(steps):
+        for _ in range(LAYERS):
+            events.append({"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": ts, "dur": 10.0})
+            ts += 11.0
+            for k in range(attention_kernels_per_layer):
+                events.append({"ph": "X", "cat": "kernel", "name": f"triton_tem_fused_flex_attention_{k}",
+                               "ts": ts, "dur": 5.0})
+                ts += 6.0
+    with gzip.open(path, "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    return ts / steps / 1000
+
+
+@pytest.fixture
+def folder(tmp_path):
+    ms_base = _trace(tmp_path / "trace-inductor+shrinkgemm-p128-r64-n1-greedy-20ms.json.gz", 5, 1)
+    ms_flex = _trace(tmp_path / "trace-inductor+shrinkgemm+flex-p128-r64-n1-greedy-20ms.json.gz", 5, 2)
+    probe = {"cells": ["p128-r64-n1-greedy", "p512-r256-n4-greedy"],
+             "inductor+shrinkgemm": {"cold_start_s": 30.0, "peak_reserved_bytes": 3 * 2**30, "cells": {
+                 "p128-r64-n1-greedy": {"ms_per_decode_step": ms_base, "tokens_per_s": 1400.0, "ms_prefill": 40.0},
+                 "p512-r256-n4-greedy": {"ms_per_decode_step": 2.7, "tokens_per_s": 5000.0, "ms_prefill": 98.0}}},
+             "inductor+shrinkgemm+flex": {"cold_start_s": 45.0, "cells": {
+                 "p128-r64-n1-greedy": {"ms_per_decode_step": ms_flex, "tokens_per_s": 1500.0, "ms_prefill": 39.0},
+                 "p512-r256-n4-greedy": {"ms_per_decode_step": 2.5, "tokens_per_s": 5400.0, "ms_prefill": 97.0}}},
+             "inductor+shrinkgemm+maxat": {"error": "RuntimeError: autotune failed"}}
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    return tmp_path
+
+
+def test_each_variant_is_compared_with_the_baseline_cell_by_cell(folder):
+    rows = probe_rows(folder)
+    by = {(r["variant"], r["cell"]): r for r in rows}
+    flex_long = by[("inductor+shrinkgemm+flex", "p512-r256-n4-greedy")]
+    assert flex_long["delta_ms_per_step"] == -0.2 and flex_long["tokens_per_s_ratio"] == 1.08  # 5400 / 5000
+    assert flex_long["ms_prefill"] == 97.0 and flex_long["peak_reserved_gib"] is None
+    base = by[("inductor+shrinkgemm", "p128-r64-n1-greedy")]
+    assert base["delta_ms_per_step"] == 0 and base["peak_reserved_gib"] == 3.0
+    assert base["kernels_per_step"] == 2 * LAYERS and base["steps_in_window"] == 5
+    assert base["gaps_ms_per_step"] == pytest.approx(2 * LAYERS * 1e-3 - 1e-3 / 5, abs=1e-6)  # no gap after the last
+    assert "attention kernels" in base["steps_from"]
+    flex = by[("inductor+shrinkgemm+flex", "p128-r64-n1-greedy")]
+    assert flex["kernels_per_step"] == pytest.approx(3 * LAYERS, rel=0.01), "two attention kernels a layer"
+    assert "span" in flex["steps_from"] and flex["steps_in_window"] == pytest.approx(5, rel=0.01)
+    assert by[("inductor+shrinkgemm+maxat", None)]["error"] == "RuntimeError: autotune failed"
+    table = render(rows)
+    assert "| inductor+shrinkgemm+flex | p512-r256-n4-greedy | 2.500 | -0.200 | 5400 | 1.080 | 97.0 |" in table
+    assert "| inductor+shrinkgemm+maxat | failed: RuntimeError: autotune failed |" in table
+    assert "(steps by span)" in table
+
+
+def test_another_baseline_and_the_json_rows(folder, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main([str(folder), "--baseline", "inductor+shrinkgemm+flex", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    base_long = next(r for r in rows if r["variant"] == "inductor+shrinkgemm" and r["cell"] == "p512-r256-n4-greedy")
+    assert base_long["delta_ms_per_step"] == 0.2 and base_long["baseline"] == "inductor+shrinkgemm+flex"
+    assert "(baseline inductor+shrinkgemm+flex)" in capsys.readouterr().out
+
+
+def test_bad_input_is_refused_in_one_line(folder, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(folder), "--baseline", "inductor+nothing"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--baseline: 'inductor+nothing' is not a variant" in err and "allowed: inductor+shrinkgemm," in err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "empty")])
+    assert "no probe.json (a regular file) in it" in capsys.readouterr().err

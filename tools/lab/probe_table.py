@@ -1,0 +1,147 @@
+"""The before/after table of a decode probe (issue 43, item 1): every variant against the probe's baseline, per
+cell, from what `tools/lab/fast_path_probe.py` and `fast_path_evidence.sh` returned to a folder.
+
+    python tools/lab/probe_table.py outputs/perf/decode-expand-attention [DIR ...] [--baseline VARIANT] [--json F]
+
+Per folder: `probe.json` gives each variant's ms per decode step, tok/s, prefill ms, peak reserved memory
+and cold start (or its error); each `trace-<variant>-<cell>-20ms.json.gz` beside it, a window of decode steps,
+gives kernels per step, GPU busy time and the gaps between kernels (`tools/trace_breakdown.py`). The
+baseline is the folder's first variant unless `--baseline` names another (the lab's queues list the
+shrink-only engine first). A trace whose steps, counted by attention kernels, disagree by more than 25 %
+with its span over the probe's ms per step (a variant whose attention takes two kernels a layer, e.g.
+split-KV with a combine kernel) is counted by the span instead, and its row says so. Prints one markdown
+table per folder; `--json` also writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools.trace_breakdown import breakdown, read_trace  # noqa: E402
+
+STEP_COUNT_TOLERANCE = 0.25
+MAX_PROBE_BYTES = 16 * 1024 * 1024
+
+
+def _trace_figures(path: Path, ms_per_step: float | None) -> dict[str, Any]:
+    """Kernels, busy and gaps per decode step of one trimmed trace."""
+    events = read_trace(path)
+    try:
+        result = breakdown(events)
+    except SystemExit as exc:  # no attention kernel to count steps by: the span is all there is
+        result = None
+        why = str(exc)
+    else:
+        why = None
+    if ms_per_step and ms_per_step > 0:
+        span_us = (result["span_us_per_step"] * result["steps"]) if result else _span_us(events)
+        span_steps = span_us / (1000 * ms_per_step)
+        if result is None or abs(result["steps"] - span_steps) > STEP_COUNT_TOLERANCE * span_steps:
+            result = breakdown(events, steps=span_steps)
+            result["steps_from"] = f"trace span / the probe's ms per step ({why or 'attention count disagreed'})"
+    if result is None:
+        raise ValueError(f"{path.name}: {why}")
+    return {"kernels_per_step": result["kernels_per_step"], "busy_ms_per_step": result["gpu_busy_us_per_step"] / 1000,
+            "gaps_ms_per_step": result["gaps_us_per_step"] / 1000, "steps_in_window": result["steps"],
+            "steps_from": result["steps_from"]}
+
+
+def _span_us(events: list[dict[str, Any]]) -> float:
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    return max(float(k["ts"]) + float(k.get("dur", 0)) for k in kernels) - min(float(k["ts"]) for k in kernels)
+
+
+def probe_rows(folder: Path, baseline: str | None = None) -> list[dict[str, Any]]:
+    """One row per (variant, cell) of the folder's probe, with its difference to the baseline's same cell."""
+    path = folder / "probe.json"
+    if not path.is_file() or path.is_symlink():
+        raise ValueError(f"{folder}: no probe.json (a regular file) in it")
+    if path.stat().st_size > MAX_PROBE_BYTES:
+        raise ValueError(f"{path}: over {MAX_PROBE_BYTES} bytes, not a probe")
+    probe = json.loads(path.read_text())
+    variants = [name for name in probe if name != "cells"]
+    if not variants:
+        raise ValueError(f"{path}: no variant in it")
+    baseline = baseline if baseline is not None else variants[0]
+    if baseline not in variants:
+        raise ValueError(f"--baseline: {baseline!r} is not a variant of {path}; allowed: {', '.join(variants)}")
+    base_cells = probe[baseline].get("cells") or {}
+    rows = []
+    for variant in variants:
+        entry = probe[variant]
+        cells = entry.get("cells") or {}
+        if "error" in entry and not cells:
+            rows.append({"folder": str(folder), "variant": variant, "cell": None, "error": entry["error"]})
+            continue
+        for cell, figures in cells.items():
+            ms, base = figures["ms_per_decode_step"], base_cells.get(cell)
+            row: dict[str, Any] = {
+                "folder": str(folder), "variant": variant, "cell": cell, "baseline": baseline,
+                "ms_per_decode_step": round(ms, 3), "tokens_per_s": round(figures["tokens_per_s"], 1),
+                "ms_prefill": round(figures["ms_prefill"], 2) if "ms_prefill" in figures else None,
+                "delta_ms_per_step": round(ms - base["ms_per_decode_step"], 3) if base else None,
+                "tokens_per_s_ratio": round(figures["tokens_per_s"] / base["tokens_per_s"], 3) if base else None,
+                "peak_reserved_gib": (round(entry["peak_reserved_bytes"] / 2**30, 2)
+                                      if "peak_reserved_bytes" in entry else None),
+                "cold_start_s": round(entry["cold_start_s"], 1) if "cold_start_s" in entry else None}
+            trace = folder / f"trace-{variant}-{cell}-20ms.json.gz"
+            if trace.is_file() and not trace.is_symlink():
+                try:
+                    row |= _trace_figures(trace, ms)
+                except ValueError as exc:
+                    row["trace_error"] = str(exc)
+            rows.append(row)
+    return rows
+
+
+def _cell(value: Any, fmt: str = "{}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = ["| variant | cell | ms/step | Δ ms | tok/s | × base | prefill ms | peak GiB | kernels/step | gaps ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if row.get("cell") is None:
+            lines.append(f"| {row['variant']} | failed: {row['error'][:80]} | | | | | | | | |")
+            continue
+        note = " (steps by span)" if "span" in str(row.get("steps_from", "")) else ""
+        lines.append(
+            f"| {row['variant']} | {row['cell']} | {row['ms_per_decode_step']:.3f} | "
+            f"{_cell(row['delta_ms_per_step'], '{:+.3f}')} | {row['tokens_per_s']:.0f} | "
+            f"{_cell(row['tokens_per_s_ratio'], '{:.3f}')} | {_cell(row['ms_prefill'], '{:.1f}')} | "
+            f"{_cell(row['peak_reserved_gib'])} | {_cell(row.get('kernels_per_step'))}{note} | "
+            f"{_cell(row.get('gaps_ms_per_step'), '{:.3f}')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", type=Path, help="folders holding a probe.json (and its traces)")
+    parser.add_argument("--baseline", default=None, help="the variant to compare against (default: each "
+                                                         "folder's first)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every row as JSON here")
+    args = parser.parse_args(argv)
+    all_rows = []
+    try:
+        for folder in args.folders:
+            rows = probe_rows(folder, args.baseline)
+            print(f"### {folder} (baseline {rows[0].get('baseline') or rows[0]['variant']})\n{render(rows)}\n")
+            all_rows += rows
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.json:
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(all_rows, indent=1) + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
