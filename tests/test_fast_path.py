@@ -684,10 +684,113 @@ def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smok
     assert {c[4][1:] for c in calls} == {(1, arch.num_attention_heads, arch.head_dim)}
 
 
+def _reference_fa3_with_lse(q, k, v, seqused_k, leftpad_k, scale):
+    """`_fa3_attention`'s semantics for T query positions per batch entry, none causal: (out [B, T, H, D],
+    log-sum-exp [B, H, T])."""
+    groups = q.shape[2] // k.shape[2]
+    keys, values = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * scale
+    columns = torch.arange(k.shape[1])
+    keep = (columns[None, :] >= leftpad_k[:, None].long()) & (columns[None, :] < seqused_k[:, None].long())
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), values), torch.logsumexp(scores, dim=-1)
+
+
+def test_two_attention_halves_merge_into_attention_over_both():
+    from rollout_lib.backends.compact_qwen3 import merge_attention_states
+
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 2, 4, 8, generator=generator)  # B, T, H, D
+    k, v = torch.randn(3, 20, 2, 8, generator=generator), torch.randn(3, 20, 2, 8, generator=generator)
+    everything = torch.full((3,), 20, dtype=torch.int32)
+    full, _ = _reference_fa3_with_lse(q, k, v, everything, torch.zeros(3, dtype=torch.int32), 0.3)
+    first = _reference_fa3_with_lse(q, k, v, torch.tensor([7, 1, 12], dtype=torch.int32),
+                                    torch.zeros(3, dtype=torch.int32), 0.3)
+    rest = _reference_fa3_with_lse(q, k, v, everything, torch.tensor([7, 1, 12], dtype=torch.int32), 0.3)
+    merged = merge_attention_states(*first, *rest)
+    assert torch.allclose(merged, full, atol=1e-6), float((merged - full).abs().max())
+    swapped = merge_attention_states(first[0], rest[1], rest[0], first[1])
+    assert not torch.allclose(swapped, full, atol=1e-3), "the weights follow their halves"
+
+
+@pytest.mark.parametrize(("prompts", "blocks"), [
+    (["a", "a", "b", "b"], 2), (["a", "a", "a", "a"], 4), (["a", "a", "b", "b", "c", "c"], 2),
+    (["a", "a", "b", "b", "b", "b"], 2), (["a", "b", "a", "b"], 1), (["a", "a", "a", "b"], 1),
+    (["a", "a", "b", "c"], 1), (["a"], 1), (["a", "b", "c", "d"], 1)])
+def test_rows_share_a_prefix_only_in_equal_blocks_of_one_prompt(prompts, blocks):
+    from rollout_lib.backends.compact_qwen3 import prompt_blocks
+
+    assert prompt_blocks([tuple(p) for p in prompts]) == blocks
+
+
+def test_the_shared_prefix_decode_cascades_per_block_and_keeps_the_tokens(smoke_study, snapshot_cache, monkeypatch,
+                                                                         outputs):
+    """Issue 43 item 5 candidate (DECODE_PREFIX "shared" with fa3): a block of n rows with one prompt attends to
+    the prompt once, from the block's first row, with its n rows as query positions, and each row to its own
+    generated columns; the halves merge by log-sum-exp. On the CPU FA3 is replaced by its semantics: float32
+    tokens and log-probabilities are the default engine's; a batch whose prompts are not in blocks, and a lone
+    request, decode per row."""
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "_check_fa3", lambda device, dtype: None)
+    calls = []
+
+    def kernel(q, k, v, seqused_k, leftpad_k, scale):
+        calls.append((tuple(q.shape), k.shape[0], seqused_k.tolist(), leftpad_k.tolist()))
+        return _reference_fa3_with_lse(q, k, v, seqused_k, leftpad_k, scale)
+
+    monkeypatch.setattr(compact_qwen3, "_fa3_attention", kernel)
+    workload = Workload(smoke_study)
+    arch = workload.arch
+    want = {r.request_id: r for cell in CELLS for r in outputs[("float32", "graphs")]["runs"][cell]}
+    with synced_engine(smoke_study, snapshot_cache, outputs,
+                       engine={"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}) as backend:
+        assert backend.environment()["decode_prefix"] == "shared"
+        for cell in CELLS:  # 4 prompts x 2 samples, prompt-major: blocks of 2
+            requests = workload.requests(workload.cell(cell))
+            calls.clear()
+            results = backend.generate(requests).results
+            assert_same_results(results, [want[r.request_id] for r in results])
+            prompt = len(requests[0].prompt_token_ids)
+            shared = [c for c in calls if c[0][1] == 2]
+            assert shared and all(c[0] == (4, 2, arch.num_attention_heads, arch.head_dim) and c[1] == 4
+                                  and c[2] == [prompt] * 4 and c[3] == [0] * 4 for c in shared), shared[:2]
+            own = [c for c in calls if c[0][1] == 1]
+            assert len(own) == len(shared) and all(c[3] == [prompt] * 8 for c in own)
+        assert sorted(backend.buckets.shared_prefix_buckets) and \
+            {key[2] for key in backend.buckets.shared_prefix_buckets} == {2}
+        assert "graph_buckets_shared_prefix" in backend.environment()
+        requests = workload.requests(workload.cell(CELLS[0]))
+        interleaved = requests[0::2] + requests[1::2]  # q0s0, q1s0, ... : not in blocks
+        calls.clear()
+        results = backend.generate(interleaved).results
+        assert_same_results(results, [want[r.request_id] for r in results])
+        assert calls and all(c[0][1] == 1 and c[3] == [0] * 8 for c in calls), "per row: no prefix call"
+
+
+def test_the_shared_prefix_merge_compiles_with_the_step(smoke_study, snapshot_cache, monkeypatch, outputs):
+    """With the step compiled (as on the GPU), the two halves' merge is one compiled function per engine, and the
+    float32 tokens stay the default engine's."""
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "_check_fa3", lambda device, dtype: None)
+    monkeypatch.setattr(compact_qwen3, "_fa3_attention", _reference_fa3_with_lse)
+    torch._dynamo.reset()
+    workload = Workload(smoke_study)
+    cell = "p16-r24-n2-stochastic"
+    with synced_engine(smoke_study, snapshot_cache, outputs, step_compile="inductor",
+                       engine={"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}) as backend:
+        assert backend.engine.merge is not compact_qwen3.merge_attention_states
+        assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results,
+                            outputs[("float32", "graphs")]["runs"][cell])
+
+
 @pytest.mark.parametrize(("settings", "dtype", "message"), [
     ({"LORA_SHRINK": "in_base_gemm"}, "float32",
      r"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not torch\.float32"),
     ({"ATTENTION_BACKEND": "fa3"}, "bfloat16", r"ATTENTION_BACKEND fa3 needs a bf16 engine on a Hopper GPU .*cpu"),
+    ({"DECODE_PREFIX": "shared"}, "float32",
+     r"DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 .*; this engine: ATTENTION_BACKEND auto"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):

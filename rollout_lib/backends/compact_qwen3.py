@@ -188,10 +188,32 @@ def _fa3_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: to
     to columns leftpad_k[b] <= j < seqused_k[b] (int32) -- FA3 counts seqused_k from column 0, padding
     included. Query head h reads kv head h // (H / Hk), as the grouped rows here. FA3 chooses split-KV and
     packed GQA by its heuristics, from the static shapes, so a captured graph replays one kernel plan."""
+    return _fa3_attention(q, k, v, seqused_k, leftpad_k, scale)[0]
+
+
+def _fa3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor,
+                   leftpad_k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA3's forward as `_fa3_decode` calls it, for T >= 1 query positions per batch entry (q [B, T, H, D], not
+    causal: every position sees the whole column range), with its log-sum-exp: (out [B, T, H, D],
+    lse [B, H, T] float32)."""
     out = _fa3_op()(q, k, v, None, None, None, None, None, None, None, None, seqused_k, None, None, None, None,
                     leftpad_k, None, None, None, None, None, None, scale, False, -1, -1, 0.0, True, None, 0, None,
                     0, None, 1, 0, None)
-    return out[0]
+    return out[0], out[1]
+
+
+def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                           lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint column ranges merged into attention over both (outputs [B, T, H, D], their
+    log-sum-exps [B, H, T]): each output weighted by its share of the total softmax mass, in float32."""
+    import torch
+
+    top = torch.maximum(lse_a, lse_b)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = weight_a + weight_b
+    share_a = (weight_a / total).transpose(1, 2).unsqueeze(-1)  # [B, T, H, 1]
+    share_b = (weight_b / total).transpose(1, 2).unsqueeze(-1)
+    return (out_a.float() * share_a + out_b.float() * share_b).to(out_a.dtype)
 
 
 def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_rows: int,
@@ -274,6 +296,15 @@ class Layer:
 #   compiled step: 4-16 programs, ~85 us per step on the H200, lease 23's traces); "chunked" (issue 43
 #   candidate): the same noise and formulas with every vocabulary reduction split into up to 128 chunks
 #   (`counter_noise.sample_chunked`). The probe's `+chunkedsampler`.
+# - DECODE_PREFIX "per_row" (the default): each row's decode attention reads its own copy of its prompt's k/v;
+#   "shared" (issue 43 item 5, candidate; with ATTENTION_BACKEND "fa3" only): when a batch's rows come in
+#   blocks of n consecutive rows with one prompt each (a GRPO group, the workload's n > 1 cells), each
+#   decode step attends once per block to the prompt's columns, held by the block's first row, with the
+#   block's n rows as n query positions, and once per row to its own generated columns; the two halves merge
+#   by their log-sum-exp (`merge_attention_states`, cascade attention as vLLM does it for shared prefixes).
+#   The prompt's k/v is read once per block instead of n times (at p512-r512-n4, 16 rows: about half the
+#   step's cache reads); the price is a second FA3 call and a merge per layer. One graph per (rows, length,
+#   n). Other batches decode per row.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -293,6 +324,8 @@ STEP_PIECES = "per_half_layer"
 STEP_PIECES_ALLOWED = ("per_half_layer", "across_layers")
 SAMPLER = "row"
 SAMPLER_ALLOWED = ("row", "chunked")
+DECODE_PREFIX = "per_row"
+DECODE_PREFIX_ALLOWED = ("per_row", "shared")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -307,7 +340,7 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
 ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAND_ALLOWED,
                    "ATTENTION_BACKEND": ATTENTION_BACKEND_ALLOWED, "PREFILL": PREFILL_ALLOWED,
                    "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED,
-                   "SAMPLER": SAMPLER_ALLOWED}
+                   "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -441,6 +474,10 @@ class CompactQwen3:
         self.prefill_step = setting("PREFILL_STEP")
         self.step_pieces = setting("STEP_PIECES")
         self.sampler_reduction = setting("SAMPLER")
+        self.decode_prefix = setting("DECODE_PREFIX")
+        if self.decode_prefix == "shared" and self.attention_backend != "fa3":
+            raise ValueError("DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 (its kernel returns the log-sum-exp "
+                             f"the two halves merge by); this engine: ATTENTION_BACKEND {self.attention_backend}")
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -491,6 +528,9 @@ class CompactQwen3:
         sample = (counter_noise.sample if self.sampler_reduction == "row" else
                   functools.partial(counter_noise.sample_chunked, chunks=counter_noise.vocabulary_chunks(self.vocab)))
         self.sample = compile(sample) if self.compiled else sample
+        # DECODE_PREFIX "shared": the merge of the two attention halves as one kernel per layer, not ~10
+        self.merge = (compile(merge_attention_states) if self.compiled and self.decode_prefix == "shared"
+                      else merge_attention_states)
 
     def mark_rows(self, *tensors: torch.Tensor | None) -> None:
         """Before a compiled piece is called with these per-row tensors (dimension 0 = rows): with
@@ -755,13 +795,16 @@ class CompactQwen3:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
                 mask: torch.Tensor, keep: int = 1, compiled: bool = False,
-                pad: torch.Tensor | None = None) -> torch.Tensor:
+                pad: torch.Tensor | None = None, group: int = 1,
+                prefix_end: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits of the last position of each row [B, V] (tokens/positions [B, T]); with
         `keep` > 1, of the last `keep` positions [B, keep, V] (teacher-forced scoring). Writes this
         chunk's k/v at cache columns `write` [T]; mask: boolean [B, 1, T, L]. `compiled`: the
         per-layer pieces through inductor (the decode step; the prefill too with PREFILL_STEP "compiled_graph";
         see __init__). `pad` [B]: each row's
-        left padding, which a decode step passes for ATTENTION_BACKEND "fa3" (the mask, in columns)."""
+        left padding, which a decode step passes for ATTENTION_BACKEND "fa3" (the mask, in columns). `group` > 1
+        (DECODE_PREFIX "shared", fa3): rows come in blocks of `group` sharing one prompt, whose k/v columns
+        [pad, prefix_end) the block's first row holds; attention is then cascaded (see DECODE_PREFIX)."""
         import torch
 
         before, after = ((self.before_attention, self.after_attention) if compiled
@@ -779,6 +822,12 @@ class CompactQwen3:
             batch = tokens.shape[0]
             seqused_k = (write + 1).to(torch.int32).expand(batch).contiguous()
             leftpad_k = pad.to(torch.int32)
+            cascade = group > 1 and prefix_end is not None
+            if cascade:  # the block's prompt [pad, prefix_end) once per block; each row's own [prefix_end, write]
+                blocks = batch // group
+                prefix_used = prefix_end.to(torch.int32).expand(blocks).contiguous()
+                prefix_pad = leftpad_k[::group].contiguous()
+                own_start = prefix_end.to(torch.int32).expand(batch).contiguous()
         elif not flex:
             bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
@@ -803,6 +852,18 @@ class CompactQwen3:
                 cache.v[index].index_copy_(2, write, v)
             if flex:
                 attn = _flex_attention(q, cache.k[index], cache.v[index], allowed, scale)
+            elif fa3 and cascade:  # a block's rows are its n query positions over the block's first row's prompt
+                rows_q = q.reshape(batch, 1, self.heads, self.head_dim)
+                shared, shared_lse = _fa3_attention(
+                    rows_q.reshape(blocks, group, self.heads, self.head_dim),
+                    cache.k[index][::group].transpose(1, 2), cache.v[index][::group].transpose(1, 2), prefix_used,
+                    prefix_pad, scale)
+                own, own_lse = _fa3_attention(rows_q, cache.k[index].transpose(1, 2), cache.v[index].transpose(1, 2),
+                                              seqused_k, own_start, scale)
+                attn = self.merge(
+                    shared.reshape(batch, 1, self.heads, self.head_dim),
+                    shared_lse.transpose(1, 2).reshape(batch, 1, self.heads).transpose(1, 2), own,
+                    own_lse).reshape(q.shape)
             elif fa3:  # grouped rows [B, kv, G, D] are the query heads h = kv * G + g: [B, 1, H, D] and back
                 attn = _fa3_decode(q.reshape(batch, 1, self.heads, self.head_dim),
                                    cache.k[index].transpose(1, 2), cache.v[index].transpose(1, 2), seqused_k,
@@ -901,15 +962,15 @@ class StaticCache:
 
 def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor, pad: torch.Tensor,
                 seeds: torch.Tensor, step: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
-                columns: torch.Tensor, k: list[torch.Tensor],
-                v: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                columns: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], group: int = 1,
+                prefix_end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step for every row of a bucket: mask and positions from the per-row padding, the
     forward pass, and the in-graph sampler. A pure function of its tensors (what is captured)."""
     valid = (columns[None, :] <= write) & (columns[None, :] >= pad[:, None])
     valid = valid | (columns[None, :] == write)  # a row never attends to nothing
     positions = (write - pad)[:, None]
     logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :],
-                            compiled=engine.compiled, pad=pad)
+                            compiled=engine.compiled, pad=pad, group=group, prefix_end=prefix_end)
     engine.mark_rows(logits, seeds, inv_temperature, greedy)
     return engine.sample(logits, seeds, step, inv_temperature, greedy)
 
@@ -922,14 +983,18 @@ class DecodeBucket:
     noise), `inv_temperature` [B], `greedy` [B]. A step also advances its own inputs (the sampled
     tokens become the next `tokens`; `write` and `step` count up), so the host only replays, and it
     leaves the sampled tokens and their log-probabilities in `out` [2, B] (float64, exact for both),
-    read back in one transfer.
+    read back in one transfer. With `group` > 1 (DECODE_PREFIX "shared"), rows come in blocks of `group` with
+    one prompt each, and `prefix_end` [1] (the first decode column) ends the prompt the blocks share.
     """
 
-    def __init__(self, engine: CompactQwen3, cache: StaticCache, length: int, use_graph: bool):
+    def __init__(self, engine: CompactQwen3, cache: StaticCache, length: int, use_graph: bool, group: int = 1):
         import torch
 
         rows = cache.k[0].shape[0]
-        self.engine, self.rows, self.length = engine, rows, length
+        if group < 1 or rows % group:
+            raise ValueError(f"group {group}: rows ({rows}) must come in blocks of it")
+        self.engine, self.rows, self.length, self.group = engine, rows, length, group
+        self.prefix_end = torch.ones(1, dtype=torch.long, device=engine.device)  # warm-up: a one-column prompt
         device = engine.device
         self.cache = cache.view(length)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
@@ -950,13 +1015,16 @@ class DecodeBucket:
         """Set the first decode step: its input tokens [B], the cache column it writes, its noise step."""
         self.tokens.copy_(tokens)
         self.write.fill_(column)
+        if self.group > 1:
+            self.prefix_end.fill_(column)
         self.step.fill_(step)
 
     def _step(self) -> None:
         import torch
 
         tokens, logprobs = decode_step(self.engine, self.tokens, self.write, self.pad, self.seeds, self.step,
-                                       self.inv_temperature, self.greedy, self.columns, self.cache.k, self.cache.v)
+                                       self.inv_temperature, self.greedy, self.columns, self.cache.k, self.cache.v,
+                                       self.group, self.prefix_end if self.group > 1 else None)
         self.out.copy_(torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))))
         self.tokens.copy_(tokens)
         self.write.add_(1)
@@ -1107,23 +1175,28 @@ class BucketSet:
         self._prefill_pool = None
         self.caches: dict[int, StaticCache] = {}
         self.buckets: dict[tuple[int, int], DecodeBucket] = {}
+        self.shared_prefix_buckets: dict[tuple[int, int, int], DecodeBucket] = {}  # DECODE_PREFIX "shared"
 
-    def get(self, rows: int, length: int) -> DecodeBucket:
-        key = (rows, length)
-        if key not in self.buckets:
+    def get(self, rows: int, length: int, group: int = 1) -> DecodeBucket:
+        """The bucket of (rows, length), or of (rows, length, group) for blocks of `group` rows sharing a prompt
+        (its own graph, the same cache)."""
+        key = (rows, length) if group == 1 else (rows, length, group)
+        found = self.buckets if group == 1 else self.shared_prefix_buckets
+        if key not in found:
             if length > self.max_length:
                 raise ValueError(f"cache length {length} exceeds the allocated {self.max_length}")
             if rows not in self.caches:
                 self.caches[rows] = StaticCache.allocate(self.engine, rows, self.max_length)
-            self.buckets[key] = DecodeBucket(self.engine, self.caches[rows], length, self.use_graphs)
-        return self.buckets[key]
+            found[key] = DecodeBucket(self.engine, self.caches[rows], length, self.use_graphs, group)
+        return found[key]
 
     def prefill(self, bucket: DecodeBucket, width: int, distinct: int | None = None) -> PrefillGraph:
         """The prefill graph of `bucket` for prompts `width` wide (of `distinct` distinct prompts, if fewer than
         the rows), captured on first use (one memory pool for all of them: they replay one at a time on one
         stream, and each one's outputs stay allocated)."""
         distinct = distinct if distinct is not None and distinct < bucket.rows else None
-        key = (bucket.rows, width, bucket.length, distinct)
+        # a prefill graph reads its bucket's inputs: a shared-prefix bucket of the same rows has its own
+        key = (bucket.rows, width, bucket.length, distinct) + ((bucket.group,) if bucket.group > 1 else ())
         if key not in self.prefills:
             if bucket.graph is not None and self._prefill_pool is None:
                 import torch
@@ -1138,7 +1211,7 @@ class BucketSet:
 
     @property
     def capture_s(self) -> float:
-        return (sum(b.capture_s or 0.0 for b in self.buckets.values())
+        return (sum(b.capture_s or 0.0 for b in (*self.buckets.values(), *self.shared_prefix_buckets.values()))
                 + sum(p.capture_s or 0.0 for p in self.prefills.values()))
 
 
@@ -1154,6 +1227,21 @@ def distinct_prompts(prompts: list) -> tuple[list[int], list[int]]:
     first: dict[tuple, int] = {}
     spread = [first.setdefault(tuple(p), len(first)) for p in prompts]
     return [spread.index(u) for u in range(len(first))], spread
+
+
+def prompt_blocks(prompts: list) -> int:
+    """DECODE_PREFIX "shared": n when the rows are blocks of n > 1 consecutive rows, each block one prompt (rows
+    g*n .. g*n + n - 1, the workload's prompt-major order); else 1 (decode per row)."""
+    rows = len(prompts)
+    n = 1
+    while n < rows and tuple(prompts[n]) == tuple(prompts[0]):
+        n += 1
+    if n == 1 or rows % n:
+        return 1
+    for start in range(0, rows, n):
+        if any(tuple(prompts[row]) != tuple(prompts[start]) for row in range(start, start + n)):
+            return 1
+    return n
 
 
 def _prefill_eager(engine: CompactQwen3, bucket: DecodeBucket, ids: torch.Tensor,
@@ -1190,7 +1278,9 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
     rows = len(requests)
     width = max(len(r.prompt_token_ids) for r in requests)
     longest = max(r.max_new_tokens for r in requests)
-    bucket = buckets.get(rows, bucket_length(width, longest))
+    group = (prompt_blocks([r.prompt_token_ids for r in requests])
+             if engine.decode_prefix == "shared" and engine.attention_backend == "fa3" else 1)
+    bucket = buckets.get(rows, bucket_length(width, longest), group)
     # PREFILL "shared_prompts": each distinct prompt's first row and each row's distinct prompt (None: per row)
     pick, spread = (distinct_prompts([r.prompt_token_ids for r in requests]) if engine.prefill == "shared_prompts"
                     else (None, None))

@@ -202,9 +202,11 @@ class HFCachedBackend(HFBackendBase):
                       **{key: getattr(self.engine, key) for key, default in (
                           ("lora_shrink", "reductions"), ("lora_expand", "reductions"), ("attention_backend", "auto"),
                           ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"),
-                          ("sampler_reduction", "row"))
+                          ("sampler_reduction", "row"), ("decode_prefix", "per_row"))
                          if getattr(self.engine, key) != default},
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
+                      **({"graph_buckets_shared_prefix": sorted(self.buckets.shared_prefix_buckets)}
+                         if self.buckets and self.buckets.shared_prefix_buckets else {}),
                       "graph_capture_s": self.buckets.capture_s if self.buckets else None,
                       "static_cache_bytes": self.buckets.cache_bytes if self.buckets else None,
                       "sampler": "counter-based noise (seed, step, vocab index), exponential race"}

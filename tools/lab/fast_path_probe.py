@@ -15,6 +15,7 @@ configuration per reduction, no benchmark at first launch: the choice that moved
 0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`. Issue 43's
 candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`, `+maxat`, `+combo`,
 `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
+`+sharedprefix` (with `+fa3`: each block of n rows reads its shared prompt's k/v once),
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step.
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
@@ -65,7 +66,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "sharedprefill": ("PREFILL", "shared_prompts"),
             "prefillgraph": ("PREFILL_STEP", "compiled_graph"),
             "acrosslayers": ("STEP_PIECES", "across_layers"),
-            "chunkedsampler": ("SAMPLER", "chunked")}
+            "chunkedsampler": ("SAMPLER", "chunked"),
+            # with +fa3: a block of n rows with one prompt reads the prompt's k/v once (cascade attention)
+            "sharedprefix": ("DECODE_PREFIX", "shared")}
 
 
 def use_before(path):
