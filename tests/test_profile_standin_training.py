@@ -70,3 +70,22 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--arch", "qwen9", "--device", "cpu", "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_a_failing_variant_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    from rollout_lib.models import train_standin
+
+    real = train_standin.make_optimizer
+
+    def make_optimizer(model, recipe, kernels):
+        if kernels.optimizer == "fused":
+            raise RuntimeError("fused AdamW refused (simulated)")
+        return real(model, recipe, kernels)
+
+    monkeypatch.setattr(train_standin, "make_optimizer", make_optimizer)
+    assert main(["--arch", "tiny", "--device", "cpu", "--variants", "eager,eager+fused,sdpa", "--warmup", "1",
+                 "--steps", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())["variants"]
+    assert rows["eager+fused"]["error"] == "RuntimeError: fused AdamW refused (simulated)"
+    assert "tokens_per_s" not in rows["eager+fused"] and rows["sdpa"]["tokens_per_s"] > 0
+    assert rows["sdpa"]["tokens_per_s_over_first"] > 0 and rows["eager"]["tokens_per_s_over_first"] == 1.0

@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -110,6 +111,18 @@ def gradients_repeat(model, batch, kernels, autocast: bool) -> dict:
             "identical": not differing and bool(torch.equal(loss_a, loss_b))}
 
 
+def _write_summary(out: Path, summary: dict, names: list[str]) -> None:
+    """summary.json after each variant (a job cut off keeps what it measured), with each variant's tok/s over the
+    first variant's where both measured."""
+    reference = summary["variants"].get(names[0], {}).get("tokens_per_s")
+    for row in summary["variants"].values():
+        if reference and "tokens_per_s" in row:
+            row["tokens_per_s_over_first"] = round(row["tokens_per_s"] / reference, 3)
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    tmp.replace(out / "summary.json")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b or tiny")
@@ -173,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                 token_stream(plan.manifest, plan.bpe_vocab_size, "heldout")))
         eval_set = eval_windows(heldout_ids, plan.recipe)
         train_set = windows(train_ids, plan.recipe.sequence_tokens)
-        for name in names:
+        def measure(name: str, row: dict) -> None:
             kernels, batch_factor = variants[name]
             recipe = replace(plan.recipe, batch_sequences=plan.recipe.batch_sequences * batch_factor)
-            row: dict = {"kernels": kernels.describe(), "tokens_per_step": recipe.tokens_per_step}
+            row["tokens_per_step"] = recipe.tokens_per_step
             with deterministic_kernels(device, kernels):
                 model, row["load_s"] = _timed(device, lambda k=kernels: _load_float32(Path(tmp), device, k.attention))
                 if name == names[0]:
@@ -211,21 +224,29 @@ def main(argv: list[str] | None = None) -> int:
             row["steps"] = len(timed)
             row["median_s"] = {k: round(statistics.median(p[k] for p in timed), 5) for k in timed[0]}
             row["tokens_per_s"] = round(recipe.tokens_per_step / row["median_s"]["step_s"], 1)
+
+        for name in names:
+            row: dict = {"kernels": variants[name][0].describe()}
             summary["variants"][name] = row
-            del model, optimizer
+            try:
+                measure(name, row)
+            except Exception as exc:  # one variant failing (flash refusing an input, an OOM) must not cost the rest
+                traceback.print_exc()
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             if cuda:
                 torch.cuda.empty_cache()
-    reference = summary["variants"][names[0]]["tokens_per_s"]
-    for row in summary["variants"].values():
-        row["tokens_per_s_over_first"] = round(row["tokens_per_s"] / reference, 3)
-    path = args.out / "summary.json"
-    path.write_text(json.dumps(summary, indent=1) + "\n")
+            _write_summary(args.out, summary, names)
     for name, row in summary["variants"].items():
+        if "error" in row:
+            print(f"{name}: FAILED {row['error']}")
+            continue
         repeat = row["gradients_repeat"]
-        print(f"{name}: step {row['median_s']['step_s']:.3f} s ({row['tokens_per_s']:.0f} tok/s, "
-              f"x{row['tokens_per_s_over_first']:.2f}): "
+        ratio = row.get("tokens_per_s_over_first")
+        print(f"{name}: step {row['median_s']['step_s']:.3f} s ({row['tokens_per_s']:.0f} tok/s"
+              + (f", x{ratio:.2f}" if ratio is not None else "") + "): "
               + ", ".join(f"{k} {v:.3f}" for k, v in row["median_s"].items() if k != "step_s")
               + f"; gradients {'identical' if repeat['identical'] else 'DIFFER'} when repeated")
+    path = args.out / "summary.json"
     print("setup: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["setup_s"].items()) + f"; wrote {path}")
     return 0
 
