@@ -220,3 +220,19 @@ def test_the_side_by_side_is_speed_evidence_and_the_lora_tax_stays_with_exactnes
     exactness = sections.exactness_html(aggregate, prereg_study, reproducibility(aggregate, inputs), "h200-v2",
                                         tmp_path)
     assert "tax.json" in exactness and "side.json" not in exactness
+
+
+def test_a_side_by_side_of_candidate_settings_says_so_in_its_caption(tmp_path):
+    """A run with `--hf-cached-option engine=...` measured candidates, not the engine a campaign measured: the
+    report's caption names the options; a run without options adds nothing."""
+    from rollout_lib.report.diagnostics import caption
+
+    base = {"kind": "vllm_inprocess_diagnostic", "variants": ["inprocess_no_adapter", "hf_cached"], "rows": []}
+    path = tmp_path / "vllm-diagnostic-hf_cached-h200.json"
+    path.write_text(json.dumps(base))
+    plain = caption(path, base)
+    assert "bandwidth floor" in plain and "options" not in plain and "candidates" not in plain
+    with_options = dict(base, hf_cached_options={"engine": {"LORA_SHRINK": "in_base_gemm", "ATTENTION_BACKEND": "fa3"}})
+    text = caption(path, with_options)
+    assert ('hf_cached with options `engine={"ATTENTION_BACKEND": "fa3", "LORA_SHRINK": "in_base_gemm"}` '
+            "(candidates, not the campaign's engine)") in text

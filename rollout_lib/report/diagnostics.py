@@ -7,6 +7,7 @@ reader can re-derive every number from it, but no gate or selection reads these 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,11 @@ def caption(path: Path, report: dict[str, Any]) -> str:
     if "hf_cached" in report.get("variants", []):
         title = ("hf_cached (live LoRA) against vLLM's in-process engine without LoRA, and its decode step "
                  "against the bandwidth floor" if "managed" not in report["variants"] else f"{title}, with hf_cached")
+    options = report.get("hf_cached_options") or {}
+    if options:  # candidate settings, not the engine a campaign measured: the caption says so
+        title += ("; hf_cached with options " + ", ".join(f"`{key}={json.dumps(value, sort_keys=True)}`"
+                                                          for key, value in sorted(options.items()))
+                  + " (candidates, not the campaign's engine)")
     ran = len(report.get("rungs", report.get("rows", [])))
     partial = ("" if report.get("complete", True) else
                f" — **incomplete**: {ran} of {len(report.get('rungs_planned', []))} settings ran before it stopped")
