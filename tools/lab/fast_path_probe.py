@@ -211,6 +211,10 @@ def main() -> int:
                                                                          if backend.buckets else [])}}
             write(args.out, report)  # each step lands as it comes (a killed probe keeps what it measured)
             report[variant]["cells"] = measure(backend, workload, cells, args.repetitions)
+            shared = getattr(backend.buckets, "shared_prefix_buckets", None) or {}
+            if shared:  # DECODE_PREFIX "shared": captured at a cell's first (warm-up) call
+                report[variant]["capture_s_by_shared_prefix_bucket"] = {
+                    f"{r}x{n}x{g}": b.capture_s for (r, n, g), b in shared.items()}
             if torch.cuda.is_available():
                 report[variant]["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
                 report[variant]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
