@@ -13,8 +13,8 @@ change one thing each, to read the changes apart: `+f32head` forces the float32 
 coordinate-descent tuning of launch configurations, `+det` inductor's deterministic mode (one fixed
 configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
 0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`. Issue 43's
-candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`, `+maxat`, `+combo`,
-`+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
+candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`,
+`+maxat`, `+combo`, `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
 `+sharedprefix` (with `+fa3`: each block of n rows reads its shared prompt's k/v once),
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step.
