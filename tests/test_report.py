@@ -673,3 +673,20 @@ def test_cycle_finding_counts_every_failing_run_it_does_not_name():
     assert "the memory gate fails in 4 run(s)" in finding and "and 1 more)" in finding
     shared = text.split("h200-cycle-fast-shared-head:", 1)[1].split("<", 1)[0]
     assert "memory gate fails" not in shared
+
+
+def test_the_report_renders_to_the_same_bytes_twice(smoke_html, smoke_study):
+    """Table ids come from the tables' content, not pandas' random default: a reviewer who renders the report
+    again from the same evidence gets the same file (and a diff of two reports shows only what changed)."""
+    import pandas as pd
+
+    from rollout_lib.report.summary import styled
+
+    _, out = smoke_html
+    first = (out / "report" / "smoke.html").read_bytes()
+    again = render("smoke", str(SMOKE), out).read_bytes()
+    assert first == again
+    one, other = pd.DataFrame({"a": ["PASS"]}), pd.DataFrame({"a": ["FAIL"]})
+    assert styled(one).to_html() == styled(one.copy()).to_html()
+    ids = [re.search(r'<table id="(T_[0-9a-f]+)"', styled(f).to_html()).group(1) for f in (one, other)]
+    assert ids[0] != ids[1], "different tables, different ids"
