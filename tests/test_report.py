@@ -541,6 +541,51 @@ def test_an_exactness_failure_is_attributed_from_its_evidence(tmp_path, smoke_st
     assert broken["source"] == "backend" and "greedy 20/24" in broken["sentence"]
 
 
+@pytest.mark.parametrize(("trained", "oracle_noise", "source", "words"), [
+    (0.0325, None, "stand-in model", "whether that rest is the backend's or bf16 noise the oracle shows against "
+                                     "itself is not measured yet"),
+    (0.0325, 0.04, "stand-in model", "the oracle itself differs by 0.04 between batch compositions, as much: bf16 "
+                                     "noise, not the backend's"),
+    (0.0325, 0.012, "stand-in model and backend", "the oracle itself differs by only 0.012 between batch "
+                                                  "compositions: the rest, up to 0.0325, is the backend's"),
+    (0.008, None, "stand-in model", "not from the backend: a stand-in trained on real text reads 0.008"),
+])
+def test_the_trained_stand_in_qualifies_where_the_bf16_gap_comes_from(tmp_path, prereg_study, trained, oracle_noise,
+                                                                      source, words):
+    """Issue 42's ladder beside the gate: on a synthetic actor, float32-exact and bf16 beyond tolerance, the verdict
+    says how much a stand-in trained on real text still shows, and (when measured) whether the oracle's own bf16
+    noise covers the rest; without a ladder the sentence is as before."""
+    import json
+
+    from rollout_lib.report.answer import exactness_reading, what_would_change
+
+    path = tmp_path / "conformance.json"
+    path.write_text(json.dumps({
+        "float32": {"greedy_free_running_identical": 24, "greedy_free_running_requests": 24,
+                    "partitions_identical": 96, "partitions_requests": 96},
+        "verdict": {"checks": {"a_float32_greedy_exact": True, "c_sampled_logprob_within_tolerance": False}}}))
+    aggregate = {"gates": [{"id": "local_conformance", "kind": "conformance", "passed": False, "threshold": 0.01,
+                            "observed_max": 0.389, "unit": "nats", "used_evidence": [str(path)],
+                            "failing_cells": [{"cell_id": None, "reason": "check c failed"}]}]}
+    ladder = {"local_max": trained, "random_max": 0.356, "cells": "prompts 128, responses 64,256",
+              "oracle_batch_max": oracle_noise, "oracle_run_max": 0.0 if oracle_noise is not None else None,
+              "label": "trained", "evidence": []}
+    reading = exactness_reading(aggregate, prereg_study, "local_conformance", ladder)
+    assert reading["source"] == source and words in reading["sentence"], reading["sentence"]
+    assert "0.389 against 0.01 (39× the tolerance)" in reading["sentence"]
+    if trained > 0.01:
+        assert (f"a stand-in trained on real text reads {trained:g} on the same check, "
+                f"{0.356 / trained:.0f}× lower than this study's actor on the same cells") in reading["sentence"]
+        assert f"still {trained / 0.01:.1f}× the tolerance" in reading["sentence"]
+        assert f"still reads {trained:g} on local conformance" in what_would_change(aggregate, prereg_study, ladder)
+    else:
+        assert "within the tolerance" in reading["sentence"]
+        assert "still reads" not in what_would_change(aggregate, prereg_study, ladder)
+    plain = exactness_reading(aggregate, prereg_study, "local_conformance")
+    assert plain["sentence"].endswith("that comes from the random stand-in model, which amplifies bf16 rounding, "
+                                      "not from the backend")
+
+
 def test_sealed_after_the_fact_is_shown_only_when_the_aggregate_has_it(smoke_html, smoke_study):
     import json
 

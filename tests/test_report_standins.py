@@ -59,3 +59,32 @@ def test_no_stand_in_folder_adds_nothing(tmp_path):
     study = load(SMOKE)
     assert standin_ladder(tmp_path, study.sha256) == []
     assert _standin_ladder_html(tmp_path, study) == ""
+
+
+def test_the_trained_reading_gives_the_numbers_the_verdict_cites(tmp_path):
+    from rollout_lib.report.standins import trained_reading
+
+    study = load(SMOKE)
+    assert trained_reading(tmp_path, study.sha256) is None
+    folder = tmp_path / "perf" / "standins-lease99"
+    folder.mkdir(parents=True)
+    prereg = folder / "trained.yaml"
+    prereg.write_text("study_id: trained\n")
+    trained_sha = sha256_file(prereg)
+    (folder / "conformance-R.json").write_text(json.dumps(_local(study.sha256, 0.356, 0.9672)))
+    assert trained_reading(tmp_path, study.sha256) is None, "the study's own actor is not a trained stand-in"
+    (folder / "conformance-T.json").write_text(json.dumps(_local(trained_sha, 0.0325, 0.99921875)))
+    reading = trained_reading(tmp_path, study.sha256)
+    assert (reading["local_max"], reading["random_max"], reading["oracle_batch_max"]) == (0.0325, 0.356, None)
+    assert reading["cells"] == "prompts 128, responses 64,256"
+    (folder / "oracle-T.json").write_text(json.dumps({
+        "kind": "oracle_self_consistency", "preregistration_sha256": trained_sha, "max_abs_diff": 0.02,
+        "scoring_noise": {"run_to_run_max_abs_diff": 0.0, "batch_composition_max_abs_diff": 0.0123}}))
+    reading = trained_reading(tmp_path, study.sha256)
+    assert (reading["oracle_batch_max"], reading["oracle_run_max"]) == (0.0123, 0.0)
+    assert reading["evidence"] == ["perf/standins-lease99/conformance-T.json", "perf/standins-lease99/oracle-T.json"]
+
+    other = _local(study.sha256, 0.356, 0.9672)
+    other["settings"] = {"prompt_tokens": [512], "response_tokens": [64]}
+    (folder / "conformance-R.json").write_text(json.dumps(other))
+    assert trained_reading(tmp_path, study.sha256)["random_max"] is None, "other cells: no ratio"

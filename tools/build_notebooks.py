@@ -156,7 +156,7 @@ def summary_notebook() -> nbformat.NotebookNode:
     nb.cells = [
         new_code_cell(SUMMARY_PARAMETERS, metadata={"tags": ["parameters", "remove-cell"]}),
         code(SUMMARY_LOAD),
-        code("display(HTML(answer.answer_html(aggregate, study, campaign)))"),
+        code("display(HTML(answer.answer_html(aggregate, study, campaign, out)))"),
         code("display(HTML(sections.speed_html(aggregate, study, inputs, out)))"),
         code("display(HTML(sections.exactness_html(aggregate, study, reproducibility(aggregate, inputs), campaign, "
              "out)))"),

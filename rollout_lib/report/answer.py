@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lib.core import project_root
+from rollout_lib.report.standins import trained_reading
 from rollout_lib.report.summary import BACKEND_ORDER, GIB, gate_outcome, read_evidence
 from rollout_lib.study.prereg import Preregistration
 from rollout_lib.study.workload import Workload
@@ -99,10 +100,42 @@ def short(path: str | None) -> str:
 # ---------------------------------------------------------------- exactness, in plain words
 
 
-def exactness_reading(aggregate: dict[str, Any], study: Preregistration, gate_id: str) -> dict[str, Any]:
-    """What a conformance gate's failure is, by how much, and where it comes from, from its evidence file.
-    Keys: outcome, sentence (plain words), source ('backend', 'stand-in model', 'undecided', or None when it
-    passes or lacks evidence), evidence (path)."""
+def _trained_clause(ladder: dict[str, Any], tolerance: float) -> tuple[str, str, str, str]:
+    """(where the bf16 gap comes from, its short form, source, source in words) when the exactness ladder
+    (report/standins.py: `trained_reading`) has the same check on a stand-in trained on real text: a diagnostic
+    beside the gates."""
+    value = ladder["local_max"]
+    lower = (f", {ladder['random_max'] / value:.0f}× lower than this study's actor on the same cells"
+             if ladder.get("random_max") else "")
+    trained = (f"a stand-in trained on real text reads {value:.3g} on the same check{lower} ({ladder['cells']}; "
+               "a diagnostic beside the gates)")
+    if value <= tolerance:
+        return (f"that comes from the random stand-in model, which amplifies bf16 rounding, not from the backend: "
+                f"{trained}, within the tolerance", f"from the stand-in model; a trained one reads {value:.3g}",
+                "stand-in model", "stand-in model")
+    noise = ladder.get("oracle_batch_max")
+    if noise is None:
+        rest, source, words = ("whether that rest is the backend's or bf16 noise the oracle shows against itself is "
+                               "not measured yet", "stand-in model", "mostly the stand-in model; the rest undecided")
+    elif noise >= value:
+        rest, source, words = (f"the oracle itself differs by {noise:.3g} between batch compositions, as much: bf16 "
+                               "noise, not the backend's", "stand-in model",
+                               "the stand-in model and the oracle's own bf16 noise")
+    else:
+        rest, source, words = (f"the oracle itself differs by only {noise:.3g} between batch compositions: the rest, "
+                               f"up to {value:.3g}, is the backend's", "stand-in model and backend",
+                               "mostly the stand-in model; the rest the backend")
+    return (f"most of it comes from the random stand-in model, which amplifies bf16 rounding: {trained}, still "
+            f"{value / tolerance:.1f}× the tolerance; {rest}",
+            f"mostly from the stand-in model; a trained one reads {value:.3g}, still above", source, words)
+
+
+def exactness_reading(aggregate: dict[str, Any], study: Preregistration, gate_id: str,
+                      ladder: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a conformance gate's failure is, by how much, and where it comes from, from its evidence file
+    (and, for the local gate on a synthetic actor, the exactness ladder's trained stand-in, `ladder`, when
+    measured). Keys: outcome, sentence (plain words), source ('backend', 'stand-in model', 'stand-in model and
+    backend', 'undecided', or None when it passes or lacks evidence), evidence (path)."""
     g = gate(aggregate, gate_id)
     if g is None:
         return {"outcome": None, "sentence": f"— (no gate {gate_id} in this study)", "source": None, "evidence": None}
@@ -127,15 +160,23 @@ def exactness_reading(aggregate: dict[str, Any], study: Preregistration, gate_id
         if not exact:
             return {"outcome": outcome, "source": "backend", "evidence": path,
                     "sentence": f"not exact even in float32 ({f32} identical): a backend bug; in bf16 {gap}"}
-        where = ("the random stand-in model, which amplifies bf16 rounding, not from the backend"
-                 if synthetic else "bf16 rounding on this model (the algorithm is exact in float32)")
-        return {"outcome": outcome, "source": "stand-in model" if synthetic else "backend", "evidence": path,
+        words = None
+        if synthetic and ladder is not None:
+            where, origin, source, words = _trained_clause(ladder, tolerance)
+        else:
+            where = ("that comes from the random stand-in model, which amplifies bf16 rounding, not from the backend"
+                     if synthetic else "that comes from bf16 rounding on this model (the algorithm is exact in "
+                                       "float32)")
+            origin = f"from the {'stand-in model' if synthetic else 'backend'}"
+            source = "stand-in model" if synthetic else "backend"
+        return {"outcome": outcome, "source": source, "source_text": words or source, "evidence": path,
                 "short": f"float32-exact; bf16 gap {observed:.3g} ({observed / tolerance:.0f}× the tolerance), "
-                         f"from the {'stand-in model' if synthetic else 'backend'}",
-                "sentence": f"exact in float32 ({f32} identical), but in bf16 its {gap}: that comes from {where}"}
+                         f"{origin}",
+                "sentence": f"exact in float32 ({f32} identical), but in bf16 its {gap}: {where}"}
     # no float32 run in this gate's evidence (vLLM serves bf16 only)
-    local = exactness_reading(aggregate, study, "local_conformance") if gate_id != "local_conformance" else None
-    if local and local["source"] == "stand-in model":
+    local = (exactness_reading(aggregate, study, "local_conformance", ladder) if gate_id != "local_conformance"
+             else None)
+    if local and local["source"] in ("stand-in model", "stand-in model and backend"):
         local_gate = gate(aggregate, "local_conformance")
         return {"outcome": outcome, "source": "undecided", "evidence": path,
                 "short": f"bf16 gap {observed:.3g} ({observed / tolerance:.0f}× the tolerance); "
@@ -153,8 +194,10 @@ def _backend_speed(aggregate: dict[str, Any], backend: str) -> str:
     return f"{backend} ({rate_range(aggregate, backend)})"
 
 
-def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tuple[str, str]]:
-    """(role, sentence) for local rollouts, direct GKD and PG-k1: what to use, how fast, and why."""
+def role_sentences(aggregate: dict[str, Any], study: Preregistration,
+                   ladder: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """(role, sentence) for local rollouts, direct GKD and PG-k1: what to use, how fast, and why (`ladder`: the
+    exactness ladder's trained stand-in, see `exactness_reading`)."""
     selection = aggregate["selection"]
     out = []
     local = selection.get("local")
@@ -168,7 +211,7 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
             for failed in local["failed_requirements"]:
                 g = gate(aggregate, failed)
                 if g and g["kind"] == "conformance":
-                    reasons.append(exactness_reading(aggregate, study, failed)["sentence"])
+                    reasons.append(exactness_reading(aggregate, study, failed, ladder)["sentence"])
                 elif g and g["kind"] == "speedup" and g.get("observed_min") is None:
                     reasons.append(f"its speed gate is {gate_outcome(g)}: no paired cell measured yet "
                                    f"(gate ≥ {g['threshold']:g}× the oracle)")
@@ -200,7 +243,7 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
                          f"({rate_range(aggregate, candidate)}; gate ≥ {g['threshold']:g}×)")
                 reasons.append(speed if g.get("observed_min") is not None else f"{failed} is {gate_outcome(g)}")
             elif g and g["kind"] == "conformance":
-                reading = exactness_reading(aggregate, study, failed)["sentence"]
+                reading = exactness_reading(aggregate, study, failed, ladder)["sentence"]
                 reasons.append(f"its log-probabilities miss the gate: {reading}")
             else:
                 reasons.append(f"{failed} is {gate_outcome(g) if g else 'missing'}")
@@ -209,11 +252,12 @@ def role_sentences(aggregate: dict[str, Any], study: Preregistration) -> list[tu
     return out
 
 
-def what_would_change(aggregate: dict[str, Any], study: Preregistration) -> str:
+def what_would_change(aggregate: dict[str, Any], study: Preregistration, ladder: dict[str, Any] | None = None) -> str:
     """One line: the failing gates the stand-in model could explain, and the command that decides them on the
-    user's own model (`source: snapshot`)."""
+    user's own model (`source: snapshot`); with the ladder's trained stand-in (`ladder`), what it showed."""
     stand_in = [g["id"] for g in aggregate["gates"] if g["kind"] == "conformance" and not g["passed"]
-                and exactness_reading(aggregate, study, g["id"])["source"] in ("stand-in model", "undecided")]
+                and exactness_reading(aggregate, study, g["id"], ladder)["source"]
+                in ("stand-in model", "stand-in model and backend", "undecided")]
     synthetic = getattr(study.actor, "source", "synthetic") == "synthetic"
     command = ("<code>rollout conformance --params params/examples/qwen3-0.6b-hub.yaml --candidate hf_cached "
                "--out outputs/conformance/conformance-&lt;campaign&gt;-hf_cached-&lt;utc&gt;.json</code>")
@@ -223,8 +267,12 @@ def what_would_change(aggregate: dict[str, Any], study: Preregistration) -> str:
                 "report</code>); on your own model, from a study whose actor and teacher are <code>source: "
                 "snapshot</code> (<code>params/examples/qwen3-0.6b-hub.yaml</code>).")
     if stand_in and synthetic:
+        trained = ""
+        if ladder is not None and ladder["local_max"] > study.tolerances.nf4_sampled_logprob_abs:
+            trained = (f" (a stand-in trained for a few GPU-minutes on real text still reads {ladder['local_max']:.3g} "
+                       "on local conformance: see Exactness)")
         return (f"<b>What would change it:</b> {', '.join(stand_in)} passing on a trained model instead of the "
-                "random stand-in. Decide it on your own model: fill in "
+                f"random stand-in{html.escape(trained)}. Decide it on your own model: fill in "
                 "<code>params/examples/qwen3-0.6b-hub.yaml</code> (<code>source: snapshot</code>, its digests), "
                 f"commit it, then run {command} on the GPU (and <code>--candidate vllm</code> for PG-k1), and "
                 "<code>rollout report</code>.")
@@ -380,18 +428,22 @@ def _missing(g: dict[str, Any]) -> str:
     return f"; {lacking} missing" if lacking else ""
 
 
-def answer_html(aggregate: dict[str, Any], study: Preregistration, campaign: str) -> str:
-    """The first screen: title, (smoke line), role sentences, the figure, the gate table, what would change it."""
+def answer_html(aggregate: dict[str, Any], study: Preregistration, campaign: str,
+                output_dir: str | Path | None = None) -> str:
+    """The first screen: title, (smoke line), role sentences, the figure, the gate table, what would change it;
+    with `output_dir`, the exactness ladder's trained stand-in (`<output_dir>/perf/standins-*`) qualifies the
+    sentences about bf16 exactness."""
+    ladder = trained_reading(Path(output_dir), study.sha256) if output_dir is not None else None
     title = (f'<h1 style="margin-top:0.2em">Which rollout backend? — campaign {html.escape(campaign)}</h1>')
     smoke = (f'<p id="smoke-line" style="font-size:1.05em;background:#fefcbf;padding:0.4em 0.6em">'
              f"<b>{html.escape(SMOKE_LINE)}</b></p>") if not study.preregistered else ""
     items = "".join(f"<li><b>{html.escape(role)}:</b> {html.escape(sentence)}</li>"
-                    for role, sentence in role_sentences(aggregate, study))
+                    for role, sentence in role_sentences(aggregate, study, ladder))
     fig, alt = throughput_figure(aggregate, study)
     figure = (figure_html(fig, alt) if fig is not None
               else f"<p><i>tokens/s per cell: — ({alt}).</i></p>")
     return (f'<div id="answer">{title}{smoke}<ul id="verdict-sentences" style="font-size:1.02em">{items}</ul>'
-            f'<p id="what-would-change">{what_would_change(aggregate, study)}</p>'
+            f'<p id="what-would-change">{what_would_change(aggregate, study, ladder)}</p>'
             f'{figure}{gate_rows_html(aggregate, study)}</div>{OPEN_TARGET_SCRIPT}')
 
 

@@ -132,10 +132,12 @@ def exactness_html(aggregate: dict[str, Any], study: Preregistration, reproducib
 
     from rollout_lib.report import diagnostics
     from rollout_lib.report import summary as report
+    from rollout_lib.report.standins import trained_reading
 
+    ladder = trained_reading(output_dir, study.sha256)
     rows, sentences = [], []
     for g in (g for g in aggregate["gates"] if g["kind"] == "conformance"):
-        reading = answer.exactness_reading(aggregate, study, g["id"])
+        reading = answer.exactness_reading(aggregate, study, g["id"], ladder)
         evidence = answer.evidence_report(reading["evidence"]) if reading["evidence"] else None
         float32 = (evidence or {}).get("float32") or {}
         rows.append({"gate": g["id"], "outcome": gate_outcome(g),
@@ -143,7 +145,8 @@ def exactness_html(aggregate: dict[str, Any], study: Preregistration, reproducib
                      "float32 partitions identical": _fraction(float32, "partitions"),
                      "bf16 max |Δ log-prob|": (f"{g['observed_max']:.3g} (tolerance {g['threshold']:g})"
                                                if g.get("observed_max") is not None else "— (no evidence)"),
-                     "the failure comes from": reading["source"] or "— (passes or undecided)",
+                     "the failure comes from": (reading.get("source_text") or reading["source"]
+                                                or "— (passes or undecided)"),
                      "evidence": short(reading["evidence"])})
         sentences.append(f"{g['candidate']} {gate_outcome(g)}" + (f" ({reading['short']})" if reading.get("short")
                                                                    else ""))

@@ -65,12 +65,11 @@ def _rungs(evidence: dict[str, Any]) -> dict[str, str]:
             "oracle generation vs its scoring": f"{evidence.get('max_abs_diff', float('nan')):.3g}"}
 
 
-def standin_ladder(output_dir: Path, study_sha256: str) -> list[dict[str, str]]:
-    """One row per stand-in found under `<output_dir>/perf/standins-*/` (empty when none); where one rung
-    has several files, the last in folder and name order gives it; a rung without a file reads
-    `not_measured`."""
+def _evidence_by_stand_in(output_dir: Path, study_sha256: str) -> dict[str, dict[str, Any]]:
+    """{label: {"kinds": {kind: evidence}, "paths": [relative paths]}} for every stand-in under
+    `<output_dir>/perf/standins-*/`; where one rung has several files, the last in folder and name order gives it."""
     output_dir = Path(output_dir)
-    rows: dict[str, dict[str, str]] = {}
+    found: dict[str, dict[str, Any]] = {}
     for folder in sorted((output_dir / "perf").glob("standins-*")):
         if not folder.is_dir():
             continue
@@ -89,10 +88,51 @@ def standin_ladder(output_dir: Path, study_sha256: str) -> list[dict[str, str]]:
                 evidences.append((path, data))
         for path, evidence in evidences:
             label = _label(evidence, study_sha256, preregs, records)
-            row = rows.setdefault(label, {"stand-in": label})
+            entry = found.setdefault(label, {"kinds": {}, "paths": [],
+                                             "study": evidence.get("preregistration_sha256") == study_sha256})
+            entry["kinds"][evidence["kind"]] = evidence
+            entry["paths"].append(str(path.relative_to(output_dir)))
+    return found
+
+
+def standin_ladder(output_dir: Path, study_sha256: str) -> list[dict[str, str]]:
+    """One row per stand-in found under `<output_dir>/perf/standins-*/` (empty when none); where one rung
+    has several files, the last in folder and name order gives it; a rung without a file reads
+    `not_measured`."""
+    rows = []
+    for label, entry in _evidence_by_stand_in(output_dir, study_sha256).items():
+        row = {"stand-in": label}
+        for evidence in entry["kinds"].values():
             row.update(_rungs(evidence))
-            row["evidence"] = ", ".join(filter(None, (row.get("evidence"), str(path.relative_to(output_dir)))))
+        row["evidence"] = ", ".join(entry["paths"])
+        rows.append(row)
     columns = ("stand-in", "float32 exact (greedy, partitions)", "bf16 hf_cached vs oracle: sampled max |Δ log p|",
                "bf16 argmax agreement (beyond tie margin)", "oracle vs itself: run to run / batch composition",
                "oracle generation vs its scoring", "vLLM PG-k1 vs oracle: sampled max |Δ log p|", "cells", "evidence")
-    return [{c: row.get(c, "not_measured") for c in columns} for row in rows.values()]
+    return [{c: row.get(c, "not_measured") for c in columns} for row in rows]
+
+
+def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | None:
+    """The numbers the report's verdict can cite from the ladder: the trained stand-in's bf16 local conformance
+    (`local_max`, on `cells`), this study's actor on the same kind of run beside it (`random_max`, or None),
+    and the oracle against itself on the trained stand-in (`oracle_batch_max`, `oracle_run_max`, or None when
+    not measured). None when no trained stand-in has a local conformance file."""
+    found = _evidence_by_stand_in(output_dir, study_sha256)
+    trained = [(label, e) for label, e in found.items() if not e["study"] and "local_conformance" in e["kinds"]]
+    if not trained:
+        return None
+    label, entry = trained[-1]
+    local = entry["kinds"]["local_conformance"]
+    maximum = ((local.get("bfloat16") or {}).get("sampled_logprob") or {}).get("max_abs_diff")
+    if maximum is None:
+        return None
+    # this study's actor beside it only where it was measured on the same cells (a ratio across subsets means little)
+    own = next((e["kinds"]["local_conformance"] for e in found.values()
+                if e["study"] and "local_conformance" in e["kinds"]
+                and _cells(e["kinds"]["local_conformance"]) == _cells(local)), None)
+    random_max = (((own.get("bfloat16") or {}).get("sampled_logprob") or {}).get("max_abs_diff") if own else None)
+    noise = (entry["kinds"].get("oracle_self_consistency") or {}).get("scoring_noise") or {}
+    return {"label": label, "local_max": float(maximum), "cells": _cells(local),
+            "random_max": float(random_max) if random_max is not None else None,
+            "oracle_batch_max": noise.get("batch_composition_max_abs_diff"),
+            "oracle_run_max": noise.get("run_to_run_max_abs_diff"), "evidence": entry["paths"]}
