@@ -157,13 +157,15 @@ def cmd_models_train(args: argparse.Namespace) -> int:
                              bpe_vocab_size=args.bpe_vocab_size, steps=args.steps, device=args.device,
                              compute_dtype=args.compute_dtype,
                              kernels=TrainKernels(attention=args.attention, loss=args.loss, optimizer=args.optimizer,
-                                                  fill_uninitialized=args.fill_uninitialized == "on"))
+                                                  fill_uninitialized=args.fill_uninitialized == "on",
+                                                  step=args.step))
     except (TrainError, CorpusError, TokenizerError) as err:
         raise CommandError(str(err)) from err
     print(f"training {plan.arch.name} ({plan.role}, init seed {plan.seed}) on corpus {plan.manifest.name}: "
           f"{plan.recipe.steps} steps x {plan.recipe.tokens_per_step} tokens = {plan.recipe.planned_tokens} tokens, "
           f"{plan.device} {plan.compute_dtype}; attention {plan.kernels.attention}, loss {plan.kernels.loss}, "
-          f"optimizer {plan.kernels.optimizer}, fill-uninitialized {args.fill_uninitialized}", file=sys.stderr)
+          f"optimizer {plan.kernels.optimizer}, fill-uninitialized {args.fill_uninitialized}, step {plan.kernels.step}",
+          file=sys.stderr)
     record = train_standin(plan, args.out, replace_existing=args.replace,
                            log=lambda line: print(f"  {line}", file=sys.stderr))
     if args.record:
@@ -999,6 +1001,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--fill-uninitialized", choices=("on", "off"), default="on",
                        help="torch's NaN fill of fresh allocations under deterministic algorithms (on: the "
                             "reference; off changes no result unless a kernel reads memory it did not write)")
+    train.add_argument("--step", choices=("eager", "graph"), default="eager",
+                       help="eager (the reference) or graph: the whole step captured as one CUDA graph after 3 "
+                            "eager steps and replayed (CUDA and --attention sdpa only)")
     train.add_argument("--record", default=None, help="also write the record JSON here")
     train.add_argument("--expect", default=None, help="a previous rollout_trained.json: exit 1 unless the digest "
                                                       "matches or the fingerprint is within tolerance")

@@ -51,3 +51,30 @@ def test_the_pinned_sdpa_runs_the_flash_kernel_forward_and_backward():
     names = [e.key.lower() for e in prof.key_averages()]
     assert any("flash" in n and "bwd" in n for n in names), names[:40]
     assert any("flash" in n and "fwd" in n for n in names), names[:40]
+
+
+def test_the_step_captured_as_one_cuda_graph_trains_like_the_eager_step(tmp_path):
+    """TrainKernels(step="graph"): three eager steps, one capture, then a replay per step. Two trainings give one
+    digest, and the held-out loss stays the eager sdpa step's (the same kernels, the capturable AdamW)."""
+    graph = dict(attention="sdpa", loss="chunked", optimizer="fused", fill_uninitialized=False, step="graph")
+    first = _train(tmp_path, "g1", **graph)
+    second = _train(tmp_path, "g2", **graph)
+    assert first["payload_digest"] == second["payload_digest"]
+    assert first["kernels"]["step"] == "graph" and first["kernels"]["graph_warmup_steps"] == 3
+    eager = _train(tmp_path, "e", **FAST)
+    assert abs(first["final_metrics"]["heldout_loss_nats"] - eager["final_metrics"]["heldout_loss_nats"]) < 0.05
+    losses = first["train_loss_every_step"]
+    assert len(set(losses[3:10])) > 1, "the replays train: their losses move"
+
+
+def test_the_profile_replays_a_captured_step_bit_for_bit(tmp_path):
+    import json
+
+    from tools.profile_standin_training import main
+
+    assert main(["--arch", "tiny", "--device", "cuda", "--variants", "sdpa+fused,sdpa+fused+graph", "--warmup", "2",
+                 "--steps", "3", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())["variants"]
+    assert "error" not in rows["sdpa+fused+graph"], rows["sdpa+fused+graph"].get("error")
+    assert rows["sdpa+fused+graph"]["gradients_repeat"]["identical"] is True
+    assert set(rows["sdpa+fused+graph"]["median_s"]) == {"step_s"}

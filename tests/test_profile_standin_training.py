@@ -30,7 +30,7 @@ def test_the_tiny_training_step_is_profiled_per_phase_and_variant(tmp_path):
     assert "init_heldout_metrics_s" in rows["eager"] and rows["eager"]["tokens_per_s_over_first"] == 1.0
     assert rows["sdpa+nofill+fused+chunked"]["kernels"] == {
         "attention": "sdpa", "loss": "chunked", "optimizer": "fused", "fill_uninitialized": False,
-        "sdpa_backend": "flash_attention", "loss_chunk_tokens": 1024}
+        "step": "eager", "sdpa_backend": "flash_attention", "loss_chunk_tokens": 1024, "graph_warmup_steps": None}
     assert rows["eager+batch16"]["tokens_per_step"] == 2 * rows["eager"]["tokens_per_step"]
 
 
@@ -66,7 +66,12 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys):
     assert "--variants: 'flash': attention 'flash'; allowed: eager, sdpa" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--variants", "eager+compiled", "--out", str(tmp_path)])
-    assert "modifier 'compiled'; allowed once each: chunked, fused, nofill, batch16" in capsys.readouterr().err
+    assert "modifier 'compiled'; allowed once each: chunked, fused, nofill, graph, batch16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--arch", "tiny", "--device", "cpu", "--variants", "eager,sdpa+graph", "--out", str(tmp_path / "g")])
+    assert "--variants: 'sdpa+graph': step: 'graph' captures a CUDA graph, not on device 'cpu'" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
     with pytest.raises(SystemExit):
         main(["--arch", "qwen9", "--device", "cpu", "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()

@@ -201,8 +201,8 @@ def test_the_faster_kernels_train_deterministically_and_the_record_names_them(tr
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     assert first["payload_digest"] != trained_actor[1]["payload_digest"], "other kernels, other rounding"
     assert first["kernels"] == {"attention": "sdpa", "loss": "chunked", "optimizer": "fused",
-                                "fill_uninitialized": False, "sdpa_backend": "flash_attention",
-                                "loss_chunk_tokens": 1024}
+                                "fill_uninitialized": False, "step": "eager", "sdpa_backend": "flash_attention",
+                                "loss_chunk_tokens": 1024, "graph_warmup_steps": None}
     assert first["deterministic"]["warn_only"] is False and first["deterministic"]["fill_uninitialized_memory"] is False
     assert trained_actor[1]["deterministic"]["warn_only"] is True
     # a faster kernel is no excuse for a worse model: the same recipe reaches about the same held-out loss
@@ -260,6 +260,8 @@ def test_bad_kernels_are_refused_by_name_before_any_work(tmp_path):
 
     with pytest.raises(TrainError, match=r"^loss: 'tiled'; allowed: full, chunked$"):
         plan_training("tiny", kernels=TrainKernels(loss="tiled"))
+    with pytest.raises(TrainError, match=r"^step: 'graph' captures a CUDA graph, not on device 'cpu'"):
+        plan_training("tiny", kernels=TrainKernels(attention="sdpa", step="graph"))
     result = rollout("models", "train", "--arch", "tiny", "--out", str(tmp_path / "x"), "--optimizer", "adam8bit")
     assert result.returncode == 2 and "argument --optimizer: invalid choice: 'adam8bit'" in result.stderr
     assert "'foreach', 'fused'" in result.stderr and not (tmp_path / "x").exists()

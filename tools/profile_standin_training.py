@@ -8,7 +8,8 @@ Profile before changing the recipe.
 A variant is an attention implementation (`eager`, the reference, or `sdpa`: FlashAttention-2 with its
 deterministic backward) with optional modifiers, each one `TrainKernels` choice of
 `rollout_lib/models/train_standin.py` (the product's own step code, not a copy): `+chunked` (head and
-cross-entropy per 1,024 tokens), `+fused` (fused AdamW), `+nofill` (no NaN fill of fresh allocations), and
+cross-entropy per 1,024 tokens), `+fused` (fused AdamW), `+nofill` (no NaN fill of fresh allocations), `+graph`
+(the whole step as one CUDA graph, replayed; with sdpa on CUDA: timed per replay, its phases not apart), and
 `+batch16` (16 sequences per step instead of the recipe's 8: tokens/s at another batch, not a kernel).
 
 Regime: one process. First the setup phases `train_standin` runs before its loop, each timed: the seeded
@@ -37,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODIFIERS = ("chunked", "fused", "nofill", "batch16")
+MODIFIERS = ("chunked", "fused", "nofill", "graph", "batch16")
 
 
 def parse_variant(text: str):
@@ -52,7 +53,7 @@ def parse_variant(text: str):
             raise ValueError(f"{text!r}: modifier {mod!r}; allowed once each: {', '.join(MODIFIERS)}")
     kernels = TrainKernels(attention=attention, loss="chunked" if "chunked" in mods else "full",
                            optimizer="fused" if "fused" in mods else "foreach",
-                           fill_uninitialized="nofill" not in mods)
+                           fill_uninitialized="nofill" not in mods, step="graph" if "graph" in mods else "eager")
     return kernels, 2 if "batch16" in mods else 1
 
 
@@ -123,6 +124,29 @@ def _write_summary(out: Path, summary: dict, names: list[str]) -> None:
     tmp.replace(out / "summary.json")
 
 
+def replays_repeat(graph, batch) -> dict:
+    """A captured step replayed twice from the same weights and optimizer state (saved, then written back in
+    place, where the graph reads them): its gradients and loss bit-identical, or by how much not."""
+    import torch
+
+    params = list(graph.model.parameters())
+    state = [t for p in params for t in graph.optimizer.state[p].values() if torch.is_tensor(t)]
+    saved = [t.detach().clone() for t in (*params, *state)]
+    runs = []
+    for _ in range(2):
+        with torch.no_grad():
+            for tensor, value in zip((*params, *state), saved, strict=True):
+                tensor.copy_(value)
+        loss = graph(batch).clone()
+        runs.append((loss, [p.grad.detach().clone() for p in params]))
+    (loss_a, grads_a), (loss_b, grads_b) = runs
+    differing = [i for i, (a, b) in enumerate(zip(grads_a, grads_b, strict=True)) if not torch.equal(a, b)]
+    worst = max((float((grads_a[i] - grads_b[i]).abs().max()) for i in differing), default=0.0)
+    return {"loss_identical": bool(torch.equal(loss_a, loss_b)), "tensors": len(grads_a),
+            "tensors_differing": len(differing), "max_abs_grad_diff": worst,
+            "identical": not differing and bool(torch.equal(loss_a, loss_b))}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b or tiny")
@@ -153,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from rollout_lib.models.synthetic import build_snapshot
     from rollout_lib.models.train_standin import (
+        GraphStep,
         TrainError,
+        _attn_implementation,
         _load_float32,
         batch_indices,
+        check_kernels,
         deterministic_kernels,
         eval_windows,
         heldout_metrics,
@@ -168,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         plan = plan_training(args.arch, device=args.device)
+        for name, (kernels, _) in variants.items():
+            try:
+                check_kernels(kernels, plan.device)
+            except TrainError as exc:
+                raise TrainError(f"--variants: {name!r}: {exc}") from None
     except (TrainError, UnknownArchitectureError) as exc:
         parser.error(str(exc).strip("'\""))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -191,36 +223,49 @@ def main(argv: list[str] | None = None) -> int:
             recipe = replace(plan.recipe, batch_sequences=plan.recipe.batch_sequences * batch_factor)
             row["tokens_per_step"] = recipe.tokens_per_step
             with deterministic_kernels(device, kernels):
-                model, row["load_s"] = _timed(device, lambda k=kernels: _load_float32(Path(tmp), device, k.attention))
+                model, row["load_s"] = _timed(device, lambda k=kernels: _load_float32(
+                    Path(tmp), device, _attn_implementation(k.attention)))
                 if name == names[0]:
                     model.eval()
                     _, row["init_heldout_metrics_s"] = _timed(
                         device, lambda m=model: heldout_metrics(m, eval_set, device, with_fingerprint=False))
                 model.train()
                 optimizer = make_optimizer(model, recipe, kernels)
+                graph = (GraphStep(model, optimizer, recipe, kernels, autocast,
+                                   (recipe.batch_sequences, recipe.sequence_tokens + 1), device)
+                         if kernels.step == "graph" else None)
+                # a graph variant's warm-up includes its eager steps and the capture
+                warmup = max(args.warmup, GraphStep.WARMUP_STEPS + 1) if graph else args.warmup
+
+                def one_step(batch) -> dict[str, float]:
+                    if graph is None:
+                        return _step_phases(model, optimizer, batch, recipe, kernels, autocast, device)
+                    return {"step_s": _timed(device, lambda: graph(batch))[1]}  # one replay: no phases apart
+
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
                 timed = []
-                for step in range(args.warmup + args.steps + 1):
+                for step in range(warmup + args.steps + 1):
                     batch = torch.as_tensor(train_set[batch_indices(plan.seed, len(train_set), step,
                                                                     recipe.batch_sequences)], device=device)
-                    if step < args.warmup + args.steps:
-                        phases = _step_phases(model, optimizer, batch, recipe, kernels, autocast, device)
-                        if step >= args.warmup:
+                    if step < warmup + args.steps:
+                        phases = one_step(batch)
+                        if step >= warmup:
                             timed.append(phases)
                         continue
                     if cuda:
                         row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
                     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                     with profile(activities=activities) as prof:
-                        _step_phases(model, optimizer, batch, recipe, kernels, autocast, device)
+                        one_step(batch)
                     prof.export_chrome_trace(str(args.out / f"trace-{name}.json"))
                     averages = prof.key_averages()
                     device_key = "self_device_time_total" if cuda else "self_cpu_time_total"
                     row["top_ops_by_self_time_us"] = [
                         {"name": e.key, "calls": e.count, "self_us": round(getattr(e, device_key), 1)}
                         for e in sorted(averages, key=lambda e: -getattr(e, device_key))[:25]]
-                    row["gradients_repeat"] = gradients_repeat(model, batch, kernels, autocast)
+                    row["gradients_repeat"] = (gradients_repeat(model, batch, kernels, autocast) if graph is None
+                                               else replays_repeat(graph, batch))
             row["steps"] = len(timed)
             row["median_s"] = {k: round(statistics.median(p[k] for p in timed), 5) for k in timed[0]}
             row["tokens_per_s"] = round(recipe.tokens_per_step / row["median_s"]["step_s"], 1)

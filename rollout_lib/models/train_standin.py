@@ -137,6 +137,7 @@ class TrainKernels:
     loss: str = "full"  # full | chunked (head + cross-entropy per LOSS_CHUNK_TOKENS, recomputed in backward)
     optimizer: str = "foreach"  # foreach | fused (torch's fused AdamW: one kernel per step)
     fill_uninitialized: bool = True  # torch fills fresh allocations with NaN under deterministic algorithms
+    step: str = "eager"  # eager | graph (the whole step captured as one CUDA graph; CUDA and sdpa only)
 
     @property
     def strict_determinism(self) -> bool:
@@ -145,18 +146,25 @@ class TrainKernels:
 
     def describe(self) -> dict[str, Any]:
         return asdict(self) | {"sdpa_backend": "flash_attention" if self.attention == "sdpa" else None,
-                               "loss_chunk_tokens": LOSS_CHUNK_TOKENS if self.loss == "chunked" else None}
+                               "loss_chunk_tokens": LOSS_CHUNK_TOKENS if self.loss == "chunked" else None,
+                               "graph_warmup_steps": GraphStep.WARMUP_STEPS if self.step == "graph" else None}
 
 
 KERNEL_CHOICES = {"attention": ("eager", "sdpa"), "loss": ("full", "chunked"), "optimizer": ("foreach", "fused"),
-                  "fill_uninitialized": (True, False)}
+                  "fill_uninitialized": (True, False), "step": ("eager", "graph")}
 
 
-def check_kernels(kernels: TrainKernels) -> None:
+def check_kernels(kernels: TrainKernels, device: str = "cpu") -> None:
     for field, allowed in KERNEL_CHOICES.items():
         value = getattr(kernels, field)
         if value not in allowed:
             raise TrainError(f"{field}: {value!r}; allowed: {', '.join(str(a).lower() for a in allowed)}")
+    if kernels.step == "graph" and not device.startswith("cuda"):
+        raise TrainError(f"step: 'graph' captures a CUDA graph, not on device {device!r}; allowed there: eager "
+                         "(or device cuda, cuda:N)")
+    if kernels.step == "graph" and kernels.attention != "sdpa":
+        raise TrainError("step: 'graph' needs attention sdpa (eager attention builds a 4D mask inside every "
+                         "captured forward); allowed: --attention sdpa, or step eager")
 
 
 def lr_at(recipe: TrainRecipe, step: int) -> float:
@@ -327,16 +335,90 @@ def make_optimizer(model: Any, recipe: TrainRecipe, kernels: TrainKernels) -> An
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     implementation = {"fused": True} if kernels.optimizer == "fused" else {"foreach": True}
+    lr: Any = recipe.peak_lr
+    if kernels.step == "graph":  # inside a CUDA graph: the step count and the learning rate live on the device
+        implementation["capturable"] = True
+        lr = torch.tensor(recipe.peak_lr, dtype=torch.float32, device=next(model.parameters()).device)
     return torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=recipe.peak_lr, betas=(0.9, 0.95), eps=1e-8, **implementation)
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, **implementation)
+
+
+def set_learning_rate(optimizer: Any, value: float) -> None:
+    """The schedule's rate for the next step: a float, or written into the device tensor a captured step reads."""
+    for group in optimizer.param_groups:
+        if hasattr(group["lr"], "fill_"):
+            group["lr"].fill_(value)
+        else:
+            group["lr"] = value
+
+
+class GraphStep:
+    """TrainKernels(step="graph"): forward, loss, backward, clipping and the AdamW step captured as one CUDA graph
+    and replayed once per step (no Python and no per-op launch between them: the lever if a step is
+    launch-bound). The first WARMUP_STEPS steps run eagerly on a side stream (lazy initialisations must not happen
+    inside a capture), with the same capturable kernels; they are real training steps, as are the replays. The
+    batch goes through one static input buffer; gradients live in the graph's pool (set to None before the
+    capture, written by each replay); the loss is read from the graph's output. A replay runs the captured kernels
+    in their captured order: deterministic."""
+
+    WARMUP_STEPS = 3
+
+    def __init__(self, model: Any, optimizer: Any, recipe: TrainRecipe, kernels: TrainKernels, autocast: bool,
+                 batch_shape: tuple[int, int], device: str) -> None:
+        import torch
+
+        self.model, self.optimizer, self.recipe = model, optimizer, recipe
+        self.kernels, self.autocast = kernels, autocast
+        self.device = torch.device(device)
+        self.batch = torch.zeros(batch_shape, dtype=torch.long, device=self.device)
+        self.graph: Any = None
+        self.loss: Any = None
+        self.steps = 0
+
+    def _body(self) -> Any:
+        import torch
+
+        out = forward_for_loss(self.model, self.batch[:, :-1], self.kernels, self.autocast)
+        loss = loss_of(self.model, out, self.batch[:, 1:], self.kernels, self.autocast)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.grad_clip)
+        self.optimizer.step()
+        return loss.detach()
+
+    def __call__(self, batch: Any) -> Any:
+        """One training step on `batch`; returns its loss (a device scalar)."""
+        import torch
+
+        self.batch.copy_(batch)
+        if self.steps < self.WARMUP_STEPS:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self._body()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        else:
+            if self.graph is None:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.loss = self._body()
+            self.graph.replay()
+            loss = self.loss
+        self.steps += 1
+        return loss
 
 
 def forward_for_loss(model: Any, inputs: Any, kernels: TrainKernels, autocast: bool) -> Any:
     """The forward pass up to what the loss takes: the logits (`full`) or the final hidden states (`chunked`)."""
     import torch
 
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), _attention_context(kernels):
+    # inside a CUDA-graph capture, autocast keeps no cache of cast weights (as torch asks of captured autocast
+    # regions); a cast weight is used once per forward anyway
+    cache = kernels.step != "graph"
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=cache), \
+            _attention_context(kernels):
         if kernels.loss == "chunked":
             return model.model(input_ids=inputs).last_hidden_state
         return model(input_ids=inputs).logits
@@ -347,7 +429,7 @@ def loss_of(model: Any, out: Any, targets: Any, kernels: TrainKernels, autocast:
     import torch
 
     if kernels.loss == "chunked":
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=kernels.step != "graph"):
             return chunked_cross_entropy(out.reshape(-1, out.shape[-1]), model.get_output_embeddings().weight,
                                          targets.reshape(-1))
     return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets.reshape(-1))
@@ -360,8 +442,10 @@ def chunked_cross_entropy(hidden: Any, weight: Any, targets: Any, chunk_tokens: 
 
     total = None
     for start in range(0, hidden.shape[0], chunk_tokens):
+        # no randomness in a chunk: nothing for checkpoint to save and restore (no RNG state read, also inside a
+        # CUDA-graph capture)
         part = checkpoint(_chunk_nll_sum, hidden[start:start + chunk_tokens], weight,
-                          targets[start:start + chunk_tokens], use_reentrant=False)
+                          targets[start:start + chunk_tokens], use_reentrant=False, preserve_rng_state=False)
         total = part if total is None else total + part
     return total / hidden.shape[0]
 
@@ -371,6 +455,23 @@ def _chunk_nll_sum(hidden: Any, weight: Any, targets: Any) -> Any:
 
     logits = torch.nn.functional.linear(hidden, weight)
     return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+CAUSAL_SDPA = "rollout_causal_sdpa"
+
+
+def _attn_implementation(attention: str) -> str:
+    """`sdpa` in training is transformers' SDPA function registered under its own name: transformers then builds
+    no mask for it (a custom attention gets none), so SDPA runs causal without one, with no host sync for a
+    packed-sequence check and nothing that a CUDA-graph capture would turn into a 4D mask; the batches have no
+    padding, so this is what transformers' own `sdpa` computes for them."""
+    if attention != "sdpa":
+        return attention
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
 
 
 def _load_float32(snapshot: Path, device: str, attention: str):
@@ -429,7 +530,7 @@ def plan_training(arch_name: str, *, role: str | None = None, seed: int | None =
     if dtype not in ("bfloat16", "float32"):
         raise TrainError(f"compute_dtype: {dtype!r}; allowed: bfloat16, float32")
     kernels = kernels or TrainKernels()
-    check_kernels(kernels)
+    check_kernels(kernels, device)
     if device.startswith("cuda"):
         import torch
 
@@ -473,7 +574,7 @@ def train_standin(plan: TrainPlan, out_dir: str | Path, *, replace_existing: boo
             heldout_ids = token_stream(plan.manifest, plan.bpe_vocab_size, "heldout")
             train_set = windows(train_ids, recipe.sequence_tokens)
             eval_set = eval_windows(heldout_ids, recipe)
-            model = _load_float32(tmp, device, plan.kernels.attention)
+            model = _load_float32(tmp, device, _attn_implementation(plan.kernels.attention))
             model.eval()
             init_metrics = heldout_metrics(model, eval_set, device, with_fingerprint=False)
             model.train()
@@ -566,19 +667,24 @@ def _train_loop(model: Any, plan: TrainPlan, train_set: np.ndarray, eval_set: np
         if log:
             log(f"step {step}/{recipe.steps} held-out loss {total / count:.4f}")
 
+    graph_step = (GraphStep(model, optimizer, recipe, kernels, autocast,
+                            (recipe.batch_sequences, recipe.sequence_tokens + 1), device)
+                  if kernels.step == "graph" else None)
     evaluate(0)
     for step in range(recipe.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(recipe, step)
+        set_learning_rate(optimizer, lr_at(recipe, step))
         batch = torch.as_tensor(train_set[batch_indices(plan.seed, len(train_set), step, recipe.batch_sequences)],
                                 device=device)
-        out = forward_for_loss(model, batch[:, :-1], kernels, autocast)
-        loss = loss_of(model, out, batch[:, 1:], kernels, autocast)
-        del out
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        optimizer.step()
+        if graph_step is not None:
+            loss = graph_step(batch)
+        else:
+            out = forward_for_loss(model, batch[:, :-1], kernels, autocast)
+            loss = loss_of(model, out, batch[:, 1:], kernels, autocast)
+            del out
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+            optimizer.step()
         train_losses.append(round(float(loss), 5))
         if (step + 1) % recipe.eval_every_steps == 0 or step + 1 == recipe.steps:
             evaluate(step + 1)
