@@ -643,13 +643,7 @@ def test_the_compiled_prefill_gives_the_eager_prefills_tokens(smoke_study, snaps
 def _reference_fa3(q, k, v, seqused_k, leftpad_k, scale):
     """FlashAttention-3's decode semantics as `_fa3_decode` relies on them: query head h reads kv head h // G;
     row b reads columns leftpad_k[b] <= j < seqused_k[b]."""
-    groups = q.shape[2] // k.shape[2]
-    keys, values = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * scale
-    columns = torch.arange(k.shape[1])
-    keep = (columns[None, :] >= leftpad_k[:, None].long()) & (columns[None, :] < seqused_k[:, None].long())
-    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), values)
+    return _reference_fa3_with_lse(q, k, v, seqused_k, leftpad_k, scale)[0]
 
 
 def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smoke_study, snapshot_cache, monkeypatch,

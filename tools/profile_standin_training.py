@@ -92,7 +92,6 @@ def _step_phases(model, optimizer, batch, recipe, kernels, autocast: bool, devic
 
 def gradients_repeat(model, batch, kernels, autocast: bool) -> dict:
     """The gradients of one batch computed twice from the same weights: bit-identical, or by how much not."""
-    import torch
 
     from rollout_lib.models.train_standin import forward_for_loss, loss_of
 
@@ -104,6 +103,13 @@ def gradients_repeat(model, batch, kernels, autocast: bool) -> dict:
         loss.backward()
         runs.append((loss.detach().clone(), [p.grad.detach().clone() for p in model.parameters()]))
     model.zero_grad(set_to_none=True)
+    return _compare_runs(runs)
+
+
+def _compare_runs(runs: list) -> dict:
+    """Two (loss, gradients) runs: bit-identical, or how many gradient tensors differ and by how much at most."""
+    import torch
+
     (loss_a, grads_a), (loss_b, grads_b) = runs
     differing = [i for i, (a, b) in enumerate(zip(grads_a, grads_b, strict=True)) if not torch.equal(a, b)]
     worst = max((float((grads_a[i] - grads_b[i]).abs().max()) for i in differing), default=0.0)
@@ -139,12 +145,7 @@ def replays_repeat(graph, batch) -> dict:
                 tensor.copy_(value)
         loss = graph(batch).clone()
         runs.append((loss, [p.grad.detach().clone() for p in params]))
-    (loss_a, grads_a), (loss_b, grads_b) = runs
-    differing = [i for i, (a, b) in enumerate(zip(grads_a, grads_b, strict=True)) if not torch.equal(a, b)]
-    worst = max((float((grads_a[i] - grads_b[i]).abs().max()) for i in differing), default=0.0)
-    return {"loss_identical": bool(torch.equal(loss_a, loss_b)), "tensors": len(grads_a),
-            "tensors_differing": len(differing), "max_abs_grad_diff": worst,
-            "identical": not differing and bool(torch.equal(loss_a, loss_b))}
+    return _compare_runs(runs)
 
 
 def build_parser() -> argparse.ArgumentParser:

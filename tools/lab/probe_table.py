@@ -23,6 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from rollout_lib.core import write_json_atomic  # noqa: E402
 from tools.trace_breakdown import breakdown, read_trace  # noqa: E402
 
 STEP_COUNT_TOLERANCE = 0.25
@@ -137,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(all_rows, indent=1) + "\n")
-        tmp.replace(args.json)
+        write_json_atomic(args.json, all_rows, overwrite=True)
     return 0
 
 
