@@ -384,3 +384,26 @@ def test_the_trained_tiny_profile_measures_end_to_end(trained_actor, tmp_path):
     assert record["payload_digest"] in json.dumps(header["measurement_identity"])
     reps = [r for r in records if r.get("record") == "repetition"]
     assert reps and all(q["prompt_tokens"] == 48 and q["generated_tokens"] == 8 for r in reps for q in r["requests"])
+
+
+def test_the_draft_is_filled_with_both_digests_and_copied_beside_the_records(tmp_path, monkeypatch):
+    """tools/lab/fill_standin_draft.py: both digests replace their placeholders; the filled draft is written where
+    it loads (the drafts folder) and beside the records, where the report's ladder labels the trained rows by it;
+    a missing record writes nothing."""
+    from tools.lab import fill_standin_draft
+
+    drafts = tmp_path / "drafts"
+    drafts.mkdir()
+    draft = drafts / DRAFT.name
+    draft.write_text(DRAFT.read_text())
+    monkeypatch.setattr(fill_standin_draft, "DRAFT", draft)
+    records = tmp_path / "standins-second-machine"
+    records.mkdir()
+    (records / "qwen3-0.6b-actor.json").write_text(json.dumps({"payload_digest": "a" * 64}))
+    out = drafts / "rollout-runtime-v3-trained.ladder.yaml"
+    assert fill_standin_draft.main(str(records), str(out)) == 2 and not out.exists()  # the teacher's is missing
+    (records / "qwen3-1.7b-teacher.json").write_text(json.dumps({"payload_digest": "b" * 64}))
+    assert fill_standin_draft.main(str(records), str(out)) == 0
+    filled = out.read_text()
+    assert "a" * 64 in filled and "b" * 64 in filled and "TO-BE-FILLED" not in filled
+    assert (records / out.name).read_text() == filled

@@ -4,7 +4,9 @@
 
 RECORDS_DIR holds the two `rollout models train --record` files (qwen3-0.6b-actor.json,
 qwen3-1.7b-teacher.json). OUT_YAML must sit in params/drafts/ (the draft's snapshot paths are relative
-to its folder). Refuses, writing nothing, when a record is missing or a placeholder is not found.
+to its folder); a copy of it goes beside the records too (RECORDS_DIR/<its name>), where the report's
+exactness ladder finds the preregistration the trained rows were measured under. Refuses, writing
+nothing, when a record is missing or a placeholder is not found.
 """
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ def main(records_dir: str, out_yaml: str) -> int:
             print(f"placeholder for {name} not in {DRAFT}", file=sys.stderr)
             return 2
         text = text.replace(placeholder, json.loads(record_file.read_text())["payload_digest"])
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
-    print(f"wrote {out}")
+    for target in (out, Path(records_dir) / out.name):
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(target)
+        print(f"wrote {target}")
     return 0
 
 
