@@ -512,11 +512,16 @@ def _diagnostic_figures(row: dict) -> list[str]:
     if "inprocess_no_adapter_tokens_per_s" in row:
         said.append(f"in-process without {row['inprocess_no_adapter_tokens_per_s']:.1f}"
                     + (f" (LoRA tax {100 * row['lora_tax_fraction']:.1f}%)" if "lora_tax_fraction" in row else ""))
+    if "inprocess_no_adapter_reset_cache_tokens_per_s" in row:
+        said.append(f"in-process without, prefix cache reset per call "
+                    f"{row['inprocess_no_adapter_reset_cache_tokens_per_s']:.1f}")
     if "hf_cached_tokens_per_s" in row:
         step, over = row["hf_cached_median_decode_step_s"], row["hf_cached_decode_step_over_floor"]
         said.append(f"hf_cached {row['hf_cached_tokens_per_s']:.1f} tok/s"
                     + (f" ({row['hf_cached_over_inprocess_no_adapter']:.2f}x in-process without LoRA)"
                        if "hf_cached_over_inprocess_no_adapter" in row else "")
+                    + (f" ({row['hf_cached_over_inprocess_no_adapter_reset_cache']:.2f}x with its prefix cache reset)"
+                       if "hf_cached_over_inprocess_no_adapter_reset_cache" in row else "")
                     + (f", decode step {1000 * step:.2f} ms" if isinstance(step, float) else "")
                     + (f" = {over:.1f}x its bandwidth floor" if isinstance(over, float) else ""))
     return said
@@ -1146,8 +1151,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "beside the preregistered streamed setting")
     p.add_argument("--variants", default="managed,inprocess_adapter,inprocess_no_adapter",
                    help="which sides run, each in its own process: managed, inprocess_adapter, "
-                        "inprocess_no_adapter, hf_cached (this project's fast path, judged against "
-                        "inprocess_no_adapter; default: the three vLLM sides)")
+                        "inprocess_no_adapter, inprocess_no_adapter_reset_cache (the same engine, its prefix "
+                        "cache reset before each call: no reuse of the warm-up's prompt KV), hf_cached (this "
+                        "project's fast path, judged against the engines without LoRA; default: the three "
+                        "vLLM sides managed, inprocess_adapter, inprocess_no_adapter)")
     p.add_argument("--hf-cached-option", action="append", default=None, metavar="KEY=VALUE",
                    help="an option of the hf_cached side, e.g. engine='{\"LORA_SHRINK\": \"in_base_gemm\"}' "
                         "(a candidate of issue 43)")

@@ -91,6 +91,42 @@ def test_hf_cached_runs_in_its_own_process_beside_the_engine_without_lora(smoke_
     assert report["hf_cached"]["policy_identity"] == report["policy_identity"]
 
 
+def test_the_engine_without_lora_also_runs_with_its_prefix_cache_reset_before_each_call(smoke_study, tmp_path,
+                                                                                        monkeypatch):
+    """vLLM 0.26 caches prompt prefixes by default, so its measured repetitions could reuse the warm-up's prompt
+    KV while hf_cached prefills every call: the reset-cache side takes that away (the child resets before every
+    call, outside the timing) and hf_cached is judged against it too."""
+    from rollout_lib.checks import vllm_inprocess
+    from rollout_lib.report.diagnostics import _inprocess_row
+
+    jobs = []
+
+    def engine_child(python, job):
+        jobs.append(job)
+        rate = 40.0 if job.get("reset_prefix_cache") else 50.0
+        return {"adapter": False, "cells": {c: {"tokens_per_s": rate} for c in job["cells"]}}
+
+    monkeypatch.setattr(vllm_inprocess, "run_child", engine_child)
+    monkeypatch.setattr(vllm_inprocess, "run_backend_child", lambda job: {
+        "gpu": "no GPU", "cells": {c: {"tokens_per_s": 60.0, "rows": 4, "median_decode_step_s": 0.002}
+                                   for c in job["cells"]}})
+    report = vllm_inprocess.run_diagnostic(
+        smoke_study, ["p16-r8-n1-greedy"], repetitions=2,
+        variants=("inprocess_no_adapter_reset_cache", "hf_cached", "inprocess_no_adapter"),
+        backend_options={"cache_dir": str(tmp_path / "cache")})
+    assert [bool(j.get("reset_prefix_cache")) for j in jobs] == [False, True]
+    assert report["variants"] == ["inprocess_no_adapter", "inprocess_no_adapter_reset_cache", "hf_cached"]
+    (row,) = report["rows"]
+    assert row["inprocess_no_adapter_reset_cache_tokens_per_s"] == 40.0
+    assert row["hf_cached_over_inprocess_no_adapter"] == pytest.approx(1.2)
+    assert row["hf_cached_over_inprocess_no_adapter_reset_cache"] == pytest.approx(1.5)
+    assert report["verdict"] == {"hf_cached_at_least_1.3x_inprocess_no_adapter": False,
+                                 "hf_cached_at_least_1.3x_inprocess_no_adapter_reset_cache": True}
+    shown = _inprocess_row(row)
+    assert shown["in-process, no adapter, prefix cache reset per call tok/s"] == "40.0"
+    assert shown["hf_cached / same, prefix cache reset"] == "1.50"
+
+
 def test_the_report_table_shows_only_the_sides_that_ran():
     from rollout_lib.report.diagnostics import _inprocess_row
 
@@ -106,7 +142,7 @@ def test_the_report_table_shows_only_the_sides_that_ran():
 @pytest.mark.parametrize("extra, message", [
     (["--variants", "hf_cached,sglang"], "variants ['hf_cached', 'sglang']: unknown sglang; allowed: a "
                                          "comma-separated subset of managed, inprocess_adapter, inprocess_no_adapter, "
-                                         "hf_cached"),
+                                         "inprocess_no_adapter_reset_cache, hf_cached"),
     (["--variants", ","], "variants []: none given; allowed:"),
     (["--variants", "hf_cached", "--hf-cached-option", 'engine={"LORA_SHRINK": "fused"}'],
      "hf_cached: LORA_SHRINK 'fused' is not allowed; allowed: reductions, in_base_gemm"),

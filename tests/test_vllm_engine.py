@@ -220,6 +220,22 @@ def test_inprocess_diagnostic_side_by_side(smoke_study, tmp_path):
     assert isinstance(report["verdict"]["managed_within_5_percent_of_inprocess"], bool)
 
 
+def test_the_engine_resets_its_prefix_cache_before_each_call_when_asked(smoke_study, tmp_path):
+    """The reset-cache side of the side by side on the real engine: vLLM's `reset_prefix_cache` is called before
+    every call and says it reset (True), and the same requests still come out."""
+    from rollout_lib.checks.vllm_inprocess import run_diagnostic
+
+    report = run_diagnostic(smoke_study, ["p16-r8-n1-greedy"], repetitions=1,
+                            variants=("inprocess_no_adapter_reset_cache",),
+                            backend_options={"server_python": ENGINE, "cache_dir": str(tmp_path),
+                                             "start_timeout_s": 600})
+    engine = report["inprocess"]["no_adapter_reset_cache"]
+    assert engine["prefix_cache_reset_before_each_call"] is True and not engine["adapter"]
+    assert engine["cells"]["p16-r8-n1-greedy"]["generated_tokens"] == 4 * 8
+    (row,) = report["rows"]
+    assert row["inprocess_no_adapter_reset_cache_tokens_per_s"] > 0
+
+
 def test_merged_refresh_serves_its_own_identity_and_never_a_stale_prefix(smoke_study, tmp_path):
     """refresh: merged (issue 13): the engine reloads W + s*B@A in place; the identity is the merged
     weights' own; after a reload the prompt KV cached under the previous weights is not reused (v2

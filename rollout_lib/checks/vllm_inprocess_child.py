@@ -1,9 +1,10 @@
 """Child process of the in-process vLLM diagnostic: standard library + vLLM only (it runs under the
 engine's interpreter, which need not have this project's other dependencies).
 
-Reads a JSON job on stdin: model dir, engine settings, optional peft adapter dir, and per cell the
-requests (token-id prompts, max tokens, temperature, seed, stop ids); runs `vllm.LLM` on them with
-one warmup and N timed repetitions per cell; writes one JSON result on stdout (last line).
+Reads a JSON job on stdin: model dir, engine settings, optional peft adapter dir, whether to reset the
+prefix cache before each call, and per cell the requests (token-id prompts, max tokens, temperature,
+seed, stop ids); runs `vllm.LLM` on them with one warmup and N timed repetitions per cell; writes one JSON
+result on stdout (last line).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> int:
         prefix_caching = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
     except AttributeError:
         prefix_caching = "not_measured"
-    cells = {}
+    cells, resets = {}, []
     for cell_id, requests in job["cells"].items():
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
         params = [SamplingParams(max_tokens=r["max_new_tokens"], temperature=r["temperature"],
@@ -43,6 +44,8 @@ def main() -> int:
                   for r in requests]
         walls, tokens = [], None
         for repetition in range(1 + job["repetitions"]):  # repetition 0: warmup, excluded
+            if job.get("reset_prefix_cache"):  # no call reuses an earlier call's prompt KV (outside the timing)
+                resets.append(bool(llm.reset_prefix_cache()))
             begin = time.perf_counter()
             outputs = llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
             wall = time.perf_counter() - begin
@@ -54,7 +57,9 @@ def main() -> int:
         cells[cell_id] = {"wall_s": walls, "median_wall_s": median, "generated_tokens": tokens,
                           "tokens_per_s": tokens / median}
     print(json.dumps({"cold_start_s": cold_start_s, "cells": cells, "adapter": bool(lora_request),
-                      "prefix_caching": prefix_caching}))
+                      "prefix_caching": prefix_caching,
+                      **({"prefix_cache_reset_before_each_call": all(resets)} if job.get("reset_prefix_cache")
+                         else {})}))
     return 0
 
 

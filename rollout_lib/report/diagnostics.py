@@ -66,6 +66,9 @@ def _inprocess_row(r: dict[str, Any]) -> dict[str, str]:
         row["in-process + adapter tok/s"] = rate("inprocess_adapter_tokens_per_s")
     if "inprocess_no_adapter_tokens_per_s" in r:
         row["in-process, no adapter tok/s"] = rate("inprocess_no_adapter_tokens_per_s")
+    if "inprocess_no_adapter_reset_cache_tokens_per_s" in r:
+        row["in-process, no adapter, prefix cache reset per call tok/s"] = \
+            rate("inprocess_no_adapter_reset_cache_tokens_per_s")
     if "lora_tax_fraction" in r:
         row["LoRA tax"] = f"{100 * r['lora_tax_fraction']:.1f}%"
     row |= {f"managed, stream interval {n} tok/s": _num(value, 1)  # older files have no such column
@@ -77,6 +80,9 @@ def _inprocess_row(r: dict[str, Any]) -> dict[str, str]:
         step, floor = r["hf_cached_median_decode_step_s"], r["decode_step_floor"]
         row |= {"hf_cached tok/s": rate("hf_cached_tokens_per_s"),
                 "hf_cached / in-process, no LoRA": _num(r.get("hf_cached_over_inprocess_no_adapter"), 2),
+                **({"hf_cached / same, prefix cache reset": _num(r["hf_cached_over_inprocess_no_adapter_reset_cache"],
+                                                                 2)}
+                   if "hf_cached_over_inprocess_no_adapter_reset_cache" in r else {}),
                 "hf_cached ms/step": f"{1000 * step:.2f}" if isinstance(step, float) else str(step),
                 "floor ms/step (weights + LoRA + KV)": (f"{1000 * floor['step_floor_s']:.3f}"
                                                         if floor.get("status") == "measured" else floor.get("status")),
