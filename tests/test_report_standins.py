@@ -74,7 +74,13 @@ def test_the_trained_reading_gives_the_numbers_the_verdict_cites(tmp_path):
     (folder / "conformance-R.json").write_text(json.dumps(_local(study.sha256, 0.356, 0.9672)))
     assert trained_reading(tmp_path, study.sha256) is None, "the study's own actor is not a trained stand-in"
     (folder / "conformance-T.json").write_text(json.dumps(_local(trained_sha, 0.0325, 0.99921875)))
+    assert trained_reading(tmp_path, study.sha256) is None, "no actor record beside it: not known to be trained"
+    (folder / "qwen3-0.6b-actor.json").write_text(json.dumps({
+        "payload_digest": "ab" * 32, "role": "actor", "arch": "qwen3-0.6b", "trained_tokens": 4194304,
+        "final_metrics": {"heldout_loss_nats": 3.7378, "mean_entropy_nats": 3.7337}}))
+    (folder / "conformance-other.json").write_text(json.dumps(_local("cd" * 32, 0.5, 0.9)))  # another study's
     reading = trained_reading(tmp_path, study.sha256)
+    assert reading["label"].startswith("trained qwen3-0.6b")
     assert (reading["local_max"], reading["random_max"], reading["oracle_batch_max"]) == (0.0325, 0.356, None)
     assert reading["cells"] == "prompts 128, responses 64,256"
     (folder / "oracle-T.json").write_text(json.dumps({

@@ -66,7 +66,8 @@ def _rungs(evidence: dict[str, Any]) -> dict[str, str]:
 
 
 def _evidence_by_stand_in(output_dir: Path, study_sha256: str) -> dict[str, dict[str, Any]]:
-    """{label: {"kinds": {kind: evidence}, "paths": [relative paths]}} for every stand-in under
+    """{label: {"kinds": {kind: evidence}, "paths": [relative paths], "study": this study's actor, "trained": a
+    trained stand-in (its preregistration and actor record beside it)}} for every stand-in under
     `<output_dir>/perf/standins-*/`; where one rung has several files, the last in folder and name order gives it."""
     output_dir = Path(output_dir)
     found: dict[str, dict[str, Any]] = {}
@@ -88,8 +89,10 @@ def _evidence_by_stand_in(output_dir: Path, study_sha256: str) -> dict[str, dict
                 evidences.append((path, data))
         for path, evidence in evidences:
             label = _label(evidence, study_sha256, preregs, records)
-            entry = found.setdefault(label, {"kinds": {}, "paths": [],
-                                             "study": evidence.get("preregistration_sha256") == study_sha256})
+            sha = evidence.get("preregistration_sha256")
+            entry = found.setdefault(label, {"kinds": {}, "paths": [], "study": sha == study_sha256,
+                                             "trained": sha != study_sha256 and sha in preregs and any(
+                                                 r.get("role") == "actor" for r in records.values())})
             entry["kinds"][evidence["kind"]] = evidence
             entry["paths"].append(str(path.relative_to(output_dir)))
     return found
@@ -118,7 +121,7 @@ def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | Non
     and the oracle against itself on the trained stand-in (`oracle_batch_max`, `oracle_run_max`, or None when
     not measured). None when no trained stand-in has a local conformance file."""
     found = _evidence_by_stand_in(output_dir, study_sha256)
-    trained = [(label, e) for label, e in found.items() if not e["study"] and "local_conformance" in e["kinds"]]
+    trained = [(label, e) for label, e in found.items() if e["trained"] and "local_conformance" in e["kinds"]]
     if not trained:
         return None
     label, entry = trained[-1]
