@@ -108,23 +108,24 @@ def run_backend_child(job: dict[str, Any], timeout_s: float = 3600) -> dict[str,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# the in-process engines hf_cached is judged against (keys of `inprocess` in run_diagnostic)
+ENGINES_WITHOUT_LORA = ("no_adapter", "no_adapter_reset_cache")
+
+
 def _hf_cached_columns(study: Preregistration, workload: Workload, cell_id: str, measured: dict[str, Any],
-                       gpu: str, no_adapter: dict[str, Any] | None,
-                       reset_cache: dict[str, Any] | None = None) -> dict[str, Any]:
-    """hf_cached's rate, its decode step against the step's bandwidth floor, and the ratio to the
-    in-process engine without LoRA (the issue's reference) where that ran."""
+                       gpu: str, inprocess: dict[str, Any]) -> dict[str, Any]:
+    """hf_cached's rate, its decode step against the step's bandwidth floor, and the ratio to each in-process
+    engine without LoRA (the issue's reference) that ran."""
     cell = workload.cell(cell_id)
     floor = cell_floor(study, gpu, measured["rows"], cell.prompt_tokens, cell.response_tokens)
     step = measured["median_decode_step_s"]
     out = {"hf_cached_tokens_per_s": measured["tokens_per_s"], "hf_cached_rows": measured["rows"],
            "hf_cached_median_decode_step_s": step, "decode_step_floor": floor,
            "hf_cached_decode_step_over_floor": over_floor(step, floor)}
-    if no_adapter is not None:
-        out["hf_cached_over_inprocess_no_adapter"] = (measured["tokens_per_s"]
-                                                      / no_adapter["cells"][cell_id]["tokens_per_s"])
-    if reset_cache is not None:
-        out["hf_cached_over_inprocess_no_adapter_reset_cache"] = (measured["tokens_per_s"]
-                                                                  / reset_cache["cells"][cell_id]["tokens_per_s"])
+    for engine in ENGINES_WITHOUT_LORA:
+        if engine in inprocess:
+            out[f"hf_cached_over_inprocess_{engine}"] = (measured["tokens_per_s"]
+                                                         / inprocess[engine]["cells"][cell_id]["tokens_per_s"])
     return out
 
 
@@ -208,18 +209,16 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
                 row["managed_non_streamed_over_inprocess_adapter"] = rate / a
         if hf_cached is not None:
             row |= _hf_cached_columns(study, workload, cell_id, hf_cached["cells"][cell_id], hf_cached["gpu"],
-                                      inprocess.get("no_adapter"), inprocess.get("no_adapter_reset_cache"))
+                                      inprocess)
         rows.append(row)
     verdict = {}
     if by_interval and "adapter" in inprocess:
         verdict["managed_within_5_percent_of_inprocess"] = all(r["managed_over_inprocess_adapter"] >= 0.95
                                                                for r in rows)
-    if hf_cached is not None and "no_adapter" in inprocess:
-        verdict[f"hf_cached_at_least_{HF_CACHED_GOAL}x_inprocess_no_adapter"] = all(
-            r["hf_cached_over_inprocess_no_adapter"] >= HF_CACHED_GOAL for r in rows)
-    if hf_cached is not None and "no_adapter_reset_cache" in inprocess:
-        verdict[f"hf_cached_at_least_{HF_CACHED_GOAL}x_inprocess_no_adapter_reset_cache"] = all(
-            r["hf_cached_over_inprocess_no_adapter_reset_cache"] >= HF_CACHED_GOAL for r in rows)
+    for engine in ENGINES_WITHOUT_LORA if hf_cached is not None else ():
+        if engine in inprocess:
+            verdict[f"hf_cached_at_least_{HF_CACHED_GOAL}x_inprocess_{engine}"] = all(
+                r[f"hf_cached_over_inprocess_{engine}"] >= HF_CACHED_GOAL for r in rows)
     return {"kind": "vllm_inprocess_diagnostic", "cells": cells, "repetitions": repetitions, "variants": list(variants),
             "policy_identity": policy.identity, **({"managed": by_interval[1]} if by_interval else {}),
             "managed_by_stream_interval": {str(n): v for n, v in by_interval.items() if n != 1},

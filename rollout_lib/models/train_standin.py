@@ -140,6 +140,12 @@ class TrainKernels:
     step: str = "eager"  # eager | graph (the whole step captured as one CUDA graph; CUDA and sdpa only)
 
     @property
+    def autocast_cache(self) -> bool:
+        """Inside a CUDA-graph capture autocast keeps no cache of cast weights (as torch asks of captured autocast
+        regions); a cast weight is used once per forward anyway."""
+        return self.step != "graph"
+
+    @property
     def strict_determinism(self) -> bool:
         """Deterministic algorithms without warn_only: FlashAttention-2's backward is deterministic only then."""
         return self.attention == "sdpa"
@@ -377,14 +383,7 @@ class GraphStep:
         self.steps = 0
 
     def _body(self) -> Any:
-        import torch
-
-        out = forward_for_loss(self.model, self.batch[:, :-1], self.kernels, self.autocast)
-        loss = loss_of(self.model, out, self.batch[:, 1:], self.kernels, self.autocast)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.grad_clip)
-        self.optimizer.step()
-        return loss.detach()
+        return training_step(self.model, self.optimizer, self.batch, self.recipe, self.kernels, self.autocast)
 
     def __call__(self, batch: Any) -> Any:
         """One training step on `batch`; returns its loss (a device scalar)."""
@@ -410,14 +409,26 @@ class GraphStep:
         return loss
 
 
+def training_step(model: Any, optimizer: Any, batch: Any, recipe: TrainRecipe, kernels: TrainKernels,
+                  autocast: bool) -> Any:
+    """Forward, loss, backward, clipping and the AdamW step on `batch` (inputs and shifted targets); the
+    gradients must be None before it. Returns the loss (detached)."""
+    import torch
+
+    out = forward_for_loss(model, batch[:, :-1], kernels, autocast)
+    loss = loss_of(model, out, batch[:, 1:], kernels, autocast)
+    del out  # the loss holds what backward needs; the logits need not live through it
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
 def forward_for_loss(model: Any, inputs: Any, kernels: TrainKernels, autocast: bool) -> Any:
     """The forward pass up to what the loss takes: the logits (`full`) or the final hidden states (`chunked`)."""
     import torch
 
-    # inside a CUDA-graph capture, autocast keeps no cache of cast weights (as torch asks of captured autocast
-    # regions); a cast weight is used once per forward anyway
-    cache = kernels.step != "graph"
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=cache), \
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=kernels.autocast_cache), \
             _attention_context(kernels):
         if kernels.loss == "chunked":
             return model.model(input_ids=inputs).last_hidden_state
@@ -429,7 +440,7 @@ def loss_of(model: Any, out: Any, targets: Any, kernels: TrainKernels, autocast:
     import torch
 
     if kernels.loss == "chunked":
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=kernels.step != "graph"):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=kernels.autocast_cache):
             return chunked_cross_entropy(out.reshape(-1, out.shape[-1]), model.get_output_embeddings().weight,
                                          targets.reshape(-1))
     return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets.reshape(-1))
@@ -678,13 +689,8 @@ def _train_loop(model: Any, plan: TrainPlan, train_set: np.ndarray, eval_set: np
         if graph_step is not None:
             loss = graph_step(batch)
         else:
-            out = forward_for_loss(model, batch[:, :-1], kernels, autocast)
-            loss = loss_of(model, out, batch[:, 1:], kernels, autocast)
-            del out
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-            optimizer.step()
+            loss = training_step(model, optimizer, batch, recipe, kernels, autocast)
         train_losses.append(round(float(loss), 5))
         if (step + 1) % recipe.eval_every_steps == 0 or step + 1 == recipe.steps:
             evaluate(step + 1)

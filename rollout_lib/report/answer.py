@@ -100,6 +100,10 @@ def short(path: str | None) -> str:
 # ---------------------------------------------------------------- exactness, in plain words
 
 
+# exactness_reading's sources in which the stand-in model has a share (the rest may be undecided or the backend's)
+STAND_IN_SOURCES = ("stand-in model", "stand-in model and backend")
+
+
 def _trained_clause(ladder: dict[str, Any], tolerance: float) -> tuple[str, str, str, str]:
     """(where the bf16 gap comes from, its short form, source, source in words) when the exactness ladder
     (report/standins.py: `trained_reading`) has the same check on a stand-in trained on real text: a diagnostic
@@ -176,7 +180,7 @@ def exactness_reading(aggregate: dict[str, Any], study: Preregistration, gate_id
     # no float32 run in this gate's evidence (vLLM serves bf16 only)
     local = (exactness_reading(aggregate, study, "local_conformance", ladder) if gate_id != "local_conformance"
              else None)
-    if local and local["source"] in ("stand-in model", "stand-in model and backend"):
+    if local and local["source"] in STAND_IN_SOURCES:
         local_gate = gate(aggregate, "local_conformance")
         return {"outcome": outcome, "source": "undecided", "evidence": path,
                 "short": f"bf16 gap {observed:.3g} ({observed / tolerance:.0f}× the tolerance); "
@@ -257,7 +261,7 @@ def what_would_change(aggregate: dict[str, Any], study: Preregistration, ladder:
     user's own model (`source: snapshot`); with the ladder's trained stand-in (`ladder`), what it showed."""
     stand_in = [g["id"] for g in aggregate["gates"] if g["kind"] == "conformance" and not g["passed"]
                 and exactness_reading(aggregate, study, g["id"], ladder)["source"]
-                in ("stand-in model", "stand-in model and backend", "undecided")]
+                in (*STAND_IN_SOURCES, "undecided")]
     synthetic = getattr(study.actor, "source", "synthetic") == "synthetic"
     command = ("<code>rollout conformance --params params/examples/qwen3-0.6b-hub.yaml --candidate hf_cached "
                "--out outputs/conformance/conformance-&lt;campaign&gt;-hf_cached-&lt;utc&gt;.json</code>")

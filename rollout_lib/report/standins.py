@@ -34,6 +34,11 @@ def _label(evidence: dict[str, Any], study_sha256: str, preregs: dict[str, Path]
     return f"preregistration {sha[:12]}"
 
 
+def _sampled_max(local: dict[str, Any]) -> float | None:
+    """A local conformance file's bf16 sampled-token max |Δ log p| (None where it has none)."""
+    return ((local.get("bfloat16") or {}).get("sampled_logprob") or {}).get("max_abs_diff")
+
+
 def _cells(evidence: dict[str, Any]) -> str:
     settings = evidence.get("settings") or {}
     if not settings:
@@ -126,14 +131,14 @@ def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | Non
         return None
     label, entry = trained[-1]
     local = entry["kinds"]["local_conformance"]
-    maximum = ((local.get("bfloat16") or {}).get("sampled_logprob") or {}).get("max_abs_diff")
+    maximum = _sampled_max(local)
     if maximum is None:
         return None
     # this study's actor beside it only where it was measured on the same cells (a ratio across subsets means little)
     own = next((e["kinds"]["local_conformance"] for e in found.values()
                 if e["study"] and "local_conformance" in e["kinds"]
                 and _cells(e["kinds"]["local_conformance"]) == _cells(local)), None)
-    random_max = (((own.get("bfloat16") or {}).get("sampled_logprob") or {}).get("max_abs_diff") if own else None)
+    random_max = _sampled_max(own) if own else None
     noise = (entry["kinds"].get("oracle_self_consistency") or {}).get("scoring_noise") or {}
     return {"label": label, "local_max": float(maximum), "cells": _cells(local),
             "random_max": float(random_max) if random_max is not None else None,
