@@ -88,9 +88,46 @@ def test_the_trained_reading_gives_the_numbers_the_verdict_cites(tmp_path):
         "scoring_noise": {"run_to_run_max_abs_diff": 0.0, "batch_composition_max_abs_diff": 0.0123}}))
     reading = trained_reading(tmp_path, study.sha256)
     assert (reading["oracle_batch_max"], reading["oracle_run_max"]) == (0.0123, 0.0)
+    assert (reading["oracle_self_max"], reading["random_oracle_self_max"]) == (0.02, None)
     assert reading["evidence"] == ["perf/standins-lease99/conformance-T.json", "perf/standins-lease99/oracle-T.json"]
+    # the oracle against itself on this study's actor counts beside it only on the same cells
+    (folder / "oracle-R.json").write_text(json.dumps({
+        "kind": "oracle_self_consistency", "preregistration_sha256": study.sha256, "max_abs_diff": 0.353,
+        "cells": {"p128-r64-n1-stochastic": []}, "scoring_noise": {}}))
+    assert trained_reading(tmp_path, study.sha256)["random_oracle_self_max"] is None, "other cells than T's"
+    (folder / "oracle-T.json").write_text(json.dumps({
+        "kind": "oracle_self_consistency", "preregistration_sha256": trained_sha, "max_abs_diff": 0.02,
+        "cells": {"p128-r64-n1-stochastic": []},
+        "scoring_noise": {"run_to_run_max_abs_diff": 0.0, "batch_composition_max_abs_diff": 0.0123}}))
+    assert trained_reading(tmp_path, study.sha256)["random_oracle_self_max"] == 0.353
 
     other = _local(study.sha256, 0.356, 0.9672)
     other["settings"] = {"prompt_tokens": [512], "response_tokens": [64]}
     (folder / "conformance-R.json").write_text(json.dumps(other))
     assert trained_reading(tmp_path, study.sha256)["random_max"] is None, "other cells: no ratio"
+
+
+def test_a_stand_in_trained_with_other_kernels_is_its_own_row(tmp_path):
+    """The same recipe trained with `--kernels fast` rounds differently: its files must not fill the reference
+    stand-in's row (labels are the rows' keys); the report's copy of the reference kernels is the trainer's."""
+    import dataclasses
+
+    from rollout_lib.models.train_standin import KERNEL_PRESETS
+    from rollout_lib.report.standins import REFERENCE_KERNELS
+
+    assert dataclasses.asdict(KERNEL_PRESETS["reference"]) == REFERENCE_KERNELS
+    study = load(SMOKE)
+    for name, kernels in (("standins-a", KERNEL_PRESETS["reference"]), ("standins-b", KERNEL_PRESETS["fast"])):
+        folder = tmp_path / "perf" / name
+        folder.mkdir(parents=True)
+        (folder / "trained.yaml").write_text(f"study_id: {name}\n")
+        (folder / "actor.json").write_text(json.dumps({
+            "payload_digest": "ab" * 32, "role": "actor", "arch": "qwen3-0.6b", "trained_tokens": 4194304,
+            "kernels": dataclasses.asdict(kernels) | {"sdpa_backend": None},
+            "final_metrics": {"heldout_loss_nats": 3.7378, "mean_entropy_nats": 3.7337}}))
+        (folder / "conformance-T.json").write_text(json.dumps(_local(sha256_file(folder / "trained.yaml"), 0.03,
+                                                                     0.999)))
+    labels = [r["stand-in"] for r in standin_ladder(tmp_path, study.sha256)]
+    assert labels == ["trained qwen3-0.6b (4.2M tokens, held-out loss 3.74 nats, entropy 3.73, no logit scale)",
+                      "trained qwen3-0.6b (4.2M tokens, kernels sdpa, fused, fill uninitialized off, held-out loss "
+                      "3.74 nats, entropy 3.73, no logit scale)"]

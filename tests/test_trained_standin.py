@@ -265,6 +265,22 @@ def test_bad_kernels_are_refused_by_name_before_any_work(tmp_path):
     result = rollout("models", "train", "--arch", "tiny", "--out", str(tmp_path / "x"), "--optimizer", "adam8bit")
     assert result.returncode == 2 and "argument --optimizer: invalid choice: 'adam8bit'" in result.stderr
     assert "'foreach', 'fused'" in result.stderr and not (tmp_path / "x").exists()
+    result = rollout("models", "train", "--arch", "tiny", "--out", str(tmp_path / "x"), "--kernels", "turbo")
+    assert result.returncode == 2 and "argument --kernels: invalid choice: 'turbo'" in result.stderr
+    assert "'reference', 'fast'" in result.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_named_kernel_set_is_what_trains_and_a_flag_overrides_its_part(tmp_path):
+    """`--kernels fast` is sdpa + fused AdamW + no NaN fill (the profile's fastest deterministic set); a kernel flag
+    given beside it replaces that part only; the record names what trained."""
+    out = tmp_path / "fast"
+    result = rollout("models", "train", "--arch", "tiny", "--steps", "2", "--kernels", "fast", "--optimizer",
+                     "foreach", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "kernels fast: attention sdpa, loss full, optimizer foreach, fill-uninitialized off" in result.stderr
+    kernels = json.loads((out / "rollout_trained.json").read_text())["kernels"]
+    assert (kernels["attention"], kernels["optimizer"], kernels["fill_uninitialized"], kernels["loss"]) == (
+        "sdpa", "foreach", False, "full")
 
 
 def test_the_snapshot_is_a_normal_hf_snapshot_with_the_record(trained_actor):

@@ -156,6 +156,14 @@ class TrainKernels:
                                "graph_warmup_steps": GraphStep.WARMUP_STEPS if self.step == "graph" else None}
 
 
+# Named kernel sets (`rollout models train --kernels NAME`): "reference" trained lease 22's stand-ins (and
+# reproduced them bit for bit on a second machine, lease 26); "fast" is the fastest deterministic set of
+# lease 26's profile on one H200 (actor x1.55 per step: docs/perf-notes.md, "Stand-in training").
+KERNEL_PRESETS: dict[str, TrainKernels] = {
+    "reference": TrainKernels(),
+    "fast": TrainKernels(attention="sdpa", optimizer="fused", fill_uninitialized=False),
+}
+
 KERNEL_CHOICES = {"attention": ("eager", "sdpa"), "loss": ("full", "chunked"), "optimizer": ("foreach", "fused"),
                   "fill_uninitialized": (True, False), "step": ("eager", "graph")}
 

@@ -117,8 +117,26 @@ def _trained_clause(ladder: dict[str, Any], tolerance: float) -> tuple[str, str,
         return (f"that comes from the random stand-in model, which amplifies bf16 rounding, not from the backend: "
                 f"{trained}, within the tolerance", f"from the stand-in model; a trained one reads {value:.3g}",
                 "stand-in model", "stand-in model")
-    noise = ladder.get("oracle_batch_max")
-    if noise is None:
+    own, noise = ladder.get("oracle_self_max"), ladder.get("oracle_batch_max")
+    if own is not None:
+        beside = (f" ({ladder['random_oracle_self_max']:.3g} on this study's actor, where hf_cached reads "
+                  f"{ladder['random_max']:.3g})" if ladder.get("random_oracle_self_max") is not None
+                  and ladder.get("random_max") is not None else "")
+        floor = (f"the oracle's own generation-time log-probabilities miss its teacher-forced scoring by {own:.3g} on "
+                 f"the same check{beside}")
+        if own >= value:
+            rest, source, words = (f"{floor}: as much, bf16 noise every incremental decoder shows, not the backend's",
+                                   "stand-in model", "the stand-in model and bf16 noise the oracle shows too")
+        elif own > tolerance:
+            rest, source, words = (f"{floor}, so no incremental decoder, the oracle included, meets {tolerance:g} in "
+                                   f"bf16; hf_cached's {value:.3g} is {value / own:.1f}× the oracle's own",
+                                   "stand-in model and backend",
+                                   "mostly the stand-in model; the tolerance is below the oracle's own bf16 noise; "
+                                   "the rest the backend")
+        else:
+            rest, source, words = (f"{floor}, within the tolerance: the rest, up to {value:.3g}, is the backend's",
+                                   "stand-in model and backend", "mostly the stand-in model; the rest the backend")
+    elif noise is None:
         rest, source, words = ("whether that rest is the backend's or bf16 noise the oracle shows against itself is "
                                "not measured yet", "stand-in model", "mostly the stand-in model; the rest undecided")
     elif noise >= value:
@@ -272,9 +290,14 @@ def what_would_change(aggregate: dict[str, Any], study: Preregistration, ladder:
                 "snapshot</code> (<code>params/examples/qwen3-0.6b-hub.yaml</code>).")
     if stand_in and synthetic:
         trained = ""
-        if ladder is not None and ladder["local_max"] > study.tolerances.nf4_sampled_logprob_abs:
+        tolerance = study.tolerances.nf4_sampled_logprob_abs
+        if ladder is not None and ladder["local_max"] > tolerance:
+            own = ladder.get("oracle_self_max")
+            floor = (f"; the oracle itself reads {own:.3g} against its own scoring there, so the gate decides only "
+                     "with a tolerance at or above the oracle's own bf16 noise, measured in the same hold"
+                     if own is not None and own > tolerance else "")
             trained = (f" (a stand-in trained for a few GPU-minutes on real text still reads {ladder['local_max']:.3g} "
-                       "on local conformance: see Exactness)")
+                       f"on local conformance{floor}: see Exactness)")
         return (f"<b>What would change it:</b> {', '.join(stand_in)} passing on a trained model instead of the "
                 f"random stand-in{html.escape(trained)}. Decide it on your own model: fill in "
                 "<code>params/examples/qwen3-0.6b-hub.yaml</code> (<code>source: snapshot</code>, its digests), "

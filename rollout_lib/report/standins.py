@@ -18,6 +18,9 @@ from rollout_lib.core import sha256_file
 from rollout_lib.safe_read import read_json
 
 KINDS = ("local_conformance", "vllm_conformance", "oracle_self_consistency")
+# models/train_standin.py's reference kernels as its records write them (lease 22's stand-ins)
+REFERENCE_KERNELS = {"attention": "eager", "loss": "full", "optimizer": "foreach", "fill_uninitialized": True,
+                     "step": "eager"}
 
 
 def _label(evidence: dict[str, Any], study_sha256: str, preregs: dict[str, Path],
@@ -29,8 +32,14 @@ def _label(evidence: dict[str, Any], study_sha256: str, preregs: dict[str, Path]
         actor = next((r for r in records.values() if r.get("role") == "actor"), None)
         if actor is not None:
             final = actor["final_metrics"]
-            return (f"trained {actor['arch']} ({actor['trained_tokens'] / 1e6:.1f}M tokens, held-out loss "
-                    f"{final['heldout_loss_nats']:.2f} nats, entropy {final['mean_entropy_nats']:.2f}, no logit scale)")
+            # two stand-ins of one recipe trained with other kernels differ in rounding: two rows, not one
+            kernels = actor.get("kernels") or {}
+            other = [f"{v}" if isinstance(v, str) else f"{k.replace('_', ' ')} {'on' if v else 'off'}"
+                     for k, v in kernels.items() if k in REFERENCE_KERNELS and v != REFERENCE_KERNELS[k]]
+            return (f"trained {actor['arch']} ({actor['trained_tokens'] / 1e6:.1f}M tokens"
+                    + (f", kernels {', '.join(other)}" if other else "")
+                    + f", held-out loss {final['heldout_loss_nats']:.2f} nats, entropy "
+                    f"{final['mean_entropy_nats']:.2f}, no logit scale)")
     return f"preregistration {sha[:12]}"
 
 
@@ -123,8 +132,11 @@ def standin_ladder(output_dir: Path, study_sha256: str) -> list[dict[str, str]]:
 def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | None:
     """The numbers the report's verdict can cite from the ladder: the trained stand-in's bf16 local conformance
     (`local_max`, on `cells`), this study's actor on the same kind of run beside it (`random_max`, or None),
-    and the oracle against itself on the trained stand-in (`oracle_batch_max`, `oracle_run_max`, or None when
-    not measured). None when no trained stand-in has a local conformance file."""
+    and the oracle against itself on the trained stand-in: its own generation-time log-probabilities against its
+    teacher-forced scoring, the same check with the oracle as the candidate (`oracle_self_max`; on this study's
+    actor, same cells: `random_oracle_self_max`), and its scoring's batch-composition and run-to-run noise
+    (`oracle_batch_max`, `oracle_run_max`); each None when not measured. None when no trained stand-in has a
+    local conformance file."""
     found = _evidence_by_stand_in(output_dir, study_sha256)
     trained = [(label, e) for label, e in found.items() if e["trained"] and "local_conformance" in e["kinds"]]
     if not trained:
@@ -139,8 +151,16 @@ def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | Non
                 if e["study"] and "local_conformance" in e["kinds"]
                 and _cells(e["kinds"]["local_conformance"]) == _cells(local)), None)
     random_max = _sampled_max(own) if own else None
-    noise = (entry["kinds"].get("oracle_self_consistency") or {}).get("scoring_noise") or {}
+    oracle = entry["kinds"].get("oracle_self_consistency") or {}
+    noise = oracle.get("scoring_noise") or {}
+    # the oracle against itself on this study's actor, where it ran on the same cells as the trained one's
+    own_oracle = next((e["kinds"]["oracle_self_consistency"] for e in found.values()
+                       if e["study"] and "oracle_self_consistency" in e["kinds"]
+                       and sorted(e["kinds"]["oracle_self_consistency"].get("cells") or {})
+                       == sorted(oracle.get("cells") or {}) and oracle), None)
     return {"label": label, "local_max": float(maximum), "cells": _cells(local),
             "random_max": float(random_max) if random_max is not None else None,
+            "oracle_self_max": oracle.get("max_abs_diff"),
+            "random_oracle_self_max": own_oracle.get("max_abs_diff") if own_oracle else None,
             "oracle_batch_max": noise.get("batch_composition_max_abs_diff"),
             "oracle_run_max": noise.get("run_to_run_max_abs_diff"), "evidence": entry["paths"]}

@@ -10,7 +10,7 @@
 # records, the logs, summary.json and, once both digests exist, rollout-runtime-v3-trained.yaml (the
 # draft with its digests filled in: review, then commit it under params/). The weights stay on the
 # machine (/tmp/standins/out/...; 1.2 GB + 3.4 GB do not fit a transfer): a fresh machine rebuilds them.
-# Env: STEPS_ACTOR / STEPS_TEACHER override the recipes' steps (a smoke of this script: 8 and 4);
+# Env: KERNELS (default fast: the v3 recipe's kernels; reference: lease 22's); STEPS_ACTOR / STEPS_TEACHER override the recipes' steps (a smoke of this script: 8 and 4);
 # REPEAT=1 trains the actor a second time with --expect on the first record (same-machine determinism);
 # EXPECT_DIR=dir with earlier records (qwen3-0.6b-actor.json, qwen3-1.7b-teacher.json) checks this
 # machine's rebuild against them (bit-exact, else the tolerance-checked fingerprint).
@@ -27,14 +27,14 @@ if [ "${1:-poll}" = start ]; then
   cp -r . "$WORK/src" && rm -rf "$WORK/src/.git" "$WORK"/src/.stage
   [ -n "${EXPECT_DIR:-}" ] && cp -r "$EXPECT_DIR" "$WORK/expect"
   : > "$WORK/state/jobs"
-  export STEPS_ACTOR=${STEPS_ACTOR:-} STEPS_TEACHER=${STEPS_TEACHER:-} REPEAT=${REPEAT:-0}
+  export STEPS_ACTOR=${STEPS_ACTOR:-} STEPS_TEACHER=${STEPS_TEACHER:-} REPEAT=${REPEAT:-0} KERNELS=${KERNELS:-fast}
   setsid nohup bash -c '
     echo $$ > '"$WORK"'/state/running
     cd '"$WORK"'/src
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > '"$WORK"'/state/gpu.txt 2>&1
     train() {  # name arch role steps [extra args]
       local name=$1 arch=$2 role=$3 steps=$4; shift 4
-      local args=(--arch "$arch" --role "$role" --device cuda --out '"$WORK"'/out/"$name"
+      local args=(--kernels "${KERNELS:-fast}" --arch "$arch" --role "$role" --device cuda --out '"$WORK"'/out/"$name"
                   --record '"$WORK"'/records/"$name".json --replace)
       [ -n "$steps" ] && args+=(--steps "$steps")
       [ -f '"$WORK"'/expect/"${name%-repeat}".json ] && args+=(--expect '"$WORK"'/expect/"${name%-repeat}".json)
