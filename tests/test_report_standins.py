@@ -45,8 +45,9 @@ def test_two_stand_ins_side_by_side_with_their_rungs(tmp_path):
     assert trained_row["bf16 hf_cached vs oracle: sampled max |Δ log p|"] == "0.0325"
     assert trained_row["bf16 argmax agreement (beyond tie margin)"] == "99.92 % (1)"
     assert trained_row["float32 exact (greedy, partitions)"] == "8/8, 16/16"
-    assert trained_row["oracle vs itself: run to run / batch composition"] == "0 / 0.0123"
-    assert random_row["oracle vs itself: run to run / batch composition"] == "not_measured"
+    assert trained_row["oracle's scoring vs itself: run to run / batch composition"] == "0 / 0.0123"
+    assert trained_row["oracle vs itself, the same check: its generation vs its scoring"] == "0.02"
+    assert random_row["oracle's scoring vs itself: run to run / batch composition"] == "not_measured"
     assert trained_row["vLLM PG-k1 vs oracle: sampled max |Δ log p|"] == "not_measured"
     assert trained_row["evidence"] == ("perf/standins-lease99/conformance-T.json, "
                                        "perf/standins-lease99/oracle-T.json")

@@ -73,10 +73,11 @@ def _rungs(evidence: dict[str, Any]) -> dict[str, str]:
         return {"vLLM PG-k1 vs oracle: sampled max |Δ log p|":
                 f"{(evidence.get('sampled_logprob') or {}).get('max_abs_diff', float('nan')):.3g}"}
     noise = evidence.get("scoring_noise") or {}
-    return {"oracle vs itself: run to run / batch composition":
+    return {"oracle's scoring vs itself: run to run / batch composition":
             (f"{noise['run_to_run_max_abs_diff']:.3g} / {noise['batch_composition_max_abs_diff']:.3g}"
              if noise else "not_measured (file without scoring_noise)"),
-            "oracle generation vs its scoring": f"{evidence.get('max_abs_diff', float('nan')):.3g}"}
+            "oracle vs itself, the same check: its generation vs its scoring":
+            f"{evidence.get('max_abs_diff', float('nan')):.3g}"}
 
 
 def _evidence_by_stand_in(output_dir: Path, study_sha256: str) -> dict[str, dict[str, Any]]:
@@ -124,8 +125,10 @@ def standin_ladder(output_dir: Path, study_sha256: str) -> list[dict[str, str]]:
         row["evidence"] = ", ".join(entry["paths"])
         rows.append(row)
     columns = ("stand-in", "float32 exact (greedy, partitions)", "bf16 hf_cached vs oracle: sampled max |Δ log p|",
-               "bf16 argmax agreement (beyond tie margin)", "oracle vs itself: run to run / batch composition",
-               "oracle generation vs its scoring", "vLLM PG-k1 vs oracle: sampled max |Δ log p|", "cells", "evidence")
+               "oracle vs itself, the same check: its generation vs its scoring",
+               "bf16 argmax agreement (beyond tie margin)",
+               "oracle's scoring vs itself: run to run / batch composition",
+               "vLLM PG-k1 vs oracle: sampled max |Δ log p|", "cells", "evidence")
     return [{c: row.get(c, "not_measured") for c in columns} for row in rows]
 
 
