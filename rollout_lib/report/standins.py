@@ -11,16 +11,17 @@ evidence of each rung (`rollout conformance` with `--candidate hf_cached`, `--ca
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rollout_lib.core import sha256_file
+from rollout_lib.models.train_standin import KERNEL_PRESETS
 from rollout_lib.safe_read import read_json
 
 KINDS = ("local_conformance", "vllm_conformance", "oracle_self_consistency")
-# models/train_standin.py's reference kernels as its records write them (lease 22's stand-ins)
-REFERENCE_KERNELS = {"attention": "eager", "loss": "full", "optimizer": "foreach", "fill_uninitialized": True,
-                     "step": "eager"}
+# the trainer's reference kernels as its records write them (lease 22's stand-ins)
+REFERENCE_KERNELS = asdict(KERNEL_PRESETS["reference"])
 
 
 def _label(evidence: dict[str, Any], study_sha256: str, preregs: dict[str, Path],
@@ -160,7 +161,7 @@ def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | Non
     own_oracle = next((e["kinds"]["oracle_self_consistency"] for e in found.values()
                        if e["study"] and "oracle_self_consistency" in e["kinds"]
                        and sorted(e["kinds"]["oracle_self_consistency"].get("cells") or {})
-                       == sorted(oracle.get("cells") or {}) and oracle), None)
+                       == sorted(oracle.get("cells") or {})), None) if oracle else None
     return {"label": label, "local_max": float(maximum), "cells": _cells(local),
             "random_max": float(random_max) if random_max is not None else None,
             "oracle_self_max": oracle.get("max_abs_diff"),
