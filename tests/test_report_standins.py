@@ -106,6 +106,18 @@ def test_the_trained_reading_gives_the_numbers_the_verdict_cites(tmp_path):
     other["settings"] = {"prompt_tokens": [512], "response_tokens": [64]}
     (folder / "conformance-R.json").write_text(json.dumps(other))
     assert trained_reading(tmp_path, study.sha256)["random_max"] is None, "other cells: no ratio"
+    # vLLM PG-k1 on the trained stand-in, and on this study's actor beside it only on the same cells
+    def vllm(prereg_sha, max_diff, cells):
+        return {"kind": "vllm_conformance", "preregistration_sha256": prereg_sha,
+                "sampled_logprob": {"max_abs_diff": max_diff, "cells": {c: [] for c in cells}}}
+
+    assert trained_reading(tmp_path, study.sha256)["vllm_max"] is None
+    (folder / "vllm-T.json").write_text(json.dumps(vllm(trained_sha, 0.0584, ["p128-r64-n1-stochastic"])))
+    (folder / "vllm-R.json").write_text(json.dumps(vllm(study.sha256, 0.2996, ["p128-r256-n1-stochastic"])))
+    reading = trained_reading(tmp_path, study.sha256)
+    assert (reading["vllm_max"], reading["random_vllm_max"]) == (0.0584, None), "other cells than T's"
+    (folder / "vllm-R.json").write_text(json.dumps(vllm(study.sha256, 0.2996, ["p128-r64-n1-stochastic"])))
+    assert trained_reading(tmp_path, study.sha256)["random_vllm_max"] == 0.2996
 
 
 def test_a_stand_in_trained_with_other_kernels_is_its_own_row(tmp_path):
@@ -128,5 +140,10 @@ def test_a_stand_in_trained_with_other_kernels_is_its_own_row(tmp_path):
                                                                      0.999)))
     labels = [r["stand-in"] for r in standin_ladder(tmp_path, study.sha256)]
     assert labels == ["trained qwen3-0.6b (4.2M tokens, held-out loss 3.74 nats, entropy 3.73, no logit scale)",
-                      "trained qwen3-0.6b (4.2M tokens, kernels sdpa, fused, fill uninitialized off, held-out loss "
-                      "3.74 nats, entropy 3.73, no logit scale)"]
+                      "trained qwen3-0.6b (4.2M tokens, kernels fast (sdpa, fused, fill uninitialized off), held-out "
+                      "loss 3.74 nats, entropy 3.73, no logit scale)"]
+    # a set of flags that is no named set lists what differs from the reference, without a name
+    actor = json.loads((folder / "actor.json").read_text())
+    (folder / "actor.json").write_text(json.dumps(actor | {"kernels": actor["kernels"] | {"optimizer": "foreach"}}))
+    labels = [r["stand-in"] for r in standin_ladder(tmp_path, study.sha256)]
+    assert labels[1].startswith("trained qwen3-0.6b (4.2M tokens, kernels sdpa, fill uninitialized off, held-out")

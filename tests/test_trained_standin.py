@@ -356,15 +356,21 @@ def _contains(haystack: tuple[int, ...], needle: tuple[int, ...]) -> bool:
     return any(haystack[i:i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
 
 
-def test_the_draft_keeps_the_v2_cells_and_refuses_to_load_until_its_digests_are_filled():
+def test_the_draft_pins_the_fast_stand_ins_built_on_the_gpu_keeps_the_v2_cells_and_refuses_a_placeholder():
     from rollout_lib.study.prereg import PreregistrationError, load, loads
     from rollout_lib.study.workload import Workload
 
-    with pytest.raises(PreregistrationError, match=r"actor\.payload_digest: 'TO-BE-FILLED"):
-        load(DRAFT)
+    filled = load(DRAFT)
+    # the pinned digests are the ones the first fast-kernel build recorded (its records are the evidence)
+    records = {name: json.loads((REPO / "outputs" / "perf" / "standins-v3-fast" / f"{name}.json").read_text())
+               for name in ("qwen3-0.6b-actor", "qwen3-1.7b-teacher")}
+    assert filled.actor.payload_digest == records["qwen3-0.6b-actor"]["payload_digest"]
+    assert filled.teacher.payload_digest == records["qwen3-1.7b-teacher"]["payload_digest"]
+    assert all(r["kernels"]["attention"] == "sdpa" and r["kernels"]["optimizer"] == "fused" for r in records.values())
     text = DRAFT.read_text()
-    filled = loads(text.replace("TO-BE-FILLED-actor-digest-from-tools/lab/train_standins.sh", "a" * 64)
-                   .replace("TO-BE-FILLED-teacher-digest-from-tools/lab/train_standins.sh", "b" * 64))
+    unfilled = text.replace(filled.actor.payload_digest, "TO-BE-FILLED-actor-digest-from-tools/lab/train_standins.sh")
+    with pytest.raises(PreregistrationError, match=r"actor\.payload_digest: 'TO-BE-FILLED"):
+        loads(unfilled)
     v2 = load(V2)
     assert Workload(filled).cell_ids() == Workload(v2).cell_ids()
     work = Workload(filled)  # the full corpus has held-out files long enough for 512-token prompts
@@ -403,15 +409,18 @@ def test_the_trained_tiny_profile_measures_end_to_end(trained_actor, tmp_path):
 
 
 def test_the_draft_is_filled_with_both_digests_and_copied_beside_the_records(tmp_path, monkeypatch):
-    """tools/lab/fill_standin_draft.py: both digests replace their placeholders; the filled draft is written where
-    it loads (the drafts folder) and beside the records, where the report's ladder labels the trained rows by it;
-    a missing record writes nothing."""
+    """tools/lab/fill_standin_draft.py: both digests replace their placeholders or an earlier build's pinned ones;
+    the filled draft is written where it loads (the drafts folder) and beside the records, where the report's ladder
+    labels the trained rows by it; a missing record or a missing digest line writes nothing."""
+    from rollout_lib.study.prereg import load
     from tools.lab import fill_standin_draft
 
     drafts = tmp_path / "drafts"
     drafts.mkdir()
     draft = drafts / DRAFT.name
-    draft.write_text(DRAFT.read_text())
+    pinned = load(DRAFT)
+    # an unfilled draft (placeholders) and a pinned one (an earlier build's digests) are both filled
+    draft.write_text(DRAFT.read_text().replace(pinned.actor.payload_digest, "TO-BE-FILLED-actor-digest"))
     monkeypatch.setattr(fill_standin_draft, "DRAFT", draft)
     records = tmp_path / "standins-second-machine"
     records.mkdir()
@@ -422,4 +431,12 @@ def test_the_draft_is_filled_with_both_digests_and_copied_beside_the_records(tmp
     assert fill_standin_draft.main(str(records), str(out)) == 0
     filled = out.read_text()
     assert "a" * 64 in filled and "b" * 64 in filled and "TO-BE-FILLED" not in filled
+    assert pinned.teacher.payload_digest not in filled
     assert (records / out.name).read_text() == filled
+    draft.write_text(filled)  # refilling a filled draft pins the new build's digests
+    (records / "qwen3-0.6b-actor.json").write_text(json.dumps({"payload_digest": "c" * 64}))
+    assert fill_standin_draft.main(str(records), str(out)) == 0
+    refilled = out.read_text()
+    assert "c" * 64 in refilled and "a" * 64 not in refilled and "b" * 64 in refilled
+    draft.write_text(filled.replace("  payload_digest: " + "b" * 64 + "\n", ""))  # the teacher's line is gone
+    assert fill_standin_draft.main(str(records), str(out)) == 2 and out.read_text() == refilled

@@ -37,8 +37,12 @@ def _label(evidence: dict[str, Any], study_sha256: str, preregs: dict[str, Path]
             kernels = actor.get("kernels") or {}
             other = [f"{v}" if isinstance(v, str) else f"{k.replace('_', ' ')} {'on' if v else 'off'}"
                      for k, v in kernels.items() if k in REFERENCE_KERNELS and v != REFERENCE_KERNELS[k]]
+            # a named set (`--kernels fast`) by its name and what it turns on
+            named = next((name for name, preset in KERNEL_PRESETS.items() if name != "reference" and all(
+                kernels.get(k) == v for k, v in asdict(preset).items())), None)
             return (f"trained {actor['arch']} ({actor['trained_tokens'] / 1e6:.1f}M tokens"
-                    + (f", kernels {', '.join(other)}" if other else "")
+                    + (f", kernels {named} ({', '.join(other)})" if named else
+                       f", kernels {', '.join(other)}" if other else "")
                     + f", held-out loss {final['heldout_loss_nats']:.2f} nats, entropy "
                     f"{final['mean_entropy_nats']:.2f}, no logit scale)")
     return f"preregistration {sha[:12]}"
@@ -47,6 +51,16 @@ def _label(evidence: dict[str, Any], study_sha256: str, preregs: dict[str, Path]
 def _sampled_max(local: dict[str, Any]) -> float | None:
     """A local conformance file's bf16 sampled-token max |Δ log p| (None where it has none)."""
     return ((local.get("bfloat16") or {}).get("sampled_logprob") or {}).get("max_abs_diff")
+
+
+def _sampled_max_of(vllm: dict[str, Any]) -> float | None:
+    """A vLLM conformance file's sampled-token max |Δ log p| (None where it has none)."""
+    return (vllm.get("sampled_logprob") or {}).get("max_abs_diff")
+
+
+def _sampled_cells(vllm: dict[str, Any]) -> list[str]:
+    """The cells a vLLM conformance file sampled (it records no settings block)."""
+    return sorted((vllm.get("sampled_logprob") or {}).get("cells") or {})
 
 
 def _cells(evidence: dict[str, Any]) -> str:
@@ -139,8 +153,9 @@ def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | Non
     and the oracle against itself on the trained stand-in: its own generation-time log-probabilities against its
     teacher-forced scoring, the same check with the oracle as the candidate (`oracle_self_max`; on this study's
     actor, same cells: `random_oracle_self_max`), and its scoring's batch-composition and run-to-run noise
-    (`oracle_batch_max`, `oracle_run_max`); each None when not measured. None when no trained stand-in has a
-    local conformance file."""
+    (`oracle_batch_max`, `oracle_run_max`), and vLLM PG-k1 against the oracle on the trained stand-in
+    (`vllm_max`; on this study's actor, same cells: `random_vllm_max`); each None when not measured. None when no
+    trained stand-in has a local conformance file."""
     found = _evidence_by_stand_in(output_dir, study_sha256)
     trained = [(label, e) for label, e in found.items() if e["trained"] and "local_conformance" in e["kinds"]]
     if not trained:
@@ -162,7 +177,14 @@ def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | Non
                        if e["study"] and "oracle_self_consistency" in e["kinds"]
                        and sorted(e["kinds"]["oracle_self_consistency"].get("cells") or {})
                        == sorted(oracle.get("cells") or {})), None) if oracle else None
+    # vLLM PG-k1 against the oracle (bf16 only): on the trained stand-in, and on this study's actor on the same cells
+    vllm = entry["kinds"].get("vllm_conformance") or {}
+    vllm_max = (vllm.get("sampled_logprob") or {}).get("max_abs_diff")
+    own_vllm = next((e["kinds"]["vllm_conformance"] for e in found.values()
+                     if vllm and e["study"] and "vllm_conformance" in e["kinds"]
+                     and _sampled_cells(e["kinds"]["vllm_conformance"]) == _sampled_cells(vllm)), None)
     return {"label": label, "local_max": float(maximum), "cells": _cells(local),
+            "vllm_max": vllm_max, "random_vllm_max": _sampled_max_of(own_vllm) if own_vllm else None,
             "random_max": float(random_max) if random_max is not None else None,
             "oracle_self_max": oracle.get("max_abs_diff"),
             "random_oracle_self_max": own_oracle.get("max_abs_diff") if own_oracle else None,

@@ -5,18 +5,31 @@
 RECORDS_DIR holds the two `rollout models train --record` files (qwen3-0.6b-actor.json,
 qwen3-1.7b-teacher.json). OUT_YAML must sit in params/drafts/ (the draft's snapshot paths are relative
 to its folder); a copy of it goes beside the records too (RECORDS_DIR/<its name>), where the report's
-exactness ladder finds the preregistration the trained rows were measured under. Refuses, writing
-nothing, when a record is missing or a placeholder is not found.
+exactness ladder finds the preregistration the trained rows were measured under. Each role's
+`payload_digest:` line is replaced, a placeholder or an earlier build's pinned digest alike (a rebuild with
+other kernels pins its own). Refuses, writing nothing, when a record is missing or a role's block has not
+exactly one digest line.
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 DRAFT = Path("params/drafts/rollout-runtime-v3-trained.yaml")
-PLACEHOLDERS = {"qwen3-0.6b-actor": "TO-BE-FILLED-actor-digest-from-tools/lab/train_standins.sh",
-                "qwen3-1.7b-teacher": "TO-BE-FILLED-teacher-digest-from-tools/lab/train_standins.sh"}
+ROLES = {"qwen3-0.6b-actor": "actor", "qwen3-1.7b-teacher": "teacher"}
+
+
+def _pin(text: str, role: str, digest: str) -> str | None:
+    """`text` with the `payload_digest:` line of the top-level `role:` block set to `digest`; None when the block
+    is missing or has not exactly one such line."""
+    block = re.search(rf"^{role}:\n(?:(?:[ #].*)?\n)*", text, flags=re.MULTILINE)
+    if block is None:
+        return None
+    body, count = re.subn(r"^(  payload_digest: )\S+", lambda m: m.group(1) + digest, block.group(0),
+                          flags=re.MULTILINE)
+    return text[:block.start()] + body + text[block.end():] if count == 1 else None
 
 
 def main(records_dir: str, out_yaml: str) -> int:
@@ -25,15 +38,16 @@ def main(records_dir: str, out_yaml: str) -> int:
         print(f"OUT_YAML must be in {DRAFT.parent}/ (snapshot paths are relative to it): {out}", file=sys.stderr)
         return 2
     text = DRAFT.read_text()
-    for name, placeholder in PLACEHOLDERS.items():
+    for name in ROLES:
         record_file = Path(records_dir) / f"{name}.json"
         if not record_file.is_file():
             print(f"record missing: {record_file}", file=sys.stderr)
             return 2
-        if placeholder not in text:
-            print(f"placeholder for {name} not in {DRAFT}", file=sys.stderr)
+        pinned = _pin(text, ROLES[name], json.loads(record_file.read_text())["payload_digest"])
+        if pinned is None:
+            print(f"no single payload_digest line in {DRAFT}'s {ROLES[name]}: block", file=sys.stderr)
             return 2
-        text = text.replace(placeholder, json.loads(record_file.read_text())["payload_digest"])
+        text = pinned
     for target in (out, Path(records_dir) / out.name):
         tmp = target.with_suffix(".tmp")
         tmp.write_text(text)
