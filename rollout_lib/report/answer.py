@@ -104,6 +104,17 @@ def short(path: str | None) -> str:
 STAND_IN_SOURCES = ("stand-in model", "stand-in model and backend")
 
 
+def _beside_the_oracle(value: float, own: float, tolerance: float) -> tuple[str, str]:
+    """(source, source in words) of a trained stand-in's bf16 gap `value` beside the oracle's own (`own`: its
+    generation-time log-probabilities against its teacher-forced scoring, the same check)."""
+    if own >= value:
+        return "stand-in model", "the stand-in model and bf16 noise the oracle shows too"
+    if own > tolerance:
+        return ("stand-in model and backend",
+                "mostly the stand-in model; the tolerance is below the oracle's own bf16 noise; the rest the backend")
+    return "stand-in model and backend", "mostly the stand-in model; the rest the backend"
+
+
 def _trained_clause(ladder: dict[str, Any], tolerance: float) -> tuple[str, str, str, str]:
     """(where the bf16 gap comes from, its short form, source, source in words) when the exactness ladder
     (report/standins.py: `trained_reading`) has the same check on a stand-in trained on real text: a diagnostic
@@ -124,18 +135,14 @@ def _trained_clause(ladder: dict[str, Any], tolerance: float) -> tuple[str, str,
                   and ladder.get("random_max") is not None else "")
         floor = (f"the oracle's own generation-time log-probabilities miss its teacher-forced scoring by {own:.3g} on "
                  f"the same check{beside}")
+        source, words = _beside_the_oracle(value, own, tolerance)
         if own >= value:
-            rest, source, words = (f"{floor}: as much, bf16 noise every incremental decoder shows, not the backend's",
-                                   "stand-in model", "the stand-in model and bf16 noise the oracle shows too")
+            rest = f"{floor}: as much, bf16 noise every incremental decoder shows, not the backend's"
         elif own > tolerance:
-            rest, source, words = (f"{floor}, so no incremental decoder, the oracle included, meets {tolerance:g} in "
-                                   f"bf16; hf_cached's {value:.3g} is {value / own:.1f}× the oracle's own",
-                                   "stand-in model and backend",
-                                   "mostly the stand-in model; the tolerance is below the oracle's own bf16 noise; "
-                                   "the rest the backend")
+            rest = (f"{floor}, so no incremental decoder, the oracle included, meets {tolerance:g} in bf16; "
+                    f"hf_cached's {value:.3g} is {value / own:.1f}× the oracle's own")
         else:
-            rest, source, words = (f"{floor}, within the tolerance: the rest, up to {value:.3g}, is the backend's",
-                                   "stand-in model and backend", "mostly the stand-in model; the rest the backend")
+            rest = f"{floor}, within the tolerance: the rest, up to {value:.3g}, is the backend's"
     elif noise is None:
         rest, source, words = ("whether that rest is the backend's or bf16 noise the oracle shows against itself is "
                                "not measured yet", "stand-in model", "mostly the stand-in model; the rest undecided")
@@ -162,15 +169,11 @@ def _trained_vllm(ladder: dict[str, Any], observed: float, tolerance: float, gap
     if own is None:
         source, words = "stand-in model", "mostly the stand-in model; the rest undecided"
         where += "; whether the rest is the backend's or bf16 noise the oracle shows too is not measured yet"
-    elif value > own:
-        source = "stand-in model and backend"
-        words = ("mostly the stand-in model; the tolerance is below the oracle's own bf16 noise; the rest the backend"
-                 if own > tolerance else "mostly the stand-in model; the rest the backend")
-        where += (f", where the oracle misses its own scoring by {own:.3g}: vLLM's is {value / own:.1f}× the oracle's "
-                  f"own bf16 noise (hf_cached's {local / own:.1f}×), the rest the backend's")
     else:
-        source, words = "stand-in model", "the stand-in model and bf16 noise the oracle shows too"
-        where += f", within the {own:.3g} by which the oracle misses its own scoring"
+        source, words = _beside_the_oracle(value, own, tolerance)
+        where += (f", where the oracle misses its own scoring by {own:.3g}: vLLM's is {value / own:.1f}× the oracle's "
+                  f"own bf16 noise (hf_cached's {local / own:.1f}×), the rest the backend's" if value > own else
+                  f", within the {own:.3g} by which the oracle misses its own scoring")
     if ladder.get("random_vllm_max") is not None and ladder.get("random_oracle_self_max") is not None:
         where += (f"; on this study's actor, same cells, vLLM reads {ladder['random_vllm_max']:.3g} where the oracle "
                   f"misses its own scoring by {ladder['random_oracle_self_max']:.3g}")

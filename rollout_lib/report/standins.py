@@ -53,7 +53,7 @@ def _sampled_max(local: dict[str, Any]) -> float | None:
     return ((local.get("bfloat16") or {}).get("sampled_logprob") or {}).get("max_abs_diff")
 
 
-def _sampled_max_of(vllm: dict[str, Any]) -> float | None:
+def _vllm_sampled_max(vllm: dict[str, Any]) -> float | None:
     """A vLLM conformance file's sampled-token max |Δ log p| (None where it has none)."""
     return (vllm.get("sampled_logprob") or {}).get("max_abs_diff")
 
@@ -85,8 +85,8 @@ def _rungs(evidence: dict[str, Any]) -> dict[str, str]:
                 f"{100 * tf.get('argmax_agreement_rate', 0):.2f} % ({tf.get('disagreements_beyond_tie_margin')})",
                 "cells": _cells(evidence)}
     if kind == "vllm_conformance":
-        return {"vLLM PG-k1 vs oracle: sampled max |Δ log p|":
-                f"{(evidence.get('sampled_logprob') or {}).get('max_abs_diff', float('nan')):.3g}"}
+        value = _vllm_sampled_max(evidence)
+        return {"vLLM PG-k1 vs oracle: sampled max |Δ log p|": f"{float('nan') if value is None else value:.3g}"}
     noise = evidence.get("scoring_noise") or {}
     return {"oracle's scoring vs itself: run to run / batch composition":
             (f"{noise['run_to_run_max_abs_diff']:.3g} / {noise['batch_composition_max_abs_diff']:.3g}"
@@ -179,12 +179,11 @@ def trained_reading(output_dir: Path, study_sha256: str) -> dict[str, Any] | Non
                        == sorted(oracle.get("cells") or {})), None) if oracle else None
     # vLLM PG-k1 against the oracle (bf16 only): on the trained stand-in, and on this study's actor on the same cells
     vllm = entry["kinds"].get("vllm_conformance") or {}
-    vllm_max = (vllm.get("sampled_logprob") or {}).get("max_abs_diff")
     own_vllm = next((e["kinds"]["vllm_conformance"] for e in found.values()
                      if vllm and e["study"] and "vllm_conformance" in e["kinds"]
                      and _sampled_cells(e["kinds"]["vllm_conformance"]) == _sampled_cells(vllm)), None)
     return {"label": label, "local_max": float(maximum), "cells": _cells(local),
-            "vllm_max": vllm_max, "random_vllm_max": _sampled_max_of(own_vllm) if own_vllm else None,
+            "vllm_max": _vllm_sampled_max(vllm), "random_vllm_max": _vllm_sampled_max(own_vllm) if own_vllm else None,
             "random_max": float(random_max) if random_max is not None else None,
             "oracle_self_max": oracle.get("max_abs_diff"),
             "random_oracle_self_max": own_oracle.get("max_abs_diff") if own_oracle else None,
