@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tools.lab.probe_table import main, probe_rows, render
+from tools.lab.probe_table import main, probe_rows, render, render_time
 
 LAYERS = 28
 
@@ -85,3 +85,21 @@ def test_bad_input_is_refused_in_one_line(folder, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "empty")])
     assert "no probe.json (a regular file) in it" in capsys.readouterr().err
+
+
+def test_the_time_table_sums_each_category_per_step(folder, capsys):
+    rows = probe_rows(folder)
+    base = next(r for r in rows if r["variant"] == "inductor+shrinkgemm" and r["cell"] == "p128-r64-n1-greedy")
+    # per step: 28 GEMMs of 10 us ("nvjet" -> GEMM) and 28 attention kernels of 5 us
+    assert base["ms_per_step_by_category"] == {"gemm": 0.28, "attention": 0.14}
+    flex = next(r for r in rows if r["variant"] == "inductor+shrinkgemm+flex" and r["cell"] == "p128-r64-n1-greedy")
+    assert flex["ms_per_step_by_category"]["attention"] == pytest.approx(0.28, rel=0.01)  # steps by span: still 5
+    table = render_time(rows)
+    assert table.splitlines()[0] == ("| variant | cell | GEMM | float32 GEMM | LoRA reductions | attention | norms | "
+                                     "sampling | rest | busy | gaps |")
+    assert ("| inductor+shrinkgemm | p128-r64-n1-greedy | 0.280 | 0.000 | 0.000 | 0.140 | 0.000 | 0.000 | 0.000 | "
+            "0.420 |") in table
+    assert "p512-r256-n4-greedy" not in table, "an untraced cell has no time row"
+    assert main([str(folder)]) == 0
+    assert "GPU time per decode step by kernel category, ms (from the traces):" in capsys.readouterr().out
+    assert render_time([r for r in rows if r.get("cell") is None]) == ""

@@ -54,6 +54,27 @@ def test_categories_follow_the_documented_order():
     assert category("void at::native::vectorized_elementwise_kernel", "kernel") == "other"
 
 
+@pytest.mark.parametrize(("name", "expected"), [
+    # the LoRA terms: the shrink's and the expand's reductions as inductor names them (lease 7 and lease 23 traces)
+    ("triton_red_fused__to_copy_mul_sum_unsqueeze_6", "low_rank_reductions"),
+    ("triton_per_fused__to_copy__unsafe_view_add_mul_sum_unsqueeze_7", "low_rank_reductions"),
+    ("triton_per_fused_add_mul_select_slice_sum_unsqueeze_view_2", "low_rank_reductions"),
+    ("triton_per_fused__to_copy_add_mul_select_slice_sum_unsqueeze_view_4", "low_rank_reductions"),
+    # a sampler kernel that multiplies and reduces is the sampler's, not a LoRA term
+    ("triton_red_fused__log_softmax_exp_mul_sub_sum_3", "sampling"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_slice_split_with_sizes_view_5", "rmsnorm"),
+    # float32 GEMMs (the expand as a GEMM, an old float32 head) apart from the bf16-operand ones
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize32x128x8_stage3_warpsize1x2x1_ffma", "gemm_float32"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_64x64_8x5_tn_align1>", "gemm_float32"),
+    ("void gemmSN_TN_kernel<float, 128, 16, 2, 4, 4, 4, true>", "gemm_float32"),
+    ("nvjet_sm90_sss_64x8_64x16_4x1_v_bz_TNT", "gemm_float32"),
+    ("nvjet_sm90_tss_64x8_64x16_4x1_v_bz_TNT", "gemm"),
+    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "gemm"),
+])
+def test_the_lora_terms_and_float32_gemms_are_told_apart(name, expected):
+    assert category(name, "kernel") == expected
+
+
 def test_the_command_reads_a_gzipped_trace_and_writes_json(tmp_path, capsys):
     trace = tmp_path / "t.json.gz"
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": _two_steps_of_two_layers()}).encode()))

@@ -8,10 +8,13 @@ kernels inside a graph), sorts them by start time and reports, per decode step:
 - the kernel count and the GPU busy time (sum of kernel durations) against the window's span;
 - the gaps: time between the end of one kernel and the start of the next (launch and dependency
   latency; with CUDA graphs, the graph's own inter-node latency);
-- the time and count per category, matched on the kernel name in this order: attention, GEMM,
-  RMSNorm (an `rsqrt` in an inductor kernel's name: norms, fused with what inductor put beside them),
-  low-rank reductions (inductor's `mul_sum` kernels: the LoRA shrink/expand at rank 16), KV-cache write
-  (index kernels), activation (SiLU), sampling, memset/memcpy, other.
+- the time and count per category, matched on the kernel name in this order: attention, float32 GEMM
+  (cuBLAS's `f32f32` / `sgemm` kernels: the LoRA expand as a GEMM, `+expandgemm`, or an old float32 LM
+  head), GEMM (the bf16 projections and head; with `+shrinkgemm` the LoRA shrink rides in them and cannot be
+  told apart), RMSNorm (an `rsqrt` in an inductor kernel's name: norms, fused with what inductor put beside
+  them), sampling, low-rank reductions (inductor's reductions with `mul` then `sum` in the name, e.g.
+  `mul_sum` and the expand's `add_mul_select_slice_sum`: the LoRA shrink/expand at rank 16), KV-cache write
+  (index kernels), activation (SiLU), memset/memcpy, other.
 The step count is `--steps`, or the attention kernels divided by `--layers` (one attention call per
 layer per step); a window that cuts a step at either end makes that a fraction, reported as is.
 Categories are name heuristics: the kernel names themselves are in the JSON (top 40 by time) to check
@@ -30,12 +33,16 @@ from typing import Any
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("attention", r"sdpa|flash|fmha|attention|attn"),
+    # cuBLAS's float32 kernels: xmma `f32f32_...`, SIMT `sgemm`, gemv `gemmSN_TN_kernel<float`, and nvjet with
+    # `s` as its first type letter (read from our traces: the bf16-operand head and `+shrinkgemm`'s float32-output
+    # projections are `nvjet_sm90_tss_...`, h200-v2's bf16-output projections `nvjet_sm90_tst_...`)
+    ("gemm_float32", r"f32f32_f32f32|sgemm|gemmsn_tn_kernel<float|nvjet_sm\d+_s"),
     ("gemm", r"nvjet|gemm|cublas|cutlass|xmma|splitkreduce"),
     ("rmsnorm", r"rsqrt"),
-    ("low_rank_reductions", r"mul_sum|sum_mul"),
+    ("sampling", r"exponential|argmax|topk|sort|multinomial|softmax|philox"),
+    ("low_rank_reductions", r"mul_(\w+_)?sum|sum_mul"),
     ("kv_cache_write", r"index_elementwise|index_put|index_copy|scatter"),
     ("activation", r"silu|gelu"),
-    ("sampling", r"exponential|argmax|topk|sort|multinomial|softmax|philox"),
 )
 MAX_TRACE_BYTES = 512 * 1024 * 1024
 

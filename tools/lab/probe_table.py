@@ -9,8 +9,10 @@ gives kernels per step, GPU busy time and the gaps between kernels (`tools/trace
 baseline is the folder's first variant unless `--baseline` names another (the lab's queues list the
 shrink-only engine first). A trace whose steps, counted by attention kernels, disagree by more than 25 %
 with its span over the probe's ms per step (a variant whose attention takes two kernels a layer, e.g.
-split-KV with a combine kernel) is counted by the span instead, and its row says so. Prints one markdown
-table per folder; `--json` also writes the rows.
+split-KV with a combine kernel) is counted by the span instead, and its row says so. Prints two markdown
+tables per folder: the speed of each variant against the baseline, then where a decode step's GPU time goes
+(ms per step by kernel category: GEMMs, float32 GEMMs, LoRA reductions, attention, norms, sampling, the rest,
+and the gaps; `tools/trace_breakdown.py` says how kernels are sorted). `--json` also writes the rows.
 """
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ def _trace_figures(path: Path, ms_per_step: float | None) -> dict[str, Any]:
         raise ValueError(f"{path.name}: {why}")
     return {"kernels_per_step": result["kernels_per_step"], "busy_ms_per_step": result["gpu_busy_us_per_step"] / 1000,
             "gaps_ms_per_step": result["gaps_us_per_step"] / 1000, "steps_in_window": result["steps"],
-            "steps_from": result["steps_from"]}
+            "steps_from": result["steps_from"],
+            "ms_per_step_by_category": {label: round(row["us"] / 1000, 4)
+                                        for label, row in result["categories"].items()}}
 
 
 def _span_us(events: list[dict[str, Any]]) -> float:
@@ -122,6 +126,28 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# The time table's columns: (heading, trace_breakdown categories summed into it); what no column names is "rest".
+TIME_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GEMM", ("gemm",)), ("float32 GEMM", ("gemm_float32",)), ("LoRA reductions", ("low_rank_reductions",)),
+    ("attention", ("attention",)), ("norms", ("rmsnorm",)), ("sampling", ("sampling",)))
+
+
+def render_time(rows: list[dict[str, Any]]) -> str:
+    """Where each traced row's decode step spends its GPU time, ms per step by kernel category, and the gaps."""
+    named = {label for _, labels in TIME_COLUMNS for label in labels}
+    lines = ["| variant | cell | " + " | ".join(heading for heading, _ in TIME_COLUMNS) + " | rest | busy | gaps |",
+             "|---|---|" + "---|" * (len(TIME_COLUMNS) + 3)]
+    for row in rows:
+        by_category = row.get("ms_per_step_by_category")
+        if by_category is None:
+            continue
+        figures = [sum(by_category.get(label, 0.0) for label in labels) for _, labels in TIME_COLUMNS]
+        rest = sum(ms for label, ms in by_category.items() if label not in named)
+        lines.append(f"| {row['variant']} | {row['cell']} | " + " | ".join(f"{ms:.3f}" for ms in figures)
+                     + f" | {rest:.3f} | {row['busy_ms_per_step']:.3f} | {row['gaps_ms_per_step']:.3f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path, help="folders holding a probe.json (and its traces)")
@@ -134,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         for folder in args.folders:
             rows = probe_rows(folder, args.baseline)
             print(f"### {folder} (baseline {rows[0].get('baseline') or rows[0]['variant']})\n{render(rows)}\n")
+            time_table = render_time(rows)
+            if time_table:
+                print(f"GPU time per decode step by kernel category, ms (from the traces):\n{time_table}\n")
             all_rows += rows
     except ValueError as exc:
         parser.error(str(exc))
