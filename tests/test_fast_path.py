@@ -920,3 +920,56 @@ def test_an_engine_with_the_chunked_sampler_samples_as_the_default(smoke_study, 
             for cell in CELLS:
                 assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results,
                                     expected["runs"][cell])
+
+
+def test_a_pipelined_readback_decodes_the_same_tokens_and_stops(smoke_study, snapshot_cache, outputs):
+    """Issue 43 candidate (READBACK "pipelined": step t+1 enqueued before step t's tokens are read). The same
+    steps in the same order, so the default engine's very results (float32, uncompiled), greedy and seeded;
+    where every row stops early by EOS, the same tokens and stops, and one step run past the stop at most."""
+    import dataclasses
+
+    workload = Workload(smoke_study)
+    expected = outputs[("float32", "graphs")]
+    with synced_engine(smoke_study, snapshot_cache, outputs, engine={"READBACK": "pipelined"}) as backend:
+        assert backend.environment()["readback"] == "pipelined"
+        for cell in CELLS:
+            requests = workload.requests(workload.cell(cell))
+            assert_same_results(backend.generate(requests).results, expected["runs"][cell], tolerance=1e-12)
+        requests = workload.requests(workload.cell("p16-r24-n2-stochastic"))
+        default_run = expected["runs"]["p16-r24-n2-stochastic"]
+        # each row's first token from the 4th on that it had not drawn before becomes its end of sequence
+        fresh = [next(i for i in range(3, len(r.token_ids)) if r.token_ids[i] not in r.token_ids[:i])
+                 for r in default_run]
+        early = [dataclasses.replace(q, eos_token_ids=(r.token_ids[i],))
+                 for q, r, i in zip(requests, default_run, fresh, strict=True)]
+        piped = backend.generate(early)
+    with synced_engine(smoke_study, snapshot_cache, outputs) as default:
+        stepped = default.generate(early)
+    assert [len(r.token_ids) for r in stepped.results] == [i + 1 for i in fresh]
+    assert {r.stop_reason for r in stepped.results} == {"eos"} and stepped.decode_steps == max(fresh)
+    assert_same_results(piped.results, stepped.results, tolerance=1e-12)
+    assert piped.decode_steps == stepped.decode_steps + 1, "the step enqueued past the last stop, discarded"
+
+
+def test_a_pipelined_readback_never_runs_past_its_step_limit(smoke_study, snapshot_cache, outputs):
+    """The steps a batch may take are the cache columns it has: a tracker that never finishes gets exactly the
+    limit, the cache's write column advanced by as many steps, and nothing past it."""
+    workload = Workload(smoke_study)
+
+    class NeverDone:
+        done = False
+
+        def __init__(self):
+            self.added = 0
+
+        def add(self, tokens, logprobs):
+            self.added += 1
+
+    with synced_engine(smoke_study, snapshot_cache, outputs, engine={"READBACK": "pipelined"}) as backend:
+        backend.generate(workload.requests(workload.cell(CELLS[0])))  # builds the cell's bucket
+        bucket = next(iter(backend.buckets.buckets.values()))
+        bucket.start(torch.zeros(bucket.rows, dtype=torch.long), column=3, step=1)
+        tracker = NeverDone()
+        assert bucket.run_pipelined(tracker, 5) == 5 and tracker.added == 5
+        assert int(bucket.write) == 3 + 5
+        assert bucket.run_pipelined(NeverDone(), 0) == 0 and int(bucket.write) == 3 + 5

@@ -177,3 +177,34 @@ def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkey
         assert same >= len(got[cells[0]]) - 4, f"{same} of {len(got[cells[0]])} greedy requests identical"
     finally:
         backend.teardown()
+
+
+def test_a_pipelined_readback_replays_the_same_graphs_to_the_same_results(study):
+    """READBACK "pipelined" on the H200 (issue 43 candidate): the same captured graphs replayed in the same order,
+    the tokens read through pinned memory one step behind, so a greedy and a seeded cell give the per-step
+    readback's results bit for bit; with every row stopping early by EOS, the same results and one discarded
+    step past the last stop."""
+    import dataclasses
+
+    workload = Workload(study)
+    cells = ["p128-r64-n4-greedy", "p128-r64-n4-stochastic"]
+    backend, _, stepped = _run(study, "graphs", "bfloat16", cells)
+    try:
+        backend.engine.readback = "pipelined"
+        for cell in cells:
+            piped = backend.generate(workload.requests(workload.cell(cell))).results
+            assert [(r.token_ids, r.stop_reason, r.logprobs) for r in piped] == \
+                   [(r.token_ids, r.stop_reason, r.logprobs) for r in stepped[cell]], cell
+        # each row's first token from the 10th on that it had not drawn before becomes its end of sequence
+        fresh = [next(i for i in range(9, len(r.token_ids)) if r.token_ids[i] not in r.token_ids[:i])
+                 for r in stepped[cells[1]]]
+        early = [dataclasses.replace(q, eos_token_ids=(r.token_ids[i],)) for q, r, i in
+                 zip(workload.requests(workload.cell(cells[1])), stepped[cells[1]], fresh, strict=True)]
+        piped = backend.generate(early)
+        backend.engine.readback = "per_step"
+        reference = backend.generate(early)
+        assert {r.stop_reason for r in reference.results} == {"eos"} and reference.decode_steps == max(fresh)
+        assert [r.token_ids for r in piped.results] == [r.token_ids for r in reference.results]
+        assert piped.decode_steps == reference.decode_steps + 1
+    finally:
+        backend.teardown()

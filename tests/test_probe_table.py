@@ -96,9 +96,11 @@ def test_the_time_table_sums_each_category_per_step(folder, capsys):
     assert flex["ms_per_step_by_category"]["attention"] == pytest.approx(0.28, rel=0.01)  # steps by span: still 5
     table = render_time(rows)
     assert table.splitlines()[0] == ("| variant | cell | GEMM | float32 GEMM | LoRA reductions | attention | norms | "
-                                     "sampling | rest | busy | gaps |")
+                                     "sampling | rest | busy | gaps | of which before attention | "
+                                     "of which host waits |")
+    # gaps: 1 us before each of the 28 attention kernels and after each GEMM but the window's last (1 us / 5 steps)
     assert ("| inductor+shrinkgemm | p128-r64-n1-greedy | 0.280 | 0.000 | 0.000 | 0.140 | 0.000 | 0.000 | 0.000 | "
-            "0.420 |") in table
+            "0.420 | 0.056 | 0.028 | 0.000 |") in table
     assert "p512-r256-n4-greedy" not in table, "an untraced cell has no time row"
     assert main([str(folder)]) == 0
     assert "GPU time per decode step by kernel category, ms (from the traces):" in capsys.readouterr().out

@@ -44,6 +44,19 @@ def test_a_known_trace_gives_its_known_breakdown():
     assert list(categories) == ["gemm", "attention", "rmsnorm", "low_rank_reductions", "sampling"]
     assert categories["attention"]["kernels"] == 2
     assert breakdown(_two_steps_of_two_layers(), layers=2, steps=4)["kernels_per_step"] == 4.5
+    assert result["gaps_before_attention_us_per_step"] == 2 * 4 and result["host_waits_us_per_step"] == 0
+
+
+def test_the_host_waits_between_steps_are_told_from_the_graphs_own_gaps():
+    """A step's tokens read back by the host leave the GPU idle between steps: a gap over 20 us is the host's."""
+    events, shifted = _two_steps_of_two_layers(), []
+    first_sampler = next(e["ts"] for e in events if "argmax" in e.get("name", ""))
+    for event in events:  # 75 us of idle after the first step's sampler, as a blocking read-back leaves
+        shifted.append(dict(event, ts=event["ts"] + 75) if event["cat"] == "kernel" and event["ts"] > first_sampler
+                       else event)
+    result = breakdown(shifted, layers=2)
+    assert result["host_waits_us_per_step"] == 75 / 2
+    assert result["gaps_us_per_step"] == 2 * 4 + 75 / 2 and result["gaps_before_attention_us_per_step"] == 2 * 4
 
 
 def test_categories_follow_the_documented_order():
@@ -80,7 +93,9 @@ def test_the_command_reads_a_gzipped_trace_and_writes_json(tmp_path, capsys):
     trace.write_bytes(gzip.compress(json.dumps({"traceEvents": _two_steps_of_two_layers()}).encode()))
     out = tmp_path / "b.json"
     assert main([str(trace), "--layers", "2", "--json", str(out)]) == 0
-    assert "2.0 steps (attention kernels / 2 layers): 9.0 kernels/step" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2.0 steps (attention kernels / 2 layers): 9.0 kernels/step" in printed
+    assert "gaps 8.0 us/step (before attention kernels 8.0, host waits over 20 us 0.0)" in printed
     assert json.loads(out.read_text())["gpu_busy_us_per_step"] == 138
 
 

@@ -7,7 +7,10 @@ steps (tools/lab/fast_path_probe.py writes 20 ms windows, CUDA graphs included: 
 kernels inside a graph), sorts them by start time and reports, per decode step:
 - the kernel count and the GPU busy time (sum of kernel durations) against the window's span;
 - the gaps: time between the end of one kernel and the start of the next (launch and dependency
-  latency; with CUDA graphs, the graph's own inter-node latency);
+  latency; with CUDA graphs, the graph's own inter-node latency), and the part of them just before an
+  attention kernel (h200-v2's cuDNN kernel waits ~5.5 us there against ~0.4 us between other kernels),
+  and the gaps longer than 20 us: the GPU waiting for the host (a step's tokens read back, the Python loop,
+  the next launch), not for a graph's next node;
 - the time and count per category, matched on the kernel name in this order: attention, float32 GEMM
   (cuBLAS's `f32f32` / `sgemm` kernels: the LoRA expand as a GEMM, `+expandgemm`, or an old float32 LM
   head), GEMM (the bf16 projections and head; with `+shrinkgemm` the LoRA shrink rides in them and cannot be
@@ -45,6 +48,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("activation", r"silu|gelu"),
 )
 MAX_TRACE_BYTES = 512 * 1024 * 1024
+HOST_WAIT_US = 20.0  # a gap this long is the host's: inside a CUDA graph, nodes follow each other in ~0.4-2 us
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
@@ -79,16 +83,20 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
     if not kernels:
         raise SystemExit("trace: no GPU kernels in it (a trace without CUDA activity?)")
     span_us = max(float(k["ts"]) + float(k.get("dur", 0)) for k in kernels) - float(kernels[0]["ts"])
-    busy_us, gaps_us, end = 0.0, 0.0, None
+    busy_us, gaps_us, gaps_before_attention_us, host_waits_us, end = 0.0, 0.0, 0.0, 0.0, None
     per_category: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "us": 0.0})
     per_name: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "us": 0.0})
     for kernel in kernels:
         start, duration = float(kernel["ts"]), float(kernel.get("dur", 0))
+        label = category(kernel.get("name", ""), kernel.get("cat", ""))
         if end is not None and start > end:
             gaps_us += start - end
+            if label == "attention":
+                gaps_before_attention_us += start - end
+            if start - end > HOST_WAIT_US:
+                host_waits_us += start - end
         end = max(end or start, start + duration)
         busy_us += duration
-        label = category(kernel.get("name", ""), kernel.get("cat", ""))
         per_category[label]["count"] += 1
         per_category[label]["us"] += duration
         per_name[kernel.get("name", "")]["count"] += 1
@@ -106,6 +114,8 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
     return {"steps": round(steps, 3), "steps_from": steps_from,
             "kernels_per_step": round(len(kernels) / steps, 1), "span_us_per_step": round(span_us / steps, 1),
             "gpu_busy_us_per_step": round(busy_us / steps, 1), "gaps_us_per_step": round(gaps_us / steps, 1),
+            "gaps_before_attention_us_per_step": round(gaps_before_attention_us / steps, 1),
+            "host_waits_us_per_step": round(host_waits_us / steps, 1),
             "busy_share_of_span": round(busy_us / span_us, 4) if span_us else None,
             "categories": per_step,
             "top_kernels": [{"name": name, "count": int(v["count"]), "us_total": round(v["us"], 1)} for name, v in top]}
@@ -114,7 +124,9 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
 def render(result: dict[str, Any]) -> str:
     lines = [f"{result['steps']} steps ({result['steps_from']}): {result['kernels_per_step']} kernels/step, "
              f"span {result['span_us_per_step']} us/step, GPU busy {result['gpu_busy_us_per_step']} us/step "
-             f"({100 * (result['busy_share_of_span'] or 0):.0f} %), gaps {result['gaps_us_per_step']} us/step",
+             f"({100 * (result['busy_share_of_span'] or 0):.0f} %), gaps {result['gaps_us_per_step']} us/step "
+             f"(before attention kernels {result['gaps_before_attention_us_per_step']}, host waits over "
+             f"{HOST_WAIT_US:g} us {result['host_waits_us_per_step']})",
              f"{'category':<22}{'kernels/step':>14}{'us/step':>10}{'share':>8}"]
     for label, row in result["categories"].items():
         lines.append(f"{label:<22}{row['kernels']:>14}{row['us']:>10}{100 * row['share_of_busy']:>7.1f}%")

@@ -305,6 +305,14 @@ class Layer:
 #   The prompt's k/v is read once per block instead of n times (at p512-r512-n4, 16 rows: about half the
 #   step's cache reads); the price is a second FA3 call and a merge per layer. One graph per (rows, length,
 #   n). Other batches decode per row.
+# - READBACK "per_step" (the default): after each step's graph replay the host reads its tokens (a blocking
+#   copy), checks the stops, then replays the next step, so the GPU waits for the host between steps (72-105 us a
+#   step in lease 23's traces: the copy, the Python bookkeeping, the launch); "pipelined" (issue 43 candidate):
+#   step t+1 is enqueued before step t's tokens are read (`DecodeBucket.run_pipelined`: a copy into pinned memory
+#   and an event per step, two buffers in turn), so the host's work overlaps the GPU's next step. Never more
+#   steps than the cache has columns for; when every row stops early (EOS), the one step already enqueued past
+#   the stop is computed and discarded (its tokens never reach the output; the next call's `start` resets what
+#   it advanced). The probe's `+pipelined`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -326,6 +334,8 @@ SAMPLER = "row"
 SAMPLER_ALLOWED = ("row", "chunked")
 DECODE_PREFIX = "per_row"
 DECODE_PREFIX_ALLOWED = ("per_row", "shared")
+READBACK = "per_step"
+READBACK_ALLOWED = ("per_step", "pipelined")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -340,7 +350,7 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
 ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAND_ALLOWED,
                    "ATTENTION_BACKEND": ATTENTION_BACKEND_ALLOWED, "PREFILL": PREFILL_ALLOWED,
                    "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED,
-                   "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED}
+                   "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED, "READBACK": READBACK_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -475,6 +485,7 @@ class CompactQwen3:
         self.step_pieces = setting("STEP_PIECES")
         self.sampler_reduction = setting("SAMPLER")
         self.decode_prefix = setting("DECODE_PREFIX")
+        self.readback = setting("READBACK")
         if self.decode_prefix == "shared" and self.attention_backend != "fa3":
             raise ValueError("DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 (its kernel returns the log-sum-exp "
                              f"the two halves merge by); this engine: ATTENTION_BACKEND {self.attention_backend}")
@@ -1051,8 +1062,8 @@ class DecodeBucket:
         self.graph = graph
         self.capture_s = time.perf_counter() - started
 
-    def run_step(self) -> tuple[list[int], list[float]]:
-        """One decode step; the sampled tokens and their log-probabilities, on the host."""
+    def _launch(self) -> None:
+        """Enqueue one decode step: the graph's replay, or the step itself without a graph."""
         import torch
 
         if self.graph is not None:
@@ -1060,8 +1071,46 @@ class DecodeBucket:
         else:
             with torch.inference_mode():
                 self._step()
+
+    def run_step(self) -> tuple[list[int], list[float]]:
+        """One decode step; the sampled tokens and their log-probabilities, on the host."""
+        self._launch()
         tokens, logprobs = self.out.tolist()
         return [int(t) for t in tokens], logprobs
+
+    def run_pipelined(self, tracker: Any, max_steps: int) -> int:
+        """Decode steps into `tracker` (its `add` and `done`) until it is done, step t+1 enqueued before step t's
+        tokens are read (READBACK "pipelined"); at most `max_steps` steps. Returns the steps run, the one
+        discarded past an early stop included."""
+        import torch
+
+        if max_steps < 1:
+            return 0
+        on_cuda = self.engine.device.type == "cuda"
+        if getattr(self, "_host_out", None) is None:  # two buffers in turn: step t's is read while t+1's fills
+            self._host_out = [torch.empty((2, self.rows), dtype=torch.float64, pin_memory=on_cuda) for _ in range(2)]
+            self._host_ready = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
+
+        def launch(step: int) -> None:
+            self._launch()
+            # queued behind the step on its stream and ahead of the next replay, which overwrites `out`
+            self._host_out[step % 2].copy_(self.out, non_blocking=on_cuda)
+            if on_cuda:
+                self._host_ready[step % 2].record()
+
+        launch(0)
+        launched, read = 1, 0
+        while True:
+            if launched < max_steps:
+                launch(launched)
+                launched += 1
+            if on_cuda:
+                self._host_ready[read % 2].synchronize()
+            tokens, logprobs = self._host_out[read % 2].tolist()
+            tracker.add([int(t) for t in tokens], logprobs)
+            read += 1
+            if tracker.done or read == launched:
+                return launched
 
 
 def prefill_logits(engine: CompactQwen3, ids: torch.Tensor, pad: torch.Tensor, columns: torch.Tensor,
@@ -1317,9 +1366,13 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
         tracker.add(tokens.tolist(), logprobs.tolist())
         prefill_end = time.perf_counter()
         bucket.start(tokens, column=width, step=1)
-        while not tracker.done:
-            tracker.add(*bucket.run_step())
-            steps += 1
+        if engine.readback == "pipelined":
+            # the prefill gave each row its first token: at most `longest - 1` steps, each with a cache column
+            steps = 0 if tracker.done else bucket.run_pipelined(tracker, longest - 1)
+        else:
+            while not tracker.done:
+                tracker.add(*bucket.run_step())
+                steps += 1
         synchronize(device)
         end = time.perf_counter()
     return DecodeOutput(tracker.tokens, tracker.logprobs, list(tracker.reasons), prefill_end - start,

@@ -12,7 +12,8 @@ with its span over the probe's ms per step (a variant whose attention takes two 
 split-KV with a combine kernel) is counted by the span instead, and its row says so. Prints two markdown
 tables per folder: the speed of each variant against the baseline, then where a decode step's GPU time goes
 (ms per step by kernel category: GEMMs, float32 GEMMs, LoRA reductions, attention, norms, sampling, the rest,
-and the gaps; `tools/trace_breakdown.py` says how kernels are sorted). `--json` also writes the rows.
+the gaps, the part of them just before attention kernels and the part that is the GPU waiting for the host;
+`tools/trace_breakdown.py` says how kernels are sorted). `--json` also writes the rows.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def _trace_figures(path: Path, ms_per_step: float | None) -> dict[str, Any]:
         raise ValueError(f"{path.name}: {why}")
     return {"kernels_per_step": result["kernels_per_step"], "busy_ms_per_step": result["gpu_busy_us_per_step"] / 1000,
             "gaps_ms_per_step": result["gaps_us_per_step"] / 1000, "steps_in_window": result["steps"],
+            "gaps_before_attention_ms_per_step": result["gaps_before_attention_us_per_step"] / 1000,
+            "host_waits_ms_per_step": result["host_waits_us_per_step"] / 1000,
             "steps_from": result["steps_from"],
             "ms_per_step_by_category": {label: round(row["us"] / 1000, 4)
                                         for label, row in result["categories"].items()}}
@@ -135,8 +138,9 @@ TIME_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 def render_time(rows: list[dict[str, Any]]) -> str:
     """Where each traced row's decode step spends its GPU time, ms per step by kernel category, and the gaps."""
     named = {label for _, labels in TIME_COLUMNS for label in labels}
-    lines = ["| variant | cell | " + " | ".join(heading for heading, _ in TIME_COLUMNS) + " | rest | busy | gaps |",
-             "|---|---|" + "---|" * (len(TIME_COLUMNS) + 3)]
+    lines = ["| variant | cell | " + " | ".join(heading for heading, _ in TIME_COLUMNS)
+             + " | rest | busy | gaps | of which before attention | of which host waits |",
+             "|---|---|" + "---|" * (len(TIME_COLUMNS) + 5)]
     for row in rows:
         by_category = row.get("ms_per_step_by_category")
         if by_category is None:
@@ -144,7 +148,8 @@ def render_time(rows: list[dict[str, Any]]) -> str:
         figures = [sum(by_category.get(label, 0.0) for label in labels) for _, labels in TIME_COLUMNS]
         rest = sum(ms for label, ms in by_category.items() if label not in named)
         lines.append(f"| {row['variant']} | {row['cell']} | " + " | ".join(f"{ms:.3f}" for ms in figures)
-                     + f" | {rest:.3f} | {row['busy_ms_per_step']:.3f} | {row['gaps_ms_per_step']:.3f} |")
+                     + f" | {rest:.3f} | {row['busy_ms_per_step']:.3f} | {row['gaps_ms_per_step']:.3f} | "
+                     f"{row['gaps_before_attention_ms_per_step']:.3f} | {row['host_waits_ms_per_step']:.3f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
