@@ -46,7 +46,7 @@ def _shell_words(command: str) -> list[str]:
         if skip:
             skip = False
             continue
-        if word in (">", "2>", ">>"):
+        if word in (">", "2>", ">>", "2>>"):
             skip = True
             continue
         if word.startswith(("2>&1", ">")):
@@ -59,6 +59,10 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
     """One shell command of a job, parsed as its program would parse it."""
     from tools.lab import fast_path_probe
 
+    assigned = re.fullmatch(r"[A-Z_]+=\$\((.*)\)", command.strip())
+    if assigned:  # VAR=$(command): the command whose output a later command of the job reads
+        _check_command(where, assigned.group(1), parser, known_cells)
+        return
     words = _shell_words(command)
     env = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if re.fullmatch(r"[A-Z_]+=.*", w)}
     words = [w for w in words if not re.fullmatch(r"[A-Z_]+=.*", w)]
@@ -100,6 +104,15 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         profile_standin_training.build_parser().parse_args(words[2:])
     elif words[:2] == ["python3", "tools/lab/fill_standin_draft.py"]:
         assert len(words) == 4 and words[3].startswith("params/drafts/"), f"{where}: RECORDS_DIR OUT_YAML: {command}"
+    elif words[:2] == ["python3", "tools/lab/pick_engine.py"]:
+        from tools.lab import pick_engine
+
+        args = pick_engine.build_parser().parse_args(words[2:])
+        assert all(str(f).startswith("outputs/perf/") for f in args.folders), f"{where}: probe folders: {command}"
+    elif words[:2] == ["mkdir", "-p"]:
+        assert all(w.startswith("outputs/") for w in words[2:]), f"{where}: folders under outputs/ only: {command}"
+    elif words[:1] == ["echo"]:
+        pass  # a value the job keeps beside its results (the redirection is dropped above)
     elif words[:2] == ["bash", "tools/lab/wait_for_install.sh"]:
         assert len(words) in (3, 4) and words[2] in ("vllm", "ray") and all(w.isdigit() for w in words[3:]), \
             f"{where}: package (vllm or ray) and seconds to wait: {command}"

@@ -1,0 +1,113 @@
+"""tools/lab/pick_engine.py: the decode engine's settings kept by measurement from hand-made probe folders whose
+answer is known (each gain below is set by hand), and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools.lab.pick_engine import main, pick
+
+CELLS = ("p128-r64-n1-greedy", "p128-r64-n4-stochastic")
+BASE = "inductor+shrinkgemm"
+
+
+def _probe(folder, variants: dict[str, object]):
+    """`variants`: name -> (ms per step per cell, ms prefill per cell), or an error string."""
+    folder.mkdir()
+    probe = {"cells": list(CELLS)}
+    for name, figures in variants.items():
+        if isinstance(figures, str):
+            probe[name] = {"error": figures}
+            continue
+        steps, prefills = figures
+        probe[name] = {"cells": {c: {"ms_per_decode_step": s, "tokens_per_s": 1000.0, "ms_prefill": p}
+                                 for c, s, p in zip(CELLS, steps, prefills, strict=True)}}
+    (folder / "probe.json").write_text(json.dumps(probe))
+    return folder
+
+
+@pytest.fixture
+def folders(tmp_path):
+    first = _probe(tmp_path / "decode-expand-attention", {
+        BASE: ((2.10, 2.40), (40.0, 60.0)),
+        f"{BASE}+expandgemm": ((2.05, 2.25), (40.0, 60.0)),   # gains 0.05 / 0.15: kept
+        f"{BASE}+sdpaeff": ((2.00, 2.45), (40.0, 60.0)),      # gains at 4 rows, loses at 16: dropped
+        f"{BASE}+pdl": ((1.90, 2.20), (40.0, 60.0)),          # an inductor option: never chosen
+        f"{BASE}+sharedprefill": ((2.11, 2.40), (40.0, 30.0)),  # prefill 0 / 30 ms: not in every cell
+        f"{BASE}+prefillgraph": ((2.10, 2.40), (8.0, 15.0)),    # prefill gains, step unchanged: kept
+        f"{BASE}+sharedprefill+prefillgraph": ((2.10, 2.40), (8.0, 9.0))})
+    second = _probe(tmp_path / "decode-fa3", {
+        BASE: ((2.12, 2.41), (40.0, 60.0)),
+        f"{BASE}+flex": ((2.00, 2.30), (40.0, 60.0)),         # gains 0.12 / 0.11
+        f"{BASE}+fa3": ((1.90, 2.10), (40.0, 60.0)),          # gains 0.22 / 0.31: wins ATTENTION_BACKEND
+        f"{BASE}+fa3+sharedprefix": ((1.92, 2.00), (40.0, 60.0)),  # -0.02 / +0.10 against +fa3: dropped
+        f"{BASE}+chunkedsampler": "RuntimeError: out of resources",
+        f"{BASE}+maxat": "TimeoutError"})
+    return [first, second]
+
+
+def test_each_candidate_is_kept_or_dropped_by_its_own_measured_gain(folders):
+    engine, lines = pick(folders, 0.02)
+    assert engine == {"ATTENTION_BACKEND": "fa3", "LORA_EXPAND": "gemm", "LORA_SHRINK": "in_base_gemm",
+                      "PREFILL_STEP": "compiled_graph"}
+    said = "\n".join(lines)
+    assert "+sdpaeff (ATTENTION_BACKEND efficient): dropped, decode step gains not above 0.02 ms" in said
+    assert "+pdl: not an engine setting" in said and "+maxat: not an engine setting" in said
+    assert "+sharedprefill (PREFILL shared_prompts): dropped, prefill gains not above" in said
+    assert "+prefillgraph (PREFILL_STEP compiled_graph): kept, prefill gains" in said
+    assert "+flex (ATTENTION_BACKEND flex): dropped, ATTENTION_BACKEND fa3 gains more" in said
+    assert "+sharedprefix (DECODE_PREFIX shared): dropped, decode step gains not above" in said
+    assert "+chunkedsampler (SAMPLER chunked): dropped, inductor+shrinkgemm+chunkedsampler failed: RuntimeError" in said
+
+
+def test_a_candidate_measured_on_top_of_one_not_kept_is_not_kept(tmp_path):
+    folder = _probe(tmp_path / "p", {
+        BASE: ((2.1, 2.4), (40.0, 60.0)),
+        f"{BASE}+fa3": ((2.2, 2.5), (40.0, 60.0)),            # slower: dropped
+        f"{BASE}+fa3+sharedprefix": ((2.0, 2.2), (40.0, 60.0))})  # gains against +fa3, but +fa3 is not kept
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"LORA_SHRINK": "in_base_gemm"}
+    assert "+sharedprefix (DECODE_PREFIX shared): dropped, measured only on top of candidates not kept" in lines
+
+
+def test_a_kept_setting_whose_requirement_loses_its_setting_is_dropped(tmp_path):
+    folder = _probe(tmp_path / "p", {
+        BASE: ((2.1, 2.4), (40.0, 60.0)),
+        f"{BASE}+flex": ((1.8, 2.0), (40.0, 60.0)),           # gains more than fa3: ATTENTION_BACKEND flex
+        f"{BASE}+fa3": ((2.0, 2.3), (40.0, 60.0)),
+        f"{BASE}+fa3+sharedprefix": ((1.9, 2.1), (40.0, 60.0))})  # kept on top of fa3, which flex displaces
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"ATTENTION_BACKEND": "flex", "LORA_SHRINK": "in_base_gemm"}
+    assert "DECODE_PREFIX shared: dropped, it needs ATTENTION_BACKEND fa3, which is not chosen" in lines
+
+
+def test_the_command_prints_the_mapping_alone_on_stdout(folders, capsys):
+    assert main([str(f) for f in folders]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"ATTENTION_BACKEND": "fa3", "LORA_EXPAND": "gemm", "LORA_SHRINK": "in_base_gemm",
+                               "PREFILL_STEP": "compiled_graph"}
+    assert "+expandgemm (LORA_EXPAND gemm): kept" in err
+    assert main([str(f) for f in folders] + ["--min-gain-ms", "0.2"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ATTENTION_BACKEND": "fa3", "LORA_SHRINK": "in_base_gemm",
+                                                   "PREFILL_STEP": "compiled_graph"}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["{missing}"], "no probe.json (a regular file) in it"),
+    (["{first}", "--min-gain-ms", "-1"], "--min-gain-ms: -1.0 is not allowed; allowed: a number >= 0"),
+])
+def test_bad_input_is_refused_in_one_line_with_nothing_on_stdout(folders, tmp_path, capsys, argv, message):
+    argv = [a.format(missing=tmp_path / "missing", first=folders[0]) for a in argv]
+    with pytest.raises(SystemExit):
+        main(argv)
+    out, err = capsys.readouterr()
+    assert out == "" and message in err.strip().splitlines()[-1]
+
+
+def test_a_probe_that_did_not_run_is_left_out_only_when_asked(folders, tmp_path, capsys):
+    assert main([str(folders[0]), str(tmp_path / "decode-never"), "--skip-missing"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"LORA_EXPAND": "gemm", "LORA_SHRINK": "in_base_gemm", "PREFILL_STEP": "compiled_graph"}
+    assert f"{tmp_path / 'decode-never'}: no probe.json, left out (--skip-missing)" in err

@@ -1,0 +1,192 @@
+"""Choose hf_cached's decode-engine settings from decode probes (issue 43: candidates kept by measurement, not
+all at once), for the runs that measure the targets and the candidates' conformance.
+
+    python tools/lab/pick_engine.py outputs/perf/decode-expand-attention outputs/perf/decode-flex [DIR ...] \
+        [--min-gain-ms 0.02]
+
+Prints the chosen `engine` mapping as one JSON line on stdout (`--hf-cached-option "engine=$(...)"`) and each
+candidate's verdict, with its gain per cell, on stderr. Rules:
+- A candidate is a probe suffix that sets one of the engine's settings (`compact_qwen3.ENGINE_SETTINGS`; the
+  suffixes of `tools/lab/fast_path_probe.py`). Its effect is read wherever a probe has a variant that adds exactly
+  that suffix to another variant of the same probe (its parent), both measured: per cell, the parent's ms per
+  decode step minus the variant's; for the prefill settings (PREFILL, PREFILL_STEP) the prefill's ms instead.
+- Judged by the comparisons reachable when it is first judged: against the base first, then on top of candidates
+  already kept. Kept when each of them gains more than `--min-gain-ms` in every cell both measured and, for a
+  prefill setting, its decode step is nowhere worse by more than that. A variant that failed, or a candidate
+  measured only on top of candidates not kept, is not kept.
+- The probes' base (the suffixes of each folder's first variant, e.g. `+shrinkgemm`, measured against the
+  default engine before) is kept.
+- One value per setting: where two values of one setting are kept (e.g. ATTENTION_BACKEND flex and fa3), the
+  larger mean gain wins. A value whose requirement is not kept is dropped (DECODE_PREFIX shared needs
+  ATTENTION_BACKEND fa3).
+- Inductor options (`+pdl`, `+combo`, `+maxat`, ...) are not engine settings: reported, never chosen.
+Bad input (no probe.json, a folder outside the tree given) is refused in one line before anything is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rollout_lib.backends.compact_qwen3 import ENGINE_SETTINGS, check_engine_settings  # noqa: E402
+
+MAX_PROBE_BYTES = 16 * 1024 * 1024
+PREFILL_SETTINGS = ("PREFILL", "PREFILL_STEP")
+REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3")}
+
+
+def _suffixes() -> dict[str, tuple[str, Any]]:
+    from tools.lab.fast_path_probe import SUFFIXES
+
+    return SUFFIXES
+
+
+def read_probe(folder: Path) -> dict[str, Any]:
+    path = folder / "probe.json"
+    if not path.is_file() or path.is_symlink():
+        raise ValueError(f"{folder}: no probe.json (a regular file) in it")
+    if path.stat().st_size > MAX_PROBE_BYTES:
+        raise ValueError(f"{path}: over {MAX_PROBE_BYTES} bytes, not a probe")
+    probe = json.loads(path.read_text())
+    if not [name for name in probe if name != "cells"]:
+        raise ValueError(f"{path}: no variant in it")
+    return probe
+
+
+def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dict[str, Any]]]:
+    """The folder's base suffixes, and one record per (variant, its parent, the suffix between them)."""
+    variants = [name for name in probe if name != "cells"]
+    parts = {name: name.split("+") for name in variants}
+    base = set(parts[variants[0]][1:])
+    by_parts = {(p[0], frozenset(p[1:])): name for name, p in parts.items()}
+    found = []
+    for name in variants:
+        head, suffixes = parts[name][0], parts[name][1:]
+        for suffix in suffixes:
+            parent = by_parts.get((head, frozenset(s for s in suffixes if s != suffix)))
+            if parent is None or suffixes.count(suffix) != 1:
+                continue
+            child, before = probe[name], probe[parent]
+            record = {"folder": str(folder), "variant": name, "parent": parent, "suffix": suffix,
+                      "parent_suffixes": set(parts[parent][1:])}
+            if "error" in child or "error" in before or not child.get("cells") or not before.get("cells"):
+                record["failed"] = child.get("error") or before.get("error") or "not measured"
+            else:
+                cells = [c for c in child["cells"] if c in before["cells"]]
+                record["step_gain_ms"] = {c: before["cells"][c]["ms_per_decode_step"]
+                                          - child["cells"][c]["ms_per_decode_step"] for c in cells}
+                record["prefill_gain_ms"] = {c: before["cells"][c]["ms_prefill"] - child["cells"][c]["ms_prefill"]
+                                             for c in cells if "ms_prefill" in before["cells"][c]
+                                             and "ms_prefill" in child["cells"][c]}
+            found.append(record)
+    return base, found
+
+
+def _verdict(suffix: str, name: str, value: str, mine: list[dict[str, Any]], min_gain_ms: float
+             ) -> tuple[float | None, str]:
+    """(mean gain or None, the verdict line) of one candidate over its comparisons `mine`."""
+    failed = [r for r in mine if "failed" in r]
+    if failed:
+        return None, (f"+{suffix} ({name} {value}): dropped, {failed[0]['variant']} failed: "
+                      f"{str(failed[0]['failed'])[:100]}")
+    key = "prefill_gain_ms" if name in PREFILL_SETTINGS else "step_gain_ms"
+    what = "prefill" if key == "prefill_gain_ms" else "decode step"
+    per_cell = [(r, cell, gain) for r in mine for cell, gain in r[key].items()]
+    shown = "; ".join(f"{r['variant']} vs {r['parent']}: " + ", ".join(f"{c} {g:+.3f}" for c, g in r[key].items())
+                      for r in mine)
+    if not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
+        return None, (f"+{suffix} ({name} {value}): dropped, {what} gains not above {min_gain_ms} ms in every cell "
+                      f"(ms: {shown or 'no cell measured'})")
+    worse = [(c, g) for r in mine for c, g in r["step_gain_ms"].items() if g < -min_gain_ms]
+    if name in PREFILL_SETTINGS and worse:
+        return None, (f"+{suffix} ({name} {value}): dropped, its decode step is slower "
+                      f"({worse[0][0]} {worse[0][1]:+.3f} ms)")
+    return statistics.mean(g for _, _, g in per_cell), f"+{suffix} ({name} {value}): kept, {what} gains (ms: {shown})"
+
+
+def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) -> tuple[dict[str, str], list[str]]:
+    """The chosen engine mapping and one line of verdict per candidate. A candidate is judged by the comparisons
+    reachable when it is first judged: against the base first, then on top of candidates already kept."""
+    suffixes = _suffixes()
+    setting_of = {s: (name, value) for s, (name, value) in suffixes.items() if name in ENGINE_SETTINGS}
+    bases: set[str] = set()
+    records: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for folder in folders:
+        if skip_missing and not (folder / "probe.json").exists():
+            lines.append(f"{folder}: no probe.json, left out (--skip-missing)")
+            continue
+        base, found = comparisons(folder, read_probe(folder))
+        bases |= base
+        records += found
+    undecided = sorted({r["suffix"] for r in records} - bases)
+    for suffix in [s for s in undecided if s not in setting_of]:
+        lines.append(f"+{suffix}: not an engine setting (an inductor or probe option): reported, not chosen")
+    undecided = [s for s in undecided if s in setting_of]
+    gains: dict[str, float] = {}
+    while True:
+        reachable = {s: [r for r in records if r["suffix"] == s and r["parent_suffixes"] - bases <= set(gains)]
+                     for s in undecided}
+        ready = [s for s in undecided if reachable[s]]
+        if not ready:
+            break
+        for suffix in ready:
+            gain, line = _verdict(suffix, *setting_of[suffix], reachable[suffix], min_gain_ms)
+            lines.append(line)
+            if gain is not None:
+                gains[suffix] = gain
+            undecided.remove(suffix)
+    for suffix in undecided:
+        lines.append(f"+{suffix} ({' '.join(setting_of[suffix])}): dropped, measured only on top of candidates "
+                     "not kept")
+    chosen: dict[str, tuple[str, float]] = {}
+    for suffix in sorted(bases | set(gains), key=lambda s: -gains.get(s, float("inf"))):
+        if suffix not in setting_of:
+            continue
+        name, value = setting_of[suffix]
+        if name in chosen:
+            lines.append(f"+{suffix} ({name} {value}): dropped, {name} {chosen[name][0]} gains more")
+            continue
+        chosen[name] = (value, gains.get(suffix, float("inf")))
+    for (name, value), (needs, needed) in REQUIRES.items():
+        if chosen.get(name, (None,))[0] == value and chosen.get(needs, (None,))[0] != needed:
+            del chosen[name]
+            lines.append(f"{name} {value}: dropped, it needs {needs} {needed}, which is not chosen")
+    engine = {name: value for name, (value, _) in sorted(chosen.items())}
+    check_engine_settings(engine)
+    return engine, lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", type=Path, help="decode probe folders (each with a probe.json)")
+    parser.add_argument("--skip-missing", action="store_true",
+                        help="leave out a folder without probe.json (a probe that did not run), saying so")
+    parser.add_argument("--min-gain-ms", type=float, default=0.02,
+                        help="a candidate must gain more than this in every compared cell (default 0.02 ms)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.min_gain_ms < 0:
+        parser.error(f"--min-gain-ms: {args.min_gain_ms} is not allowed; allowed: a number >= 0")
+    try:
+        engine, lines = pick(args.folders, args.min_gain_ms, args.skip_missing)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for line in lines:
+        print(line, file=sys.stderr)
+    print(json.dumps(engine, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
