@@ -973,3 +973,33 @@ def test_a_pipelined_readback_never_runs_past_its_step_limit(smoke_study, snapsh
         assert bucket.run_pipelined(tracker, 5) == 5 and tracker.added == 5
         assert int(bucket.write) == 3 + 5
         assert bucket.run_pipelined(NeverDone(), 0) == 0 and int(bucket.write) == 3 + 5
+
+
+@pytest.mark.parametrize("attention", ["auto", "flex"])
+def test_the_steps_edges_compiled_are_the_same_step(smoke_study, snapshot_cache, outputs, attention):
+    """Issue 43 candidate (STEP_EDGES "compiled": the step's inputs, final norm and bookkeeping as three compiled
+    pieces). Uncompiled it is the very same sequence of operations (identical results); compiled by inductor the
+    same float32 math in another order, each piece compiled (with the SDPA bias, and with flex's boolean mask)."""
+    from rollout_lib.backends import compact_qwen3
+
+    workload = Workload(smoke_study)
+    policy = outputs[("float32", "graphs")]["policy"]
+    results = {}
+    for mode in ("off", "inductor"):
+        torch._dynamo.reset()
+        backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile=mode,
+                                 cache_dir=snapshot_cache,
+                                 engine={"STEP_EDGES": "compiled", "ATTENTION_BACKEND": attention})
+        backend.cold_start()
+        backend.sync_policy(policy)
+        pieces = (compact_qwen3._decode_inputs, compact_qwen3._rms, compact_qwen3._advance)
+        before = [_compiled_entries(piece) for piece in pieces]
+        results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
+        assert backend.environment()["step_edges"] == "compiled"
+        if mode == "inductor":
+            assert all(_compiled_entries(piece) > count for piece, count in zip(pieces, before, strict=True))
+        backend.teardown()
+    for cell in CELLS:
+        default = outputs[("float32", "graphs")]["runs"][cell]
+        assert_same_results(results["off"][cell], default, tolerance=1e-12 if attention == "auto" else 1e-4)
+        assert_same_results(results["inductor"][cell], default)

@@ -141,14 +141,16 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
                                       {"PREFILL": "shared_prompts"}, {"PREFILL_STEP": "compiled_graph"},
                                       {"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"},
                                       {"STEP_PIECES": "across_layers"}, {"SAMPLER": "chunked"},
-                                      {"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}])
+                                      {"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"},
+                                      {"STEP_EDGES": "compiled"}, {"STEP_EDGES": "compiled", "READBACK": "pipelined"}])
 def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, settings):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
     as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention, vLLM's
     FlashAttention-3 decode kernel over the static cache, one prefill per distinct prompt (n = 4 rows share
     it), the prefill compiled and captured (with the shared prompts too), one compiled piece from each layer's
     attention to the next, the sampler's vocabulary reductions in chunks, FA3 with each block of 4 rows reading
-    its shared prompt once (cascaded with the rows' own columns). The compiled bf16 engine serves the
+    its shared prompt once (cascaded with the rows' own columns), the step's work outside its layers compiled
+    (with the pipelined read-back too). The compiled bf16 engine serves the
     synced policy and its greedy tokens stay those
     of the shrink-only engine but for near-ties."""
     import importlib.util

@@ -313,6 +313,12 @@ class Layer:
 #   steps than the cache has columns for; when every row stops early (EOS), the one step already enqueued past
 #   the stop is computed and discarded (its tokens never reach the output; the next call's `start` resets what
 #   it advanced). The probe's `+pipelined`.
+# - STEP_EDGES "eager" (the default): what a decode step does outside its layers runs op by op inside the graph:
+#   the mask, positions, embedding, rotary and attention bias (~15 kernels), the final norm (~6), and the step's
+#   bookkeeping after the sampler (~7: tokens and log-probabilities to `out`, the next tokens, the counters):
+#   ~35 of lease 23's ~575 kernels per step, ~0.07 ms with their gaps; "compiled" (issue 43 candidate): the
+#   same operations as three inductor pieces (`_decode_inputs`, `_rms`, `_advance`), ~5 kernels. The head GEMM
+#   and the sampler are unchanged. The probe's `+edges`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -336,6 +342,8 @@ DECODE_PREFIX = "per_row"
 DECODE_PREFIX_ALLOWED = ("per_row", "shared")
 READBACK = "per_step"
 READBACK_ALLOWED = ("per_step", "pipelined")
+STEP_EDGES = "eager"
+STEP_EDGES_ALLOWED = ("eager", "compiled")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -350,7 +358,8 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
 ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAND_ALLOWED,
                    "ATTENTION_BACKEND": ATTENTION_BACKEND_ALLOWED, "PREFILL": PREFILL_ALLOWED,
                    "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED,
-                   "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED, "READBACK": READBACK_ALLOWED}
+                   "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED, "READBACK": READBACK_ALLOWED,
+                   "STEP_EDGES": STEP_EDGES_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -486,6 +495,7 @@ class CompactQwen3:
         self.sampler_reduction = setting("SAMPLER")
         self.decode_prefix = setting("DECODE_PREFIX")
         self.readback = setting("READBACK")
+        self.step_edges = setting("STEP_EDGES")
         if self.decode_prefix == "shared" and self.attention_backend != "fa3":
             raise ValueError("DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 (its kernel returns the log-sum-exp "
                              f"the two halves merge by); this engine: ATTENTION_BACKEND {self.attention_backend}")
@@ -542,6 +552,11 @@ class CompactQwen3:
         # DECODE_PREFIX "shared": the merge of the two attention halves as one kernel per layer, not ~10
         self.merge = (compile(merge_attention_states) if self.compiled and self.decode_prefix == "shared"
                       else merge_attention_states)
+        # STEP_EDGES "compiled": the decode step's work outside its layers as three pieces (decode_step)
+        edges = self.compiled and self.step_edges == "compiled"
+        self.decode_inputs = compile(_decode_inputs) if edges else _decode_inputs
+        self.final_rms = compile(_rms) if edges else _rms
+        self.advance = compile(_advance) if edges else _advance
 
     def mark_rows(self, *tensors: torch.Tensor | None) -> None:
         """Before a compiled piece is called with these per-row tensors (dimension 0 = rows): with
@@ -807,7 +822,9 @@ class CompactQwen3:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
                 mask: torch.Tensor, keep: int = 1, compiled: bool = False,
                 pad: torch.Tensor | None = None, group: int = 1,
-                prefix_end: torch.Tensor | None = None) -> torch.Tensor:
+                prefix_end: torch.Tensor | None = None,
+                inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+                ) -> torch.Tensor:
         """Float32 logits of the last position of each row [B, V] (tokens/positions [B, T]); with
         `keep` > 1, of the last `keep` positions [B, keep, V] (teacher-forced scoring). Writes this
         chunk's k/v at cache columns `write` [T]; mask: boolean [B, 1, T, L]. `compiled`: the
@@ -815,15 +832,20 @@ class CompactQwen3:
         see __init__). `pad` [B]: each row's
         left padding, which a decode step passes for ATTENTION_BACKEND "fa3" (the mask, in columns). `group` > 1
         (DECODE_PREFIX "shared", fa3): rows come in blocks of `group` sharing one prompt, whose k/v columns
-        [pad, prefix_end) the block's first row holds; attention is then cascaded (see DECODE_PREFIX)."""
+        [pad, prefix_end) the block's first row holds; attention is then cascaded (see DECODE_PREFIX). `inputs`
+        (STEP_EDGES "compiled", decode steps): the embedded tokens, cos, sin and the additive bias (None where the
+        attention kernel takes no bias), computed by `decode_inputs` from the same tensors."""
         import torch
 
         before, after = ((self.before_attention, self.after_attention) if compiled
                          else (self._before_attention, self._after_attention))
         between = (self.between_layers if compiled else self._between_layers) \
             if self.step_pieces == "across_layers" else None
-        h = torch.nn.functional.embedding(tokens, self.embed)
-        cos, sin = self._rope(positions)
+        if inputs is None:
+            h = torch.nn.functional.embedding(tokens, self.embed)
+            cos, sin = self._rope(positions)
+        else:
+            h, cos, sin, prepared_bias = inputs
         # the boolean mask once per forward as an additive bias, repeated for the grouped query rows
         # (row g*T + t is query position t); flex's decode steps read the boolean mask in the kernel instead
         flex = self.attention_backend == "flex" and tokens.shape[1] == 1  # prefill stays SDPA
@@ -839,6 +861,8 @@ class CompactQwen3:
                 prefix_used = prefix_end.to(torch.int32).expand(blocks).contiguous()
                 prefix_pad = leftpad_k[::group].contiguous()
                 own_start = prefix_end.to(torch.int32).expand(batch).contiguous()
+        elif not flex and inputs is not None:
+            mask = prepared_bias
         elif not flex:
             bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
@@ -896,7 +920,7 @@ class CompactQwen3:
                 continue
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),
                       fused=compiled)
-        h = _rms(h[:, -keep:, :], self.final_norm, self.eps)
+        h = (self.final_rms if inputs is not None else _rms)(h[:, -keep:, :], self.final_norm, self.eps)
         if self.head_mode == HEAD_BF16_OPERANDS:
             logits = torch.mm(h.reshape(-1, self.hidden), self.lm_head.t(), out_dtype=torch.float32)
             logits = logits.view(*h.shape[:-1], -1)
@@ -977,13 +1001,58 @@ def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor,
                 prefix_end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step for every row of a bucket: mask and positions from the per-row padding, the
     forward pass, and the in-graph sampler. A pure function of its tensors (what is captured)."""
+    if engine.step_edges == "compiled":
+        engine.mark_rows(tokens, pad)
+        # the bias the default attention path adds (flex reads the boolean mask, fa3 the rows' ranges)
+        bias_groups = (engine.heads // engine.kv_heads
+                       if engine.attention_backend not in ("flex", "fa3") else 0)
+        h, cos, sin, mask, bias = engine.decode_inputs(tokens, write, pad, columns, engine.embed, engine.inv_freq,
+                                                       engine.rope_scaling, engine.dtype, bias_groups)
+        logits = engine.forward(tokens[:, None], None, StaticCache(k, v), write, mask, compiled=engine.compiled,
+                                pad=pad, group=group, prefix_end=prefix_end, inputs=(h, cos, sin, bias))
+    else:
+        valid = (columns[None, :] <= write) & (columns[None, :] >= pad[:, None])
+        valid = valid | (columns[None, :] == write)  # a row never attends to nothing
+        positions = (write - pad)[:, None]
+        logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :],
+                                compiled=engine.compiled, pad=pad, group=group, prefix_end=prefix_end)
+    engine.mark_rows(logits, seeds, inv_temperature, greedy)
+    return engine.sample(logits, seeds, step, inv_temperature, greedy)
+
+
+def _decode_inputs(tokens: torch.Tensor, write: torch.Tensor, pad: torch.Tensor, columns: torch.Tensor,
+                   embed: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float, dtype: torch.dtype,
+                   bias_groups: int):
+    """A decode step's inputs from its buffers, the same operations as the eager path (decode_step, forward,
+    `_rope`): the embedded tokens [B, 1, hidden], cos and sin [B, 1, D] in `dtype`, the boolean mask [B, 1, 1, L],
+    and with `bias_groups` > 0 the additive bias in `dtype` repeated for the grouped query rows (else None)."""
+    import torch
+
     valid = (columns[None, :] <= write) & (columns[None, :] >= pad[:, None])
     valid = valid | (columns[None, :] == write)  # a row never attends to nothing
     positions = (write - pad)[:, None]
-    logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :],
-                            compiled=engine.compiled, pad=pad, group=group, prefix_end=prefix_end)
-    engine.mark_rows(logits, seeds, inv_temperature, greedy)
-    return engine.sample(logits, seeds, step, inv_temperature, greedy)
+    h = torch.nn.functional.embedding(tokens[:, None], embed)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = (emb.cos() * rope_scaling).to(dtype), (emb.sin() * rope_scaling).to(dtype)
+    mask = valid[:, None, None, :]
+    bias = None
+    if bias_groups:
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        bias = bias.repeat(1, 1, bias_groups, 1)
+    return h, cos, sin, mask, bias
+
+
+def _advance(tokens: torch.Tensor, logprobs: torch.Tensor, out: torch.Tensor, next_tokens: torch.Tensor,
+             write: torch.Tensor, step: torch.Tensor) -> None:
+    """A decode step's bookkeeping, in place: its tokens and log-probabilities into `out` [2, B] (float64), the
+    tokens as the next step's input, the cache column and the noise step one further."""
+    import torch
+
+    out.copy_(torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))))
+    next_tokens.copy_(tokens)
+    write.add_(1)
+    step.add_(1)
 
 
 class DecodeBucket:
@@ -1036,6 +1105,9 @@ class DecodeBucket:
         tokens, logprobs = decode_step(self.engine, self.tokens, self.write, self.pad, self.seeds, self.step,
                                        self.inv_temperature, self.greedy, self.columns, self.cache.k, self.cache.v,
                                        self.group, self.prefix_end if self.group > 1 else None)
+        if self.engine.step_edges == "compiled":
+            self.engine.advance(tokens, logprobs, self.out, self.tokens, self.write, self.step)
+            return
         self.out.copy_(torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))))
         self.tokens.copy_(tokens)
         self.write.add_(1)

@@ -202,7 +202,8 @@ class HFCachedBackend(HFBackendBase):
                       **{key: getattr(self.engine, key) for key, default in (
                           ("lora_shrink", "reductions"), ("lora_expand", "reductions"), ("attention_backend", "auto"),
                           ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"),
-                          ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"))
+                          ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"),
+                          ("step_edges", "eager"))
                          if getattr(self.engine, key) != default},
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       **({"graph_buckets_shared_prefix": sorted(self.buckets.shared_prefix_buckets)}

@@ -18,7 +18,7 @@ candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+f
 `+sharedprefix` (with `+fa3`: each block of n rows reads its shared prompt's k/v once),
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step; `+pipelined` (each step's tokens read back
-while the next step runs).
+while the next step runs), `+edges` (the step's work outside its layers compiled).
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -71,7 +71,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # with +fa3: a block of n rows with one prompt reads the prompt's k/v once (cascade attention)
             "sharedprefix": ("DECODE_PREFIX", "shared"),
             # step t+1 enqueued before step t's tokens are read: the GPU no longer waits for the host between steps
-            "pipelined": ("READBACK", "pipelined")}
+            "pipelined": ("READBACK", "pipelined"),
+            # the step's work outside its layers (inputs, final norm, bookkeeping) as three compiled pieces
+            "edges": ("STEP_EDGES", "compiled")}
 
 
 def use_before(path):
