@@ -832,6 +832,30 @@ def test_a_bad_engine_option_is_refused_before_anything_loads(smoke_study, optio
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
 
 
+def _uncompiled_and_compiled(study, cache_dir, outputs, engine: dict[str, str], pieces: tuple) -> dict[str, dict]:
+    """The CELLS' results of a float32 engine with `engine` settings, its step uncompiled ("off") and through
+    inductor ("inductor"), each in a fresh dynamo state; checks the environment names every setting and that
+    inductor compiled each of `pieces` (functions) at least once more."""
+    workload = Workload(study)
+    policy = outputs[("float32", "graphs")]["policy"]
+    results = {}
+    for mode in ("off", "inductor"):
+        torch._dynamo.reset()
+        backend = create_backend("hf_cached", study, device="cpu", compute_dtype="float32", step_compile=mode,
+                                 cache_dir=cache_dir, engine=engine)
+        backend.cold_start()
+        backend.sync_policy(policy)
+        before = [_compiled_entries(piece) for piece in pieces]
+        results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
+        env = backend.environment()
+        assert all(env[name.lower()] == value for name, value in engine.items()
+                   if name.lower() in env or value != "auto"), env
+        if mode == "inductor":
+            assert all(_compiled_entries(piece) > count for piece, count in zip(pieces, before, strict=True))
+        backend.teardown()
+    return results
+
+
 def test_one_piece_across_layers_is_the_same_step(smoke_study, snapshot_cache, outputs):
     """Issue 43 candidate (STEP_PIECES "across_layers": a layer's MLP and residual with the next layer's norm,
     projections and rotary in one compiled piece, so the residual add and the RMSNorm fuse). Uncompiled it is
@@ -839,21 +863,8 @@ def test_one_piece_across_layers_is_the_same_step(smoke_study, snapshot_cache, o
     in another order, compiled once for every layer boundary."""
     from rollout_lib.backends import compact_qwen3
 
-    workload = Workload(smoke_study)
-    policy = outputs[("float32", "graphs")]["policy"]
-    results = {}
-    for mode in ("off", "inductor"):
-        torch._dynamo.reset()
-        backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile=mode,
-                                 cache_dir=snapshot_cache, engine={"STEP_PIECES": "across_layers"})
-        backend.cold_start()
-        backend.sync_policy(policy)
-        before = _compiled_entries(compact_qwen3.CompactQwen3._between_layers)
-        results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
-        assert backend.environment()["step_pieces"] == "across_layers"
-        if mode == "inductor":
-            assert _compiled_entries(compact_qwen3.CompactQwen3._between_layers) - before >= 1
-        backend.teardown()
+    results = _uncompiled_and_compiled(smoke_study, snapshot_cache, outputs, {"STEP_PIECES": "across_layers"},
+                                       (compact_qwen3.CompactQwen3._between_layers,))
     for cell in CELLS:
         default = outputs[("float32", "graphs")]["runs"][cell]
         assert_same_results(results["off"][cell], default, tolerance=1e-12)
@@ -982,23 +993,9 @@ def test_the_steps_edges_compiled_are_the_same_step(smoke_study, snapshot_cache,
     same float32 math in another order, each piece compiled (with the SDPA bias, and with flex's boolean mask)."""
     from rollout_lib.backends import compact_qwen3
 
-    workload = Workload(smoke_study)
-    policy = outputs[("float32", "graphs")]["policy"]
-    results = {}
-    for mode in ("off", "inductor"):
-        torch._dynamo.reset()
-        backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="float32", step_compile=mode,
-                                 cache_dir=snapshot_cache,
-                                 engine={"STEP_EDGES": "compiled", "ATTENTION_BACKEND": attention})
-        backend.cold_start()
-        backend.sync_policy(policy)
-        pieces = (compact_qwen3._decode_inputs, compact_qwen3._rms, compact_qwen3._advance)
-        before = [_compiled_entries(piece) for piece in pieces]
-        results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
-        assert backend.environment()["step_edges"] == "compiled"
-        if mode == "inductor":
-            assert all(_compiled_entries(piece) > count for piece, count in zip(pieces, before, strict=True))
-        backend.teardown()
+    results = _uncompiled_and_compiled(smoke_study, snapshot_cache, outputs,
+                                       {"STEP_EDGES": "compiled", "ATTENTION_BACKEND": attention},
+                                       (compact_qwen3._decode_inputs, compact_qwen3._rms, compact_qwen3._advance))
     for cell in CELLS:
         default = outputs[("float32", "graphs")]["runs"][cell]
         assert_same_results(results["off"][cell], default, tolerance=1e-12 if attention == "auto" else 1e-4)

@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rollout_lib.backends.compact_qwen3 import ENGINE_SETTINGS, check_engine_settings  # noqa: E402
+from tools.lab.probe_table import read_probe  # noqa: E402
 
-MAX_PROBE_BYTES = 16 * 1024 * 1024
 PREFILL_SETTINGS = ("PREFILL", "PREFILL_STEP")
 REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3")}
 
@@ -45,18 +45,6 @@ def _suffixes() -> dict[str, tuple[str, Any]]:
     from tools.lab.fast_path_probe import SUFFIXES
 
     return SUFFIXES
-
-
-def read_probe(folder: Path) -> dict[str, Any]:
-    path = folder / "probe.json"
-    if not path.is_file() or path.is_symlink():
-        raise ValueError(f"{folder}: no probe.json (a regular file) in it")
-    if path.stat().st_size > MAX_PROBE_BYTES:
-        raise ValueError(f"{path}: over {MAX_PROBE_BYTES} bytes, not a probe")
-    probe = json.loads(path.read_text())
-    if not [name for name in probe if name != "cells"]:
-        raise ValueError(f"{path}: no variant in it")
-    return probe
 
 
 def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dict[str, Any]]]:

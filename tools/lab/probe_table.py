@@ -65,17 +65,24 @@ def _span_us(events: list[dict[str, Any]]) -> float:
     return max(float(k["ts"]) + float(k.get("dur", 0)) for k in kernels) - min(float(k["ts"]) for k in kernels)
 
 
-def probe_rows(folder: Path, baseline: str | None = None) -> list[dict[str, Any]]:
-    """One row per (variant, cell) of the folder's probe, with its difference to the baseline's same cell."""
+def read_probe(folder: Path) -> dict[str, Any]:
+    """The folder's probe.json (a regular file under the size limit, with at least one variant)."""
     path = folder / "probe.json"
     if not path.is_file() or path.is_symlink():
         raise ValueError(f"{folder}: no probe.json (a regular file) in it")
     if path.stat().st_size > MAX_PROBE_BYTES:
         raise ValueError(f"{path}: over {MAX_PROBE_BYTES} bytes, not a probe")
     probe = json.loads(path.read_text())
-    variants = [name for name in probe if name != "cells"]
-    if not variants:
+    if not [name for name in probe if name != "cells"]:
         raise ValueError(f"{path}: no variant in it")
+    return probe
+
+
+def probe_rows(folder: Path, baseline: str | None = None) -> list[dict[str, Any]]:
+    """One row per (variant, cell) of the folder's probe, with its difference to the baseline's same cell."""
+    probe = read_probe(folder)
+    path = folder / "probe.json"
+    variants = [name for name in probe if name != "cells"]
     baseline = baseline if baseline is not None else variants[0]
     if baseline not in variants:
         raise ValueError(f"--baseline: {baseline!r} is not a variant of {path}; allowed: {', '.join(variants)}")
