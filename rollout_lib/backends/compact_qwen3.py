@@ -353,6 +353,11 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+# a setting's value that runs only with another setting's value (the engine refuses it otherwise)
+SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
+                                                  "its kernel returns the log-sum-exp the two halves merge by")}
+
+
 # the settings an engine takes per instance (hf_cached's `engine` option: a candidate measured or checked for
 # conformance without editing this module); each falls back to the module's value above
 ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAND_ALLOWED,
@@ -496,9 +501,10 @@ class CompactQwen3:
         self.decode_prefix = setting("DECODE_PREFIX")
         self.readback = setting("READBACK")
         self.step_edges = setting("STEP_EDGES")
-        if self.decode_prefix == "shared" and self.attention_backend != "fa3":
-            raise ValueError("DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 (its kernel returns the log-sum-exp "
-                             f"the two halves merge by); this engine: ATTENTION_BACKEND {self.attention_backend}")
+        for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():
+            if setting(name) == value and setting(needs) != needed:
+                raise ValueError(f"{name} {value} needs {needs} {needed} ({why}); this engine: {needs} "
+                                 f"{setting(needs)}")
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -753,11 +759,7 @@ class CompactQwen3:
     # -- the forward pieces ----------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] in the compute dtype for integer positions [B, T] (as transformers)."""
-        import torch
-
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
+        return _rotary(positions, self.inv_freq, self.rope_scaling, self.dtype)
 
     def _before_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
                           q_norm: torch.Tensor, k_norm: torch.Tensor, weight: torch.Tensor,
@@ -864,8 +866,7 @@ class CompactQwen3:
         elif not flex and inputs is not None:
             mask = prepared_bias
         elif not flex:
-            bias = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-            mask = bias.repeat(1, 1, self.heads // self.kv_heads, 1)
+            mask = _attention_bias(mask, self.dtype, self.heads // self.kv_heads)
         scale = 1.0 / math.sqrt(self.head_dim)
         inside = compiled and self.cache_write == "inside"
 
@@ -1011,9 +1012,7 @@ def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor,
         logits = engine.forward(tokens[:, None], None, StaticCache(k, v), write, mask, compiled=engine.compiled,
                                 pad=pad, group=group, prefix_end=prefix_end, inputs=(h, cos, sin, bias))
     else:
-        valid = (columns[None, :] <= write) & (columns[None, :] >= pad[:, None])
-        valid = valid | (columns[None, :] == write)  # a row never attends to nothing
-        positions = (write - pad)[:, None]
+        valid, positions = _valid_columns(write, pad, columns)
         logits = engine.forward(tokens[:, None], positions, StaticCache(k, v), write, valid[:, None, None, :],
                                 compiled=engine.compiled, pad=pad, group=group, prefix_end=prefix_end)
     engine.mark_rows(logits, seeds, inv_temperature, greedy)
@@ -1023,24 +1022,45 @@ def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor,
 def _decode_inputs(tokens: torch.Tensor, write: torch.Tensor, pad: torch.Tensor, columns: torch.Tensor,
                    embed: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float, dtype: torch.dtype,
                    bias_groups: int):
-    """A decode step's inputs from its buffers, the same operations as the eager path (decode_step, forward,
-    `_rope`): the embedded tokens [B, 1, hidden], cos and sin [B, 1, D] in `dtype`, the boolean mask [B, 1, 1, L],
-    and with `bias_groups` > 0 the additive bias in `dtype` repeated for the grouped query rows (else None)."""
+    """A decode step's inputs from its buffers, the same operations as the eager path (decode_step and forward
+    call the same helpers): the embedded tokens [B, 1, hidden], cos and sin [B, 1, D] in `dtype`, the boolean
+    mask [B, 1, 1, L], and with `bias_groups` > 0 the additive bias in `dtype` repeated for the grouped query rows
+    (else None)."""
     import torch
 
+    valid, positions = _valid_columns(write, pad, columns)
+    h = torch.nn.functional.embedding(tokens[:, None], embed)
+    cos, sin = _rotary(positions, inv_freq, rope_scaling, dtype)
+    mask = valid[:, None, None, :]
+    return h, cos, sin, mask, _attention_bias(mask, dtype, bias_groups) if bias_groups else None
+
+
+def _valid_columns(write: torch.Tensor, pad: torch.Tensor, columns: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's boolean mask [B, L] (each row's columns from its padding to the column it writes) and its
+    positions [B, 1]."""
     valid = (columns[None, :] <= write) & (columns[None, :] >= pad[:, None])
     valid = valid | (columns[None, :] == write)  # a row never attends to nothing
-    positions = (write - pad)[:, None]
-    h = torch.nn.functional.embedding(tokens[:, None], embed)
+    return valid, (write - pad)[:, None]
+
+
+def _rotary(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, D] in `dtype` for integer positions [B, T] (as transformers)."""
+    import torch
+
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = (emb.cos() * rope_scaling).to(dtype), (emb.sin() * rope_scaling).to(dtype)
-    mask = valid[:, None, None, :]
-    bias = None
-    if bias_groups:
-        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        bias = bias.repeat(1, 1, bias_groups, 1)
-    return h, cos, sin, mask, bias
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _attention_bias(mask: torch.Tensor, dtype: torch.dtype, groups: int) -> torch.Tensor:
+    """The boolean mask [B, 1, T, L] as an additive bias in `dtype`, repeated for the grouped query rows (row
+    g*T + t is query position t)."""
+    import torch
+
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(1, 1, groups, 1)
 
 
 def _advance(tokens: torch.Tensor, logprobs: torch.Tensor, out: torch.Tensor, next_tokens: torch.Tensor,
@@ -1088,6 +1108,9 @@ class DecodeBucket:
         self.out = torch.zeros(2, rows, dtype=torch.float64, device=device)
         self.graph = None
         self.capture_s: float | None = None
+        # READBACK "pipelined": two pinned host buffers and their events, made on first use (run_pipelined)
+        self._host_out: list[torch.Tensor] | None = None
+        self._host_ready: list[Any] = []
         if use_graph:
             self._capture()
 
@@ -1100,18 +1123,10 @@ class DecodeBucket:
         self.step.fill_(step)
 
     def _step(self) -> None:
-        import torch
-
         tokens, logprobs = decode_step(self.engine, self.tokens, self.write, self.pad, self.seeds, self.step,
                                        self.inv_temperature, self.greedy, self.columns, self.cache.k, self.cache.v,
                                        self.group, self.prefix_end if self.group > 1 else None)
-        if self.engine.step_edges == "compiled":
-            self.engine.advance(tokens, logprobs, self.out, self.tokens, self.write, self.step)
-            return
-        self.out.copy_(torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))))
-        self.tokens.copy_(tokens)
-        self.write.add_(1)
-        self.step.add_(1)
+        self.engine.advance(tokens, logprobs, self.out, self.tokens, self.write, self.step)
 
     def _capture(self) -> None:
         import time
@@ -1159,7 +1174,7 @@ class DecodeBucket:
         if max_steps < 1:
             return 0
         on_cuda = self.engine.device.type == "cuda"
-        if getattr(self, "_host_out", None) is None:  # two buffers in turn: step t's is read while t+1's fills
+        if self._host_out is None:  # two buffers in turn: step t's is read while t+1's fills
             self._host_out = [torch.empty((2, self.rows), dtype=torch.float64, pin_memory=on_cuda) for _ in range(2)]
             self._host_ready = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
 

@@ -17,8 +17,8 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
 - The probes' base (the suffixes of each folder's first variant, e.g. `+shrinkgemm`, measured against the
   default engine before) is kept.
 - One value per setting: where two values of one setting are kept (e.g. ATTENTION_BACKEND flex and fa3), the
-  larger mean gain wins. A value whose requirement is not kept is dropped (DECODE_PREFIX shared needs
-  ATTENTION_BACKEND fa3).
+  larger mean gain wins. A value whose requirement is not kept is dropped (the engine's SETTING_REQUIRES, e.g.
+  DECODE_PREFIX shared needs ATTENTION_BACKEND fa3).
 - Inductor options (`+pdl`, `+combo`, `+maxat`, ...) are not engine settings: reported, never chosen.
 Bad input (no probe.json, a folder outside the tree given) is refused in one line before anything is printed.
 """
@@ -34,11 +34,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rollout_lib.backends.compact_qwen3 import ENGINE_SETTINGS, check_engine_settings  # noqa: E402
+from rollout_lib.backends.compact_qwen3 import (  # noqa: E402
+    ENGINE_SETTINGS,
+    SETTING_REQUIRES,
+    check_engine_settings,
+)
 from tools.lab.probe_table import read_probe  # noqa: E402
 
 PREFILL_SETTINGS = ("PREFILL", "PREFILL_STEP")
-REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3")}
 
 
 def _suffixes() -> dict[str, tuple[str, Any]]:
@@ -142,7 +145,7 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
             lines.append(f"+{suffix} ({name} {value}): dropped, {name} {chosen[name][0]} gains more")
             continue
         chosen[name] = (value, gains.get(suffix, float("inf")))
-    for (name, value), (needs, needed) in REQUIRES.items():
+    for (name, value), (needs, needed, _) in SETTING_REQUIRES.items():
         if chosen.get(name, (None,))[0] == value and chosen.get(needs, (None,))[0] != needed:
             del chosen[name]
             lines.append(f"{name} {value}: dropped, it needs {needs} {needed}, which is not chosen")
