@@ -500,6 +500,93 @@ def test_lora_expand_as_a_gemm_is_the_float32_low_rank_term_in_another_order():
                        _fused_linear(x, weight, lora_a, lora_b, 2.0, False))
 
 
+def test_a_gemm_split_over_k_is_the_float32_product_in_another_order():
+    """Issue 43 candidate (GEMM_SPLIT_K): the projection's GEMM as one batched GEMM over slices of K, the float32
+    partial sums added in order. With integer-valued bf16 operands every partial and total sum is exact, so it
+    equals the float32 product bit for bit; with random operands the layer's output obeys the same two-rounding
+    bound as the one-GEMM path, with the shrink in the base GEMM too, and one slice is the default path itself."""
+    from rollout_lib.backends.compact_qwen3 import _fused_linear, _split_k_product
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randint(-8, 9, (3, 1, 64), generator=generator).bfloat16()
+    weight = torch.randint(-8, 9, (40, 64), generator=generator).bfloat16()
+    for splits in (2, 4, 8):
+        got = _split_k_product(x, weight, splits)
+        assert got.dtype == torch.float32 and got.shape == (3, 1, 40)
+        assert torch.equal(got, x.float() @ weight.float().t())
+
+    x, weight, lora_a, lora_b = _lora_layer(seed=6, rows=4, in_features=64, out_features=96, rank=8)
+    high = lora_a.bfloat16()
+    middle = (lora_a - high.float()).bfloat16()
+    last = (lora_a - high.float() - middle.float()).bfloat16()
+    weight_cat = torch.cat([weight, high, middle, last])
+    base = x.double() @ weight.double().t()
+    exact = base + 2.0 * (x.double() @ lora_a.double().t()) @ lora_b.double().t()
+    bound = (base.abs() + exact.abs()) * 2.0 ** -8 + 1e-6
+    for splits in (2, 4):
+        for layer_weight in (weight, weight_cat):
+            got = _fused_linear(x, layer_weight, lora_a, lora_b, 2.0, split_k=splits)
+            assert got.dtype == torch.bfloat16 and bool(((got.double() - exact).abs() <= bound).all())
+        plain = _fused_linear(x, weight, None, None, 2.0, split_k=splits)  # a projection without LoRA
+        assert bool(((plain.double() - base).abs() <= base.abs() * 2.0 ** -8 + 1e-6).all())
+    assert torch.equal(_fused_linear(x, weight, lora_a, lora_b, 2.0, split_k=1),
+                       _fused_linear(x, weight, lora_a, lora_b, 2.0))
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "setting", "multiprocessors", "splits"), [
+    # the actor's projections with the LoRA shrink rows (r16) in the GEMM, on a 132-SM H200 / H100
+    (4096 + 48, 1024, "auto", 132, 2),  # qkv: 65 tiles of 64 outputs -> 130 blocks
+    (1024 + 48, 2048, "auto", 132, 8),  # o: 17 tiles -> 136 blocks
+    (6144 + 96, 1024, "auto", 132, 2),  # gate_up: 98 tiles -> 196 blocks
+    (1024 + 48, 3072, "auto", 132, 8),  # down: 17 tiles -> 136 blocks
+    (1024, 512, "auto", 132, 2),  # each slice at least GEMM_MIN_SLICE long
+    (1024, 2048, "auto", None, 1),  # no GPU: nothing to fill
+    (1024, 2048, "off", 132, 1),
+    (1024, 2048, "4", None, 4),
+    (1024, 100, "8", 132, 4),  # halved until it divides K
+    (1024, 2050, "8", 132, 2),
+])
+def test_gemm_splits_per_projection(out_features, in_features, setting, multiprocessors, splits):
+    from rollout_lib.backends.compact_qwen3 import gemm_splits
+
+    assert gemm_splits(out_features, in_features, setting, multiprocessors) == splits
+
+
+def test_an_engine_with_its_gemms_split_over_k_is_the_same_step(smoke_study, snapshot_cache, outputs, monkeypatch):
+    """Issue 43 candidate (GEMM_SPLIT_K "4"): every projection of every decode step (one position per row) goes
+    through the split, never a prefill's; uncompiled and compiled by inductor, the float32 tokens and stops are the
+    default engine's and the log-probabilities agree to float32 rounding (the same sums in another order)."""
+    from rollout_lib.backends import compact_qwen3
+
+    # split GEMMs run [decode, prefill, not 4 slices]: counted by the step itself (an in-place add, which the
+    # compiled piece runs at every call too; a Python list would put its length in dynamo's guards)
+    calls = torch.zeros(3, dtype=torch.long)
+    split_k_product = compact_qwen3._split_k_product
+
+    def counted(x, weight, splits):
+        calls[0 if x.shape[-2] == 1 else 1] += 1
+        if splits != 4:
+            calls[2] += 1
+        return split_k_product(x, weight, splits)
+
+    per_mode = {}
+
+    def take_count(mode):
+        per_mode[mode] = calls.tolist()
+        calls.zero_()
+
+    monkeypatch.setattr(compact_qwen3, "_split_k_product", counted)
+    results = _uncompiled_and_compiled(smoke_study, snapshot_cache, outputs, {"GEMM_SPLIT_K": "4"},
+                                       (compact_qwen3.CompactQwen3._before_attention,
+                                        compact_qwen3.CompactQwen3._after_attention), after_mode=take_count)
+    decode_calls = per_mode["off"][0]
+    assert decode_calls > 0 and per_mode == {"off": [decode_calls, 0, 0], "inductor": [decode_calls, 0, 0]}, per_mode
+    for cell in CELLS:
+        default = outputs[("float32", "graphs")]["runs"][cell]
+        assert_same_results(results["off"][cell], default)
+        assert_same_results(results["inductor"][cell], default)
+
+
 @pytest.mark.parametrize(("setting", "value", "allowed"), [
     ("LORA_EXPAND", "gemms", "reductions, gemm"),
     ("ATTENTION_BACKEND", "flash", "auto, efficient, cudnn"),
@@ -832,10 +919,12 @@ def test_a_bad_engine_option_is_refused_before_anything_loads(smoke_study, optio
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
 
 
-def _uncompiled_and_compiled(study, cache_dir, outputs, engine: dict[str, str], pieces: tuple) -> dict[str, dict]:
+def _uncompiled_and_compiled(study, cache_dir, outputs, engine: dict[str, str], pieces: tuple,
+                             after_mode=None) -> dict[str, dict]:
     """The CELLS' results of a float32 engine with `engine` settings, its step uncompiled ("off") and through
     inductor ("inductor"), each in a fresh dynamo state; checks the environment names every setting and that
-    inductor compiled each of `pieces` (functions) at least once more."""
+    inductor compiled each of `pieces` (functions) at least once more. `after_mode(mode)` runs after each
+    mode's generate calls."""
     workload = Workload(study)
     policy = outputs[("float32", "graphs")]["policy"]
     results = {}
@@ -847,6 +936,8 @@ def _uncompiled_and_compiled(study, cache_dir, outputs, engine: dict[str, str], 
         backend.sync_policy(policy)
         before = [_compiled_entries(piece) for piece in pieces]
         results[mode] = {c: backend.generate(workload.requests(workload.cell(c))).results for c in CELLS}
+        if after_mode is not None:
+            after_mode(mode)
         env = backend.environment()
         assert all(env[name.lower()] == value for name, value in engine.items()
                    if name.lower() in env or value != "auto"), env

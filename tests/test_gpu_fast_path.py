@@ -47,6 +47,32 @@ def test_bf16_operand_head_is_the_float32_head_in_another_order():
     assert torch.equal(fast.argmax(-1), float32.argmax(-1))
 
 
+def test_a_gemm_split_over_k_reads_the_weight_in_place():
+    """GEMM_SPLIT_K (issue 43 candidate) compiled by inductor on the H200, at o_proj's shape with the shrink rows
+    (4 rows, 1,072 x 2,048): one batched GEMM over strided views of x and the weight (no copy of either: every
+    kernel is the GEMM or inductor's one kernel that adds the 8 partial sums and rounds), and the result is
+    `mm_float32`'s float32 sums in another order."""
+    from rollout_lib.backends.compact_qwen3 import _split_k_product
+    from rollout_lib.models.actor import mm_float32
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    weight = (torch.randn(1072, 2048, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(4, 1, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    split = torch.compile(lambda x, weight: _split_k_product(x, weight, 8).to(torch.bfloat16), fullgraph=True)
+    split(x, weight)  # compiled and launched once, outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = split(x, weight)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    others = [k for k in kernels if not any(g in k.lower() for g in ("gemm", "nvjet", "cutlass", "xmma"))]
+    assert len(others) == 1 and others[0].startswith("triton_"), kernels
+    one = mm_float32(x.reshape(4, 2048), weight.t()).to(torch.bfloat16).reshape(4, 1, 1072)
+    exact = x.double().reshape(4, 2048) @ weight.double().t()
+    assert ((got.reshape(4, 1072).double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
+    assert ((one.reshape(4, 1072).double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
+
+
 @pytest.fixture(scope="module")
 def study():
     from rollout_lib.study.prereg import load
@@ -142,7 +168,8 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
                                       {"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"},
                                       {"STEP_PIECES": "across_layers"}, {"SAMPLER": "chunked"},
                                       {"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"},
-                                      {"STEP_EDGES": "compiled"}, {"STEP_EDGES": "compiled", "READBACK": "pipelined"}])
+                                      {"STEP_EDGES": "compiled"}, {"STEP_EDGES": "compiled", "READBACK": "pipelined"},
+                                      {"GEMM_SPLIT_K": "auto"}, {"GEMM_SPLIT_K": "8"}])
 def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, settings):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
     as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention, vLLM's
@@ -150,7 +177,7 @@ def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkey
     it), the prefill compiled and captured (with the shared prompts too), one compiled piece from each layer's
     attention to the next, the sampler's vocabulary reductions in chunks, FA3 with each block of 4 rows reading
     its shared prompt once (cascaded with the rows' own columns), the step's work outside its layers compiled
-    (with the pipelined read-back too). The compiled bf16 engine serves the
+    (with the pipelined read-back too), each projection's GEMM split over K. The compiled bf16 engine serves the
     synced policy and its greedy tokens stay those
     of the shrink-only engine but for near-ties."""
     import importlib.util

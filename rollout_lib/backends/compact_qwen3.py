@@ -70,7 +70,7 @@ def lora_add_mode(value: str | None) -> str:
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
                   scaling: float, lora_as_reductions: bool = False, lora_add: str = "float32_once",
-                  expand_as_gemm: bool = False) -> torch.Tensor:
+                  expand_as_gemm: bool = False, split_k: int = 1) -> torch.Tensor:
     """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft's plain
     `lora.Linear` does over the bf16 mirror: the eager path). The NF4 oracle's `lora.Linear4bit` rounds
     the low-rank term to bf16 first and adds in bf16 (two roundings): a bf16-only difference that the
@@ -84,15 +84,22 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     reductions; still float32 throughout. Eagerly it would materialize [.., out, r] products.
     `expand_as_gemm` (LORA_EXPAND "gemm", issue 43 candidate): the B product stays a float32 GEMM even
     under inductor (K is the rank, so no split-K: one kernel that reads B once, where the reduction
-    reads it once per row)."""
+    reads it once per row).
+    `split_k` > 1 (GEMM_SPLIT_K, issue 43 candidate): the base GEMM as `_split_k_product`, rounded once to the
+    compute dtype as `linear` rounds its float32 accumulation."""
     import torch
 
-    if lora_a is None:
+    def base_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if split_k > 1:
+            return _split_k_product(x, weight, split_k).to(x.dtype)
         return torch.nn.functional.linear(x, weight)
+
+    if lora_a is None:
+        return base_product(x, weight)
     if weight.shape[0] > lora_b.shape[0]:  # LORA_SHRINK "in_base_gemm": A's rows after W (static shapes)
-        base, xa = _base_and_shrink_in_one_gemm(x, weight, lora_a.shape[0], lora_b.shape[0])
+        base, xa = _base_and_shrink_in_one_gemm(x, weight, lora_a.shape[0], lora_b.shape[0], split_k)
     else:
-        base = torch.nn.functional.linear(x, weight)
+        base = base_product(x, weight)
         xa = (x.float()[..., None, :] * lora_a).sum(-1) if lora_as_reductions else torch.nn.functional.linear(
             x.float(), lora_a)
     low = ((xa[..., None, :] * lora_b).sum(-1) if lora_as_reductions and not expand_as_gemm
@@ -217,19 +224,70 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
 
 
 def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_rows: int,
-                                 out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                                 out_rows: int, split_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """LORA_SHRINK "in_base_gemm" (issue 43 candidate): `weight_cat` is [W; A_hi; A_mid; A_lo], the float32
     A split exactly into three bf16 matrices (`CompactQwen3._write_shrink_rows` checks the split), so one
     bf16 GEMM with float32 output gives the base projection (rounded to bf16 as `linear` rounds it) and
     the three partial products x A_k, each a float32 sum of exact products; x A is their float32 sum: the
     float32 contract in another summation order, on tensor cores, with no kernel of its own. Returns
-    (base, x A); the B product and the add are `_fused_linear`'s."""
+    (base, x A); the B product and the add are `_fused_linear`'s. `split_k` > 1: the GEMM as
+    `_split_k_product` (the same float32 sums of exact products, in another order)."""
     from rollout_lib.models.actor import mm_float32
 
-    both = mm_float32(x.reshape(-1, x.shape[-1]), weight_cat.t())
+    rows = x.reshape(-1, x.shape[-1])
+    both = _split_k_product(rows, weight_cat, split_k) if split_k > 1 else mm_float32(rows, weight_cat.t())
     base = both[:, :out_rows].to(x.dtype).reshape(*x.shape[:-1], out_rows)
     parts = both[:, out_rows:].reshape(-1, 3, low_rows)
     return base, ((parts[:, 0] + parts[:, 1]) + parts[:, 2]).reshape(*x.shape[:-1], low_rows)
+
+
+def _split_k_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ W^T as float32 [.., out] (GEMM_SPLIT_K, issue 43 candidate): `splits` GEMMs over equal slices of the
+    inner dimension K, as one strided batched GEMM over views of x and W (no copy), so cuBLAS launches `splits`
+    times the thread blocks of the one skinny GEMM; their float32 partial sums are then added in a fixed order,
+    as pointwise adds that inductor fuses into the kernels reading the product (no reduction kernel, unlike
+    cuBLAS's own split-K). bf16 operands: float32 sums of exact products, as `mm_float32`, in another order."""
+    from rollout_lib.models.actor import bmm_float32
+
+    rows = x.reshape(-1, x.shape[-1])
+    out_features, in_features = weight.shape
+    part = in_features // splits
+    partials = bmm_float32(rows.view(rows.shape[0], splits, part).transpose(0, 1),
+                           weight.view(out_features, splits, part).permute(1, 2, 0))
+    total = partials[0]
+    for index in range(1, splits):
+        total = total + partials[index]
+    return total.reshape(*x.shape[:-1], out_features)
+
+
+# GEMM_SPLIT_K "auto": cuBLAS's kernels for the projections at 4-16 rows tile the output features 64 at a time
+# (lease 23's traces: nvjet `..._64x8_...`, `..._64x16_...`), so o_proj and down_proj (1,024 outputs) launch ~17
+# thread blocks on the H200's 132 SMs and read their weights at ~0.8 TB/s of 4.8
+GEMM_TILE_OUTPUTS = 64
+GEMM_MIN_SLICE = 256  # "auto" keeps each slice of K at least this long (a GEMM's fixed cost per block)
+GEMM_MAX_SPLITS = 8
+
+
+def gemm_splits(out_features: int, in_features: int, setting: str, multiprocessors: int | None) -> int:
+    """How many slices of K a decode step's projection GEMM is split into under GEMM_SPLIT_K `setting`: "off" 1;
+    "2", "4", "8" that many (halved until it divides K); "auto" the fewest (powers of two up to 8) that give
+    the GPU's `multiprocessors` at least ~0.9 of a wave of output tiles, each slice >= GEMM_MIN_SLICE long (1
+    without a GPU: nothing to fill)."""
+    if setting == "off":
+        return 1
+    if setting != "auto":
+        splits = int(setting)
+        while in_features % splits:
+            splits //= 2
+        return splits
+    if not multiprocessors:
+        return 1
+    tiles = -(-out_features // GEMM_TILE_OUTPUTS)
+    splits = 1
+    while (splits < GEMM_MAX_SPLITS and tiles * splits < 0.9 * multiprocessors
+           and in_features % (2 * splits) == 0 and in_features // (2 * splits) >= GEMM_MIN_SLICE):
+        splits *= 2
+    return splits
 
 
 @dataclass
@@ -319,6 +377,14 @@ class Layer:
 #   ~35 of lease 23's ~575 kernels per step, ~0.07 ms with their gaps; "compiled" (issue 43 candidate): the
 #   same operations as three inductor pieces (`_decode_inputs`, `_rms`, `_advance`), ~5 kernels. The head GEMM
 #   and the sampler are unchanged. The probe's `+edges`.
+# - GEMM_SPLIT_K "off" (the default): each projection of a decode step is one skinny GEMM (4-16 rows), for which
+#   cuBLAS launches one thread block per 64 output features: 17 blocks for o_proj and down_proj on 132 SMs (lease
+#   23's traces: 5.0-5.5 us each for 4-6 MB of weights, ~0.8 TB/s; down_proj with cuBLAS's split-K and its own
+#   reduction kernel); "2", "4", "8", "auto" (issue 43 candidate): the GEMM over that many slices of K as one
+#   batched GEMM whose float32 partial sums are added inside the next compiled kernel (`_split_k_product`,
+#   `gemm_splits`: "auto" per projection from the GPU's SM count). Decode steps only (one position per row);
+#   the prefill and the LM head keep their GEMMs. The probe's `+splitk` ("auto"), `+splitk2`, `+splitk4`,
+#   `+splitk8`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -344,6 +410,8 @@ READBACK = "per_step"
 READBACK_ALLOWED = ("per_step", "pipelined")
 STEP_EDGES = "eager"
 STEP_EDGES_ALLOWED = ("eager", "compiled")
+GEMM_SPLIT_K = "off"
+GEMM_SPLIT_K_ALLOWED = ("off", "auto", "2", "4", "8")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -364,7 +432,7 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "ATTENTION_BACKEND": ATTENTION_BACKEND_ALLOWED, "PREFILL": PREFILL_ALLOWED,
                    "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED,
                    "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED, "READBACK": READBACK_ALLOWED,
-                   "STEP_EDGES": STEP_EDGES_ALLOWED}
+                   "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -501,6 +569,9 @@ class CompactQwen3:
         self.decode_prefix = setting("DECODE_PREFIX")
         self.readback = setting("READBACK")
         self.step_edges = setting("STEP_EDGES")
+        self.gemm_split_k = setting("GEMM_SPLIT_K")
+        self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                                if self.device.type == "cuda" else None)
         for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():
             if setting(name) == value and setting(needs) != needed:
                 raise ValueError(f"{name} {value} needs {needs} {needed} ({why}); this engine: {needs} "
@@ -757,6 +828,13 @@ class CompactQwen3:
         return out
 
     # -- the forward pieces ----------------------------------------------------------------------
+    def _splits(self, weight: torch.Tensor, length: int) -> int:
+        """GEMM_SPLIT_K's slices for one projection's GEMM: decode steps only (one position per row; the
+        weights' shapes are static, so this is a constant of the compiled piece); a prefill keeps its GEMM."""
+        if length != 1:
+            return 1
+        return gemm_splits(weight.shape[0], weight.shape[1], self.gemm_split_k, self.multiprocessors)
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] in the compute dtype for integer positions [B, T] (as transformers)."""
         return _rotary(positions, self.inv_freq, self.rope_scaling, self.dtype)
@@ -772,7 +850,8 @@ class CompactQwen3:
         compiled piece: inductor stores them from the kernel that computes them) and returned as None."""
         batch, length, _ = h.shape
         qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused,
-                            self.lora_add, expand_as_gemm=self.lora_expand == "gemm")
+                            self.lora_add, expand_as_gemm=self.lora_expand == "gemm",
+                            split_k=self._splits(weight, length))
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = _rms(q.view(batch, length, self.heads, self.head_dim), q_norm, self.eps).transpose(1, 2)
@@ -804,11 +883,11 @@ class CompactQwen3:
         attn = attn.reshape(batch, self.heads, length, self.head_dim).transpose(1, 2)
         add, gemm = self.lora_add, self.lora_expand == "gemm"
         h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add,
-                              expand_as_gemm=gemm)
+                              expand_as_gemm=gemm, split_k=self._splits(o[0], length))
         gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused, add,
-                                 expand_as_gemm=gemm).chunk(2, dim=-1)
+                                 expand_as_gemm=gemm, split_k=self._splits(gate_up[0], length)).chunk(2, dim=-1)
         return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add,
-                                 expand_as_gemm=gemm)
+                                 expand_as_gemm=gemm, split_k=self._splits(down[0], length))
 
     def _between_layers(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor, o: tuple,
                         gate_up: tuple, down: tuple, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,

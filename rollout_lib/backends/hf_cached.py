@@ -203,7 +203,7 @@ class HFCachedBackend(HFBackendBase):
                           ("lora_shrink", "reductions"), ("lora_expand", "reductions"), ("attention_backend", "auto"),
                           ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"),
                           ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"),
-                          ("step_edges", "eager"))
+                          ("step_edges", "eager"), ("gemm_split_k", "off"))
                          if getattr(self.engine, key) != default},
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       **({"graph_buckets_shared_prefix": sorted(self.buckets.shared_prefix_buckets)}

@@ -165,6 +165,17 @@ def mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def bmm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`mm_float32` for a batch of matrices [S, M, K] @ [S, K, N]: cuBLAS's strided batched bf16 GEMM with a
+    float32 output on CUDA (the operands may be strided views, as `torch.bmm` takes them: no copy); elsewhere,
+    or for float32 operands, a float32 batched matmul of the exact upcasts."""
+    import torch
+
+    if a.is_cuda and a.dtype == torch.bfloat16:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
 def use_bf16_operand_head(model) -> None:
     """The float32 head without its float32 copy (issue 41): logits are the float32 sums of the exact
     products of bf16 hidden states and the tied bf16 embedding, the arithmetic `use_float32_lm_head`

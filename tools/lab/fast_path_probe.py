@@ -18,7 +18,8 @@ candidates: `+shrinkgemm`, `+expandgemm`, `+sdpaeff`, `+sdpacudnn`, `+flex`, `+f
 `+sharedprefix` (with `+fa3`: each block of n rows reads its shared prompt's k/v once),
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step; `+pipelined` (each step's tokens read back
-while the next step runs), `+edges` (the step's work outside its layers compiled).
+while the next step runs), `+edges` (the step's work outside its layers compiled), `+splitk` / `+splitk2` /
+`+splitk4` / `+splitk8` (each projection's GEMM split over K, "auto" or that many slices).
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -73,7 +74,13 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # step t+1 enqueued before step t's tokens are read: the GPU no longer waits for the host between steps
             "pipelined": ("READBACK", "pipelined"),
             # the step's work outside its layers (inputs, final norm, bookkeeping) as three compiled pieces
-            "edges": ("STEP_EDGES", "compiled")}
+            "edges": ("STEP_EDGES", "compiled"),
+            # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
+            # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
+            "splitk": ("GEMM_SPLIT_K", "auto"),
+            "splitk2": ("GEMM_SPLIT_K", "2"),
+            "splitk4": ("GEMM_SPLIT_K", "4"),
+            "splitk8": ("GEMM_SPLIT_K", "8")}
 
 
 def use_before(path):
