@@ -579,6 +579,8 @@ def test_an_engine_with_its_gemms_split_over_k_is_the_same_step(smoke_study, sna
     results = _uncompiled_and_compiled(smoke_study, snapshot_cache, outputs, {"GEMM_SPLIT_K": "4"},
                                        (compact_qwen3.CompactQwen3._before_attention,
                                         compact_qwen3.CompactQwen3._after_attention), after_mode=take_count)
+    with synced_engine(smoke_study, snapshot_cache, outputs, engine={"GEMM_SPLIT_K": "4"}) as backend:
+        assert backend.environment()["gemm_splits"] == {"qkv": 4, "o": 4, "gate_up": 4, "down": 4}
     decode_calls = per_mode["off"][0]
     assert decode_calls > 0 and per_mode == {"off": [decode_calls, 0, 0], "inductor": [decode_calls, 0, 0]}, per_mode
     for cell in CELLS:

@@ -828,6 +828,10 @@ class CompactQwen3:
         return out
 
     # -- the forward pieces ----------------------------------------------------------------------
+    def gemm_split_plan(self) -> dict[str, int]:
+        """GEMM_SPLIT_K's slices per fused projection of a decode step (every layer has the same shapes)."""
+        return {fused: self._splits(self.layers[0].tensors(fused)[0], 1) for fused in FUSED}
+
     def _splits(self, weight: torch.Tensor, length: int) -> int:
         """GEMM_SPLIT_K's slices for one projection's GEMM: decode steps only (one position per row; the
         weights' shapes are static, so this is a constant of the compiled piece); a prefill keeps its GEMM."""

@@ -205,6 +205,7 @@ class HFCachedBackend(HFBackendBase):
                           ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"),
                           ("step_edges", "eager"), ("gemm_split_k", "off"))
                          if getattr(self.engine, key) != default},
+                      **({"gemm_splits": self.engine.gemm_split_plan()} if self.engine.gemm_split_k != "off" else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
                       **({"graph_buckets_shared_prefix": sorted(self.buckets.shared_prefix_buckets)}
                          if self.buckets and self.buckets.shared_prefix_buckets else {}),
