@@ -260,9 +260,8 @@ def _split_k_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
     return total.reshape(*x.shape[:-1], out_features)
 
 
-# GEMM_SPLIT_K "auto": cuBLAS's kernels for the projections at 4-16 rows tile the output features 64 at a time
-# (lease 23's traces: nvjet `..._64x8_...`, `..._64x16_...`), so o_proj and down_proj (1,024 outputs) launch ~17
-# thread blocks on the H200's 132 SMs and read their weights at ~0.8 TB/s of 4.8
+# GEMM_SPLIT_K "auto" (see the setting's note below): the output features per thread block of cuBLAS's kernels
+# for the projections at 4-16 rows (lease 23's traces: nvjet `..._64x8_...`, `..._64x16_...`)
 GEMM_TILE_OUTPUTS = 64
 GEMM_MIN_SLICE = 256  # "auto" keeps each slice of K at least this long (a GEMM's fixed cost per block)
 GEMM_MAX_SPLITS = 8
