@@ -367,6 +367,14 @@ def test_the_draft_pins_the_fast_stand_ins_built_on_the_gpu_keeps_the_v2_cells_a
     assert filled.actor.payload_digest == records["qwen3-0.6b-actor"]["payload_digest"]
     assert filled.teacher.payload_digest == records["qwen3-1.7b-teacher"]["payload_digest"]
     assert all(r["kernels"]["attention"] == "sdpa" and r["kernels"]["optimizer"] == "fused" for r in records.values())
+    # and a second fresh GPU machine rebuilt both to the same payload digests (issue 42: bit for bit)
+    for name, first in records.items():
+        second = json.loads((REPO / "outputs" / "perf" / "standins-v3-fast-second-machine" / f"{name}.json")
+                            .read_text())
+        assert second["payload_digest"] == first["payload_digest"]
+        assert second["kernels"] == first["kernels"] and second["recipe"] == first["recipe"]
+        assert second["environment"]["gpu"] == first["environment"]["gpu"] == "NVIDIA H200"
+        assert second["train_wall_s"] != first["train_wall_s"]  # another run, not a copy of the first record
     text = DRAFT.read_text()
     unfilled = text.replace(filled.actor.payload_digest, "TO-BE-FILLED-actor-digest-from-tools/lab/train_standins.sh")
     with pytest.raises(PreregistrationError, match=r"actor\.payload_digest: 'TO-BE-FILLED"):
