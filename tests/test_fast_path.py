@@ -494,10 +494,54 @@ def test_lora_expand_as_a_gemm_is_the_float32_low_rank_term_in_another_order():
     exact = base + 2.0 * (x.double() @ lora_a.double().t()) @ lora_b.double().t()
     bound = (base.abs() + exact.abs()) * 2.0 ** -8 + 1e-6
     for reductions in (True, False):
-        got = _fused_linear(x, weight, lora_a, lora_b, 2.0, reductions, expand_as_gemm=True)
+        got = _fused_linear(x, weight, lora_a, lora_b, 2.0, reductions, expand="gemm")
         assert bool(((got.double() - exact).abs() <= bound).all())
-    assert torch.equal(_fused_linear(x, weight, lora_a, lora_b, 2.0, False, expand_as_gemm=True),
+    assert torch.equal(_fused_linear(x, weight, lora_a, lora_b, 2.0, False, expand="gemm"),
                        _fused_linear(x, weight, lora_a, lora_b, 2.0, False))
+
+
+def test_an_unrolled_lora_expand_adds_the_rank_in_order_and_compiles_without_a_reduction():
+    """Issue 43 candidate (LORA_EXPAND "unrolled"): the B product as rank products added one by one. Its float32
+    result is the left-to-right float32 sum of the products (a numpy reference, term by term); with integer-valued
+    operands it is the exact product; the layer's output stays within the two bf16 roundings; and inductor
+    compiles the reduction form to a reduction loop but the unrolled one to none (CPU code: no accumulator)."""
+    import numpy as np
+    from torch._inductor.utils import run_and_get_code
+
+    from rollout_lib.backends.compact_qwen3 import _fused_linear, _unrolled_expand
+
+    generator = torch.Generator().manual_seed(11)
+    xa = torch.randn(3, 2, 16, generator=generator)
+    lora_b = torch.randn(40, 16, generator=generator)
+    got = _unrolled_expand(xa, lora_b)
+    products = xa.numpy()[..., None, :] * lora_b.numpy()  # [3, 2, 40, 16], float32
+    reference = products[..., 0].copy()
+    for r in range(1, 16):
+        reference = (reference + products[..., r]).astype(np.float32)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy(), reference)
+    integers = torch.randint(-8, 9, (3, 2, 16), generator=generator).float()
+    integer_b = torch.randint(-8, 9, (40, 16), generator=generator).float()
+    assert torch.equal(_unrolled_expand(integers, integer_b), integers @ integer_b.t())
+
+    x, weight, lora_a, lora_b = _lora_layer(seed=12, rows=4, in_features=48, out_features=80, rank=16)
+    base = x.double() @ weight.double().t()
+    exact = base + 2.0 * (x.double() @ lora_a.double().t()) @ lora_b.double().t()
+    bound = (base.abs() + exact.abs()) * 2.0 ** -8 + 1e-6
+    got = _fused_linear(x, weight, lora_a, lora_b, 2.0, True, expand="unrolled")
+    assert got.dtype == torch.bfloat16 and bool(((got.double() - exact).abs() <= bound).all())
+    assert torch.equal(_fused_linear(x, weight, lora_a, lora_b, 2.0, False, expand="unrolled"),
+                       _fused_linear(x, weight, lora_a, lora_b, 2.0, False))  # uncompiled path: unchanged
+
+    def code_for(expand: str) -> str:
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, a, b: _fused_linear(x, weight, a, b, 2.0, True, expand=expand),
+                                 fullgraph=True)
+        result, code = run_and_get_code(compiled, x, lora_a, lora_b)
+        assert bool(((result.double() - exact).abs() <= bound).all())
+        return "\n".join(code)
+
+    # the shrink (K = 48) is a reduction in both; the expand adds one more only in the reduction form
+    assert code_for("reductions").count("tmp_acc") > code_for("unrolled").count("tmp_acc")
 
 
 def test_a_gemm_split_over_k_is_the_float32_product_in_another_order():
@@ -590,7 +634,7 @@ def test_an_engine_with_its_gemms_split_over_k_is_the_same_step(smoke_study, sna
 
 
 @pytest.mark.parametrize(("setting", "value", "allowed"), [
-    ("LORA_EXPAND", "gemms", "reductions, gemm"),
+    ("LORA_EXPAND", "gemms", "reductions, gemm, unrolled"),
     ("ATTENTION_BACKEND", "flash", "auto, efficient, cudnn"),
 ])
 def test_an_unknown_engine_setting_is_refused_with_the_allowed_values(smoke_study, snapshot_cache, monkeypatch,
@@ -958,6 +1002,38 @@ def test_one_piece_across_layers_is_the_same_step(smoke_study, snapshot_cache, o
 
     results = _uncompiled_and_compiled(smoke_study, snapshot_cache, outputs, {"STEP_PIECES": "across_layers"},
                                        (compact_qwen3.CompactQwen3._between_layers,))
+    for cell in CELLS:
+        default = outputs[("float32", "graphs")]["runs"][cell]
+        assert_same_results(results["off"][cell], default, tolerance=1e-12)
+        assert_same_results(results["inductor"][cell], default)
+
+
+def test_the_unrolled_lora_expand_keeps_the_engine_s_tokens(smoke_study, snapshot_cache, outputs, monkeypatch):
+    """LORA_EXPAND "unrolled" in the float32 engine: uncompiled the very same path as the default (the B product is
+    a GEMM there); compiled by inductor the same float32 math in a fixed order: the default's tokens and stops,
+    log-probabilities within the comparison's tolerance, with both compiled pieces that hold projections, and the
+    unrolled form run by the compiled step's projections (counted by the step; never uncompiled)."""
+    from rollout_lib.backends import compact_qwen3
+
+    # counted by the step itself, an in-place add that the compiled piece runs at every call (a Python list
+    # would put its length in dynamo's guards)
+    calls, per_mode = torch.zeros(1, dtype=torch.long), {}
+    unrolled = compact_qwen3._unrolled_expand
+
+    def counted(xa, lora_b):
+        calls[0] += 1
+        return unrolled(xa, lora_b)
+
+    def take_count(mode):
+        per_mode[mode] = calls.tolist()
+        calls.zero_()
+
+    monkeypatch.setattr(compact_qwen3, "_unrolled_expand", counted)
+    results = _uncompiled_and_compiled(smoke_study, snapshot_cache, outputs, {"LORA_EXPAND": "unrolled"},
+                                       (compact_qwen3.CompactQwen3._before_attention,
+                                        compact_qwen3.CompactQwen3._after_attention), after_mode=take_count)
+    # uncompiled the B product is a GEMM (never unrolled); compiled, each layer's four projections unroll it
+    assert per_mode["off"][0] == 0 and per_mode["inductor"][0] > 0 and per_mode["inductor"][0] % 4 == 0, per_mode
     for cell in CELLS:
         default = outputs[("float32", "graphs")]["runs"][cell]
         assert_same_results(results["off"][cell], default, tolerance=1e-12)

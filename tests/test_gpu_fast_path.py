@@ -73,6 +73,35 @@ def test_a_gemm_split_over_k_reads_the_weight_in_place():
     assert ((one.reshape(4, 1072).double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
 
 
+def test_an_unrolled_lora_expand_compiles_to_pointwise_kernels_only():
+    """LORA_EXPAND "unrolled" compiled by inductor on the GPU at gate_up's shape (16 rows, 6,144 outputs, rank 16,
+    the shrink's float32 xa given): no reduction kernel (inductor names those triton_per_ / triton_red_), so no
+    launch configuration is picked by benchmarking; the reduction form of the same term compiles to one."""
+    from rollout_lib.backends.compact_qwen3 import _unrolled_expand
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    xa = torch.randn(16, 1, 16, device="cuda", generator=gen)
+    lora_b = torch.randn(6144, 16, device="cuda", generator=gen) * 0.01
+    base = torch.randn(16, 1, 6144, device="cuda", generator=gen).to(torch.bfloat16)
+    forms = {"unrolled": lambda xa, b, base: (base.float() + _unrolled_expand(xa, b) * 2.0).to(torch.bfloat16),
+             "reductions": lambda xa, b, base: (base.float() + (xa[..., None, :] * b).sum(-1) * 2.0).to(torch.bfloat16)}
+    kernels, results = {}, {}
+    for name, form in forms.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(form, fullgraph=True)
+        compiled(xa, lora_b, base)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            results[name] = compiled(xa, lora_b, base)
+            torch.cuda.synchronize()
+        kernels[name] = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels["unrolled"] and all(k.startswith("triton_poi") for k in kernels["unrolled"]), kernels
+    assert any(k.startswith(("triton_per", "triton_red")) for k in kernels["reductions"]), kernels
+    exact = base.double() + 2.0 * (xa.double() @ lora_b.double().t())
+    for got in results.values():
+        assert ((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
+
+
 @pytest.fixture(scope="module")
 def study():
     from rollout_lib.study.prereg import load
@@ -162,7 +191,8 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
         backend.teardown()
 
 
-@pytest.mark.parametrize("settings", [{"LORA_EXPAND": "gemm"}, {"ATTENTION_BACKEND": "efficient"},
+@pytest.mark.parametrize("settings", [{"LORA_EXPAND": "gemm"}, {"LORA_EXPAND": "unrolled"},
+                                      {"ATTENTION_BACKEND": "efficient"},
                                       {"ATTENTION_BACKEND": "flex"}, {"ATTENTION_BACKEND": "fa3"},
                                       {"PREFILL": "shared_prompts"}, {"PREFILL_STEP": "compiled_graph"},
                                       {"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"},

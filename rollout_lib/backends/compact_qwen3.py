@@ -70,7 +70,7 @@ def lora_add_mode(value: str | None) -> str:
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
                   scaling: float, lora_as_reductions: bool = False, lora_add: str = "float32_once",
-                  expand_as_gemm: bool = False, split_k: int = 1) -> torch.Tensor:
+                  expand: str = "reductions", split_k: int = 1) -> torch.Tensor:
     """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft's plain
     `lora.Linear` does over the bf16 mirror: the eager path). The NF4 oracle's `lora.Linear4bit` rounds
     the low-rank term to bf16 first and adds in bf16 (two roundings): a bf16-only difference that the
@@ -82,9 +82,10 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     multiply-and-sum, which inductor turns into reduction kernels fused with their neighbours (the
     B product with the add-and-round epilogue) instead of two tiny float32 GEMMs with split-K
     reductions; still float32 throughout. Eagerly it would materialize [.., out, r] products.
-    `expand_as_gemm` (LORA_EXPAND "gemm", issue 43 candidate): the B product stays a float32 GEMM even
-    under inductor (K is the rank, so no split-K: one kernel that reads B once, where the reduction
-    reads it once per row).
+    `expand` (LORA_EXPAND, issue 43 candidates; only under inductor, with `lora_as_reductions`): "gemm", the B
+    product stays a float32 GEMM (K is the rank, so no split-K: one kernel that reads B once, where the
+    reduction reads it once per row); "unrolled", `_unrolled_expand`: the rank's products added one by one,
+    pointwise, so inductor has no reduction to launch-configure.
     `split_k` > 1 (GEMM_SPLIT_K, issue 43 candidate): the base GEMM as `_split_k_product`, rounded once to the
     compute dtype as `linear` rounds its float32 accumulation."""
     import torch
@@ -102,11 +103,30 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
         base = base_product(x, weight)
         xa = (x.float()[..., None, :] * lora_a).sum(-1) if lora_as_reductions else torch.nn.functional.linear(
             x.float(), lora_a)
-    low = ((xa[..., None, :] * lora_b).sum(-1) if lora_as_reductions and not expand_as_gemm
-           else torch.nn.functional.linear(xa, lora_b))
+    if lora_as_reductions and expand == "unrolled":
+        low = _unrolled_expand(xa, lora_b)
+    elif lora_as_reductions and expand == "reductions":
+        low = (xa[..., None, :] * lora_b).sum(-1)
+    else:
+        low = torch.nn.functional.linear(xa, lora_b)
     if lora_add == "bf16_like_nf4_oracle":
         return base + (low * scaling).to(base.dtype)
     return (base.float() + low * scaling).to(base.dtype)
+
+
+def _unrolled_expand(xa: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """xa @ B^T for B [out, rank] as sum_r xa[..., r] * B[:, r], added in the order r = 0, 1, ..., rank - 1: float32
+    products and adds, the same terms as the reduction's in a fixed order (the reduction's tree depends on the
+    launch configuration). Under inductor these are pointwise operations, fused with the add-and-round epilogue
+    into one kernel with no reduction. Why (lease 28's traces): inductor benchmarks each reduction's launch
+    configurations when a piece first runs, and for these 2-10 us kernels its pick varies between compilations
+    of the same source (one kernel 1.5 us with one pick, 10.9 us with another; a layer's four 12.7-27.4 us at
+    16 rows), so every compilation drew a different step time. Eagerly it materializes rank intermediates: for
+    compiled pieces only."""
+    low = xa[..., 0:1] * lora_b[:, 0]
+    for r in range(1, lora_b.shape[1]):
+        low = low + xa[..., r:r + 1] * lora_b[:, r]
+    return low
 
 
 def _attention_kernel(backend: str):
@@ -326,6 +346,10 @@ class Layer:
 # - LORA_EXPAND "reductions" (the default): the LoRA B product an inductor reduction, which reads B once
 #   per row (112 kernels, 0.43 ms of a 16-row step with the shrink in the GEMM, lease 23); "gemm" (issue
 #   43 candidate): a float32 GEMM (`linear`), K = rank. The probe's `+expandgemm`.
+#   "unrolled" (issue 43 candidate): the rank's products added one by one in a fixed order, pointwise
+#   (`_unrolled_expand`), so the B product has no reduction whose launch configuration inductor picks by
+#   benchmarking at first run (lease 28: that pick moved a 16-row step by up to ~0.4 ms between compilations
+#   of the same source). The probe's `+unrollexpand`.
 # - ATTENTION_BACKEND "auto" (the default): SDPA picks its kernel (cuDNN's on the H200, ~11 us a layer
 #   at 16 rows); "efficient" or "cudnn": that SDPA backend only (`torch.nn.attention.sdpa_kernel`), to
 #   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`); "flex":
@@ -392,7 +416,7 @@ STEP_SHAPES_ALLOWED = ("per_rows", "dynamic")
 CACHE_WRITE_ALLOWED = ("outside", "inside")
 LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
 LORA_EXPAND = "reductions"
-LORA_EXPAND_ALLOWED = ("reductions", "gemm")
+LORA_EXPAND_ALLOWED = ("reductions", "gemm", "unrolled")
 ATTENTION_BACKEND = "auto"
 ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3")
 PREFILL = "per_row"
@@ -853,7 +877,7 @@ class CompactQwen3:
         compiled piece: inductor stores them from the kernel that computes them) and returned as None."""
         batch, length, _ = h.shape
         qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused,
-                            self.lora_add, expand_as_gemm=self.lora_expand == "gemm",
+                            self.lora_add, expand=self.lora_expand,
                             split_k=self._splits(weight, length))
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
@@ -884,13 +908,13 @@ class CompactQwen3:
         # reshape, not view: SDPA's float32 kernels return [B, kv, G*L, D] laid out as [B, G*L, kv, D],
         # which cannot be viewed as the query heads (a copy, fused by inductor; a view when contiguous)
         attn = attn.reshape(batch, self.heads, length, self.head_dim).transpose(1, 2)
-        add, gemm = self.lora_add, self.lora_expand == "gemm"
+        add, expand = self.lora_add, self.lora_expand
         h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add,
-                              expand_as_gemm=gemm, split_k=self._splits(o[0], length))
+                              expand=expand, split_k=self._splits(o[0], length))
         gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused, add,
-                                 expand_as_gemm=gemm, split_k=self._splits(gate_up[0], length)).chunk(2, dim=-1)
+                                 expand=expand, split_k=self._splits(gate_up[0], length)).chunk(2, dim=-1)
         return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add,
-                                 expand_as_gemm=gemm, split_k=self._splits(down[0], length))
+                                 expand=expand, split_k=self._splits(down[0], length))
 
     def _between_layers(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor, o: tuple,
                         gate_up: tuple, down: tuple, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
