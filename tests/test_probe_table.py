@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tools.lab.probe_table import main, probe_rows, render, render_time
+from tools.lab.probe_table import main, probe_rows, render, render_launches, render_time
 
 LAYERS = 28
 
@@ -105,3 +105,23 @@ def test_the_time_table_sums_each_category_per_step(folder, capsys):
     assert main([str(folder)]) == 0
     assert "GPU time per decode step by kernel category, ms (from the traces):" in capsys.readouterr().out
     assert render_time([r for r in rows if r.get("cell") is None]) == ""
+
+
+def test_the_launches_table_lists_each_traced_row_s_reductions(tmp_path, capsys):
+    """`--launches`: per traced row, inductor's reductions in all (us per step) and the longest by launch shape."""
+    events, ts = [], 0.0
+    for _ in range(2):
+        for _ in range(LAYERS):
+            events.append({"ph": "X", "cat": "kernel", "name": "triton_per_fused_add_mul_select_slice_sum_0", "ts": ts,
+                           "dur": 2.0, "args": {"grid": [12288, 1, 1], "block": [64, 1, 1]}})
+            events.append({"ph": "X", "cat": "kernel", "name": "cudnn_sdpa", "ts": ts + 3, "dur": 5.0})
+            ts += 9.0
+    with gzip.open(tmp_path / "trace-inductor+shrinkgemm-p128-r64-n1-greedy-20ms.json.gz", "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    (tmp_path / "probe.json").write_text(json.dumps({"cells": ["p128-r64-n1-greedy"], "inductor+shrinkgemm": {
+        "cells": {"p128-r64-n1-greedy": {"ms_per_decode_step": ts / 2 / 1000, "tokens_per_s": 1.0}}}}))
+    table = render_launches(probe_rows(tmp_path))
+    assert "| inductor+shrinkgemm | p128-r64-n1-greedy | 56.0 | 12288 / 64, 2.00 |" in table
+    assert main([str(tmp_path), "--launches"]) == 0
+    assert "launch shapes picked at first run" in capsys.readouterr().out
+    assert main([str(tmp_path)]) == 0 and "launch shapes" not in capsys.readouterr().out

@@ -108,3 +108,24 @@ def test_refusals_name_the_problem(tmp_path):
         breakdown([_kernel("nvjet_x", 0, 1)])
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json"), "--layers", "0"])
+
+
+def test_inductor_reductions_are_listed_by_launch_shape():
+    """The same reduction kernel launched with two grids (two compilations' picks) is two rows, each with its
+    calls per step and mean duration; kernels that are not inductor reductions are not listed."""
+    events, t = [], 0.0
+    for _step in range(2):
+        for grid, block, dur in (([512, 1, 1], [128, 1, 1], 1.5), ([16384, 1, 1], [64, 1, 1], 10.9)):
+            events.append(dict(_kernel("triton_per_fused_add_mul_select_slice_sum_0", t, dur),
+                               args={"grid": grid, "block": block}))
+            t += dur + 1
+        events.append(dict(_kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", t, 20),
+                           args={"grid": [8, 1, 1], "block": [128, 1, 1]}))
+        t += 21
+    result = breakdown(events, layers=1)
+    assert result["reduction_launches"] == [
+        {"name": "triton_per_fused_add_mul_select_slice_sum_0", "grid": [16384, 1, 1], "block": [64, 1, 1],
+         "calls_per_step": 1.0, "us_per_call": 10.9, "us_per_step": 10.9},
+        {"name": "triton_per_fused_add_mul_select_slice_sum_0", "grid": [512, 1, 1], "block": [128, 1, 1],
+         "calls_per_step": 1.0, "us_per_call": 1.5, "us_per_step": 1.5}]
+    assert breakdown(_two_steps_of_two_layers(), layers=2)["reduction_launches"][0]["grid"] == []  # no args: unknown

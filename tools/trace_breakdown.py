@@ -22,6 +22,10 @@ The step count is `--steps`, or the attention kernels divided by `--layers` (one
 layer per step); a window that cuts a step at either end makes that a fraction, reported as is.
 Categories are name heuristics: the kernel names themselves are in the JSON (top 40 by time) to check
 them against.
+Also, per inductor reduction kernel (`triton_per_*`, `triton_red_*`) and launch shape (the trace's `grid` and
+`block`), its calls per step and mean duration: the launch configuration inductor picked for it when the
+compiled piece first ran (lease 28: the same kernel source drew different picks in different compilations,
+1.5 us against 10.9 us for one kernel), so two traces' reductions can be told apart by pick, not only by time.
 """
 from __future__ import annotations
 
@@ -75,6 +79,24 @@ def category(name: str, cat: str) -> str:
     return "other"
 
 
+REDUCTION_PREFIXES = ("triton_per_", "triton_red_")
+
+
+def reduction_launches(kernels: list[dict[str, Any]], steps: float) -> list[dict[str, Any]]:
+    """Inductor's reduction kernels by (name, grid, block): calls per step and mean us per call, by time."""
+    launches: dict[tuple, list[float]] = defaultdict(list)
+    for kernel in kernels:
+        name = kernel.get("name", "")
+        if name.startswith(REDUCTION_PREFIXES):
+            args = kernel.get("args") or {}
+            shape = tuple(tuple(args.get(key) or ()) for key in ("grid", "block"))
+            launches[(name, *shape)].append(float(kernel.get("dur", 0)))
+    rows = [{"name": name, "grid": list(grid), "block": list(block), "calls_per_step": round(len(d) / steps, 2),
+             "us_per_call": round(sum(d) / len(d), 2), "us_per_step": round(sum(d) / steps, 2)}
+            for (name, grid, block), d in launches.items()]
+    return sorted(rows, key=lambda row: -row["us_per_step"])
+
+
 def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | None = None) -> dict[str, Any]:
     """Per-step figures of the GPU work in `events` (see the module docstring)."""
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset",
@@ -117,7 +139,7 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
             "gaps_before_attention_us_per_step": round(gaps_before_attention_us / steps, 1),
             "host_waits_us_per_step": round(host_waits_us / steps, 1),
             "busy_share_of_span": round(busy_us / span_us, 4) if span_us else None,
-            "categories": per_step,
+            "categories": per_step, "reduction_launches": reduction_launches(kernels, steps),
             "top_kernels": [{"name": name, "count": int(v["count"]), "us_total": round(v["us"], 1)} for name, v in top]}
 
 
@@ -130,6 +152,12 @@ def render(result: dict[str, Any]) -> str:
              f"{'category':<22}{'kernels/step':>14}{'us/step':>10}{'share':>8}"]
     for label, row in result["categories"].items():
         lines.append(f"{label:<22}{row['kernels']:>14}{row['us']:>10}{100 * row['share_of_busy']:>7.1f}%")
+    if result.get("reduction_launches"):
+        lines.append("inductor reductions by launch shape (the configuration picked at first run):")
+        lines.append(f"{'grid':>12}{'block':>10}{'calls/step':>12}{'us/call':>9}{'us/step':>9}  kernel")
+        for row in result["reduction_launches"]:
+            lines.append(f"{'x'.join(map(str, row['grid'])) or '?':>12}{'x'.join(map(str, row['block'])) or '?':>10}"
+                         f"{row['calls_per_step']:>12}{row['us_per_call']:>9}{row['us_per_step']:>9}  {row['name']}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,10 @@ split-KV with a combine kernel) is counted by the span instead, and its row says
 tables per folder: the speed of each variant against the baseline, then where a decode step's GPU time goes
 (ms per step by kernel category: GEMMs, float32 GEMMs, LoRA reductions, attention, norms, sampling, the rest,
 the gaps, the part of them just before attention kernels and the part that is the GPU waiting for the host;
-`tools/trace_breakdown.py` says how kernels are sorted). `--json` also writes the rows.
+`tools/trace_breakdown.py` says how kernels are sorted). `--launches` adds a third table: per traced row,
+inductor's reduction kernels (us per step in all) and the launch shapes of the four that took longest, so a
+delta can be checked against the draw of launch configurations each compilation makes (docs/perf-notes.md,
+lease 28). `--json` also writes the rows.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ def _trace_figures(path: Path, ms_per_step: float | None) -> dict[str, Any]:
             "gaps_ms_per_step": result["gaps_us_per_step"] / 1000, "steps_in_window": result["steps"],
             "gaps_before_attention_ms_per_step": result["gaps_before_attention_us_per_step"] / 1000,
             "host_waits_ms_per_step": result["host_waits_us_per_step"] / 1000,
-            "steps_from": result["steps_from"],
+            "steps_from": result["steps_from"], "reduction_launches": result.get("reduction_launches", []),
             "ms_per_step_by_category": {label: round(row["us"] / 1000, 4)
                                         for label, row in result["categories"].items()}}
 
@@ -160,12 +163,29 @@ def render_time(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def render_launches(rows: list[dict[str, Any]], top: int = 4) -> str:
+    """Per traced row: inductor's reductions, us per step in all, and the `top` longest as grid/block: us per call."""
+    lines = ["| variant | cell | reductions us/step | longest: grid / block, us per call |", "|---|---|---|---|"]
+    for row in rows:
+        launches = row.get("reduction_launches")
+        if not launches:
+            continue
+        total = sum(launch["us_per_step"] for launch in launches)
+        picks = "; ".join(f"{launch['grid'][0] if launch['grid'] else '?'} / "
+                          f"{launch['block'][0] if launch['block'] else '?'}, {launch['us_per_call']:.2f}"
+                          for launch in launches[:top])
+        lines.append(f"| {row['variant']} | {row['cell']} | {total:.1f} | {picks} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path, help="folders holding a probe.json (and its traces)")
     parser.add_argument("--baseline", default=None, help="the variant to compare against (default: each "
                                                          "folder's first)")
     parser.add_argument("--json", type=Path, default=None, help="also write every row as JSON here")
+    parser.add_argument("--launches", action="store_true",
+                        help="also print the inductor reductions' launch shapes per traced row")
     args = parser.parse_args(argv)
     all_rows = []
     try:
@@ -175,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             time_table = render_time(rows)
             if time_table:
                 print(f"GPU time per decode step by kernel category, ms (from the traces):\n{time_table}\n")
+            launches = render_launches(rows) if args.launches else ""
+            if launches:
+                print("Inductor's reduction kernels, launch shapes picked at first run (from the traces):\n"
+                      f"{launches}\n")
             all_rows += rows
     except ValueError as exc:
         parser.error(str(exc))
