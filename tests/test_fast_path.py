@@ -1040,6 +1040,26 @@ def test_the_unrolled_lora_expand_keeps_the_engine_s_tokens(smoke_study, snapsho
         assert_same_results(results["inductor"][cell], default)
 
 
+def test_autotune_rows_largest_captures_the_largest_row_count_first(smoke_study, snapshot_cache, outputs):
+    """AUTOTUNE_ROWS "largest": the cold start captures the buckets of the largest row count first (so inductor's
+    first run of each compiled kernel, where it picks the launch configuration kept for every row count, is at
+    that row count); the default keeps the study's order. The same buckets either way, the same tokens."""
+    workload, spec = Workload(smoke_study), smoke_study.workload
+    rows = [spec.logical_prompts * n for n in spec.samples_per_prompt]
+    assert rows[0] < max(rows), "the smoke study lists its smallest row count first"
+    orders = {}
+    for engine in ({}, {"AUTOTUNE_ROWS": "largest"}):
+        with synced_engine(smoke_study, snapshot_cache, outputs, engine=engine) as backend:
+            orders[bool(engine)] = [key[0] for key in backend.buckets.buckets]
+            assert backend.environment().get("autotune_rows") == engine.get("AUTOTUNE_ROWS")
+            if engine:
+                for cell in CELLS:
+                    assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results,
+                                        outputs[("float32", "graphs")]["runs"][cell], tolerance=1e-12)
+    assert orders[False][0] == rows[0] and orders[True][0] == max(rows)
+    assert sorted(orders[False]) == sorted(orders[True])
+
+
 def test_shared_prompts_in_the_compiled_prefill_graph(smoke_study, snapshot_cache, outputs):
     """Both prefill candidates together: the compiled prefill runs on the distinct prompts only and copies their
     k/v and logits to every row inside the same function (the captured graph on CUDA), each row's spread given

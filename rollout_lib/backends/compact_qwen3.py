@@ -408,6 +408,13 @@ class Layer:
 #   `gemm_splits`: "auto" per projection from the GPU's SM count). Decode steps only (one position per row);
 #   the prefill and the LM head keep their GEMMs. The probe's `+splitk` ("auto"), `+splitk2`, `+splitk4`,
 #   `+splitk8`.
+# - AUTOTUNE_ROWS "first_bucket" (the default): inductor benchmarks each compiled kernel's launch configurations
+#   when the kernel first runs and keeps one pick for every row count (STEP_SHAPES "dynamic": one compilation), so
+#   the picks are made at the first bucket the cold start captures: the study's first samples_per_prompt (4 rows in
+#   h200-v2), where the configurations nearly tie; "largest" (issue 43 candidate): the cold start captures the
+#   largest row count's buckets first, so the picks are made where they differ most (lease 28's traces: one LoRA
+#   expand reduction 1.5 us against 10.9 us by pick at 16 rows, 1.4 against 3.4 us at 4). The probe's
+#   `+tunelargest`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -435,6 +442,8 @@ STEP_EDGES = "eager"
 STEP_EDGES_ALLOWED = ("eager", "compiled")
 GEMM_SPLIT_K = "off"
 GEMM_SPLIT_K_ALLOWED = ("off", "auto", "2", "4", "8")
+AUTOTUNE_ROWS = "first_bucket"
+AUTOTUNE_ROWS_ALLOWED = ("first_bucket", "largest")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -455,7 +464,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "ATTENTION_BACKEND": ATTENTION_BACKEND_ALLOWED, "PREFILL": PREFILL_ALLOWED,
                    "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED,
                    "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED, "READBACK": READBACK_ALLOWED,
-                   "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED}
+                   "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED,
+                   "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -593,6 +603,7 @@ class CompactQwen3:
         self.readback = setting("READBACK")
         self.step_edges = setting("STEP_EDGES")
         self.gemm_split_k = setting("GEMM_SPLIT_K")
+        self.autotune_rows = setting("AUTOTUNE_ROWS")  # read by the backend's cold start (the capture order)
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)
         for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():

@@ -97,8 +97,12 @@ class HFCachedBackend(HFBackendBase):
         work = self.study.workload
         lengths = [bucket_length(p, r) for p in work.prompt_tokens for r in work.response_tokens]
         self.buckets = BucketSet(self.engine, max(lengths), use_graphs=self.device.type == "cuda")
-        # every measured shape is captured now (cold start), never inside a measured repetition
-        for n in work.samples_per_prompt:
+        # every measured shape is captured now (cold start), never inside a measured repetition; with
+        # AUTOTUNE_ROWS "largest" the largest row count first, where inductor's first-run picks are made
+        samples = work.samples_per_prompt
+        if self.engine.autotune_rows == "largest":
+            samples = sorted(samples, reverse=True)
+        for n in samples:
             for length in sorted(set(lengths)):
                 self.buckets.get(work.logical_prompts * n, length)
         # a sync's one-time costs are paid now, not by the first policy version (lease 4: 91 ms against
@@ -203,7 +207,7 @@ class HFCachedBackend(HFBackendBase):
                           ("lora_shrink", "reductions"), ("lora_expand", "reductions"), ("attention_backend", "auto"),
                           ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"),
                           ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"),
-                          ("step_edges", "eager"), ("gemm_split_k", "off"))
+                          ("step_edges", "eager"), ("gemm_split_k", "off"), ("autotune_rows", "first_bucket"))
                          if getattr(self.engine, key) != default},
                       **({"gemm_splits": self.engine.gemm_split_plan()} if self.engine.gemm_split_k != "off" else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
