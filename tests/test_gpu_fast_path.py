@@ -191,8 +191,8 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
         backend.teardown()
 
 
-@pytest.mark.parametrize("settings", [{"LORA_EXPAND": "gemm"}, {"LORA_EXPAND": "unrolled"}, {"AUTOTUNE_ROWS": "largest"},
-                                      {"ATTENTION_BACKEND": "efficient"},
+@pytest.mark.parametrize("settings", [{"LORA_EXPAND": "gemm"}, {"LORA_EXPAND": "unrolled"},
+                                      {"AUTOTUNE_ROWS": "largest"}, {"ATTENTION_BACKEND": "efficient"},
                                       {"ATTENTION_BACKEND": "flex"}, {"ATTENTION_BACKEND": "fa3"},
                                       {"PREFILL": "shared_prompts"}, {"PREFILL_STEP": "compiled_graph"},
                                       {"PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"},
