@@ -602,8 +602,7 @@ def test_an_engine_with_its_gemms_split_over_k_is_the_same_step(smoke_study, sna
     default engine's and the log-probabilities agree to float32 rounding (the same sums in another order)."""
     from rollout_lib.backends import compact_qwen3
 
-    # split GEMMs run [decode, prefill, not 4 slices]: counted by the step itself (an in-place add, which the
-    # compiled piece runs at every call too; a Python list would put its length in dynamo's guards)
+    # split GEMMs run [decode, prefill, not 4 slices], counted by the step itself (see _counting_run)
     calls = torch.zeros(3, dtype=torch.long)
     split_k_product = compact_qwen3._split_k_product
 
@@ -613,16 +612,8 @@ def test_an_engine_with_its_gemms_split_over_k_is_the_same_step(smoke_study, sna
             calls[2] += 1
         return split_k_product(x, weight, splits)
 
-    per_mode = {}
-
-    def take_count(mode):
-        per_mode[mode] = calls.tolist()
-        calls.zero_()
-
-    monkeypatch.setattr(compact_qwen3, "_split_k_product", counted)
-    results = _uncompiled_and_compiled(smoke_study, snapshot_cache, outputs, {"GEMM_SPLIT_K": "4"},
-                                       (compact_qwen3.CompactQwen3._before_attention,
-                                        compact_qwen3.CompactQwen3._after_attention), after_mode=take_count)
+    results, per_mode = _counting_run(smoke_study, snapshot_cache, outputs, monkeypatch, "_split_k_product", counted,
+                                      calls, {"GEMM_SPLIT_K": "4"})
     with synced_engine(smoke_study, snapshot_cache, outputs, engine={"GEMM_SPLIT_K": "4"}) as backend:
         assert backend.environment()["gemm_splits"] == {"qkv": 4, "o": 4, "gate_up": 4, "down": 4}
     decode_calls = per_mode["off"][0]
@@ -993,6 +984,27 @@ def _uncompiled_and_compiled(study, cache_dir, outputs, engine: dict[str, str], 
     return results
 
 
+def _counting_run(study, cache_dir, outputs, monkeypatch, attribute: str, counted, calls: torch.Tensor,
+                  engine: dict[str, str]) -> tuple[dict[str, dict], dict[str, list[int]]]:
+    """`_uncompiled_and_compiled` over both pieces that hold projections, with compact_qwen3.<attribute> replaced
+    by `counted`, which adds to the tensor `calls` (the step counts itself: an in-place add that the compiled piece
+    runs at every call too; a Python list would put its length in dynamo's guards). Returns the results and each
+    mode's counts."""
+    from rollout_lib.backends import compact_qwen3
+
+    per_mode = {}
+
+    def take_count(mode):
+        per_mode[mode] = calls.tolist()
+        calls.zero_()
+
+    monkeypatch.setattr(compact_qwen3, attribute, counted)
+    results = _uncompiled_and_compiled(study, cache_dir, outputs, engine,
+                                       (compact_qwen3.CompactQwen3._before_attention,
+                                        compact_qwen3.CompactQwen3._after_attention), after_mode=take_count)
+    return results, per_mode
+
+
 def test_one_piece_across_layers_is_the_same_step(smoke_study, snapshot_cache, outputs):
     """Issue 43 candidate (STEP_PIECES "across_layers": a layer's MLP and residual with the next layer's norm,
     projections and rotary in one compiled piece, so the residual add and the RMSNorm fuse). Uncompiled it is
@@ -1015,23 +1027,15 @@ def test_the_unrolled_lora_expand_keeps_the_engine_s_tokens(smoke_study, snapsho
     unrolled form run by the compiled step's projections (counted by the step; never uncompiled)."""
     from rollout_lib.backends import compact_qwen3
 
-    # counted by the step itself, an in-place add that the compiled piece runs at every call (a Python list
-    # would put its length in dynamo's guards)
-    calls, per_mode = torch.zeros(1, dtype=torch.long), {}
+    calls = torch.zeros(1, dtype=torch.long)  # see _counting_run
     unrolled = compact_qwen3._unrolled_expand
 
     def counted(xa, lora_b):
         calls[0] += 1
         return unrolled(xa, lora_b)
 
-    def take_count(mode):
-        per_mode[mode] = calls.tolist()
-        calls.zero_()
-
-    monkeypatch.setattr(compact_qwen3, "_unrolled_expand", counted)
-    results = _uncompiled_and_compiled(smoke_study, snapshot_cache, outputs, {"LORA_EXPAND": "unrolled"},
-                                       (compact_qwen3.CompactQwen3._before_attention,
-                                        compact_qwen3.CompactQwen3._after_attention), after_mode=take_count)
+    results, per_mode = _counting_run(smoke_study, snapshot_cache, outputs, monkeypatch, "_unrolled_expand", counted,
+                                      calls, {"LORA_EXPAND": "unrolled"})
     # uncompiled the B product is a GEMM (never unrolled); compiled, each layer's four projections unroll it
     assert per_mode["off"][0] == 0 and per_mode["inductor"][0] > 0 and per_mode["inductor"][0] % 4 == 0, per_mode
     for cell in CELLS:
