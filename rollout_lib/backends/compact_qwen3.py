@@ -116,13 +116,13 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
 
 def _unrolled_expand(xa: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
     """xa @ B^T for B [out, rank] as sum_r xa[..., r] * B[:, r], added in the order r = 0, 1, ..., rank - 1: float32
-    products and adds, the same terms as the reduction's in a fixed order (the reduction's tree depends on the
-    launch configuration). Under inductor these are pointwise operations, fused with the add-and-round epilogue
-    into one kernel with no reduction. Why (lease 28's traces): inductor benchmarks each reduction's launch
-    configurations when a piece first runs, and for these 2-10 us kernels its pick varies between compilations
-    of the same source (one kernel 1.5 us with one pick, 10.9 us with another; a layer's four 12.7-27.4 us at
-    16 rows), so every compilation drew a different step time. Eagerly it materializes rank intermediates: for
-    compiled pieces only."""
+    products and adds, the same terms as the reduction's in an order fixed here (the reduction's summation order
+    is the generated kernel's). Under inductor these are pointwise operations, fused with the add-and-round
+    epilogue into one kernel with no reduction. Why (lease 28's traces): inductor benchmarks each reduction's
+    launch configurations when a piece first runs, and for these 2-10 us kernels its pick varies between
+    compilations of the same source (one kernel 1.5 us with one pick, 10.9 us with another; a layer's four
+    12.7-27.4 us at 16 rows), so every compilation drew a different step time. Eagerly it materializes rank
+    intermediates: for compiled pieces only."""
     low = xa[..., 0:1] * lora_b[:, 0]
     for r in range(1, lora_b.shape[1]):
         low = low + xa[..., r:r + 1] * lora_b[:, r]
