@@ -123,10 +123,16 @@ def _unrolled_expand(xa: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
     compilations of the same source (one kernel 1.5 us with one pick, 10.9 us with another; a layer's four
     12.7-27.4 us at 16 rows), so every compilation drew a different step time. Eagerly it materializes rank
     intermediates: for compiled pieces only."""
-    low = xa[..., 0:1] * lora_b[:, 0]
-    for r in range(1, lora_b.shape[1]):
-        low = low + xa[..., r:r + 1] * lora_b[:, r]
-    return low
+    return _sum_in_order([xa[..., r:r + 1] * lora_b[:, r] for r in range(lora_b.shape[1])])
+
+
+def _sum_in_order(terms: list[torch.Tensor]) -> torch.Tensor:
+    """((t0 + t1) + t2) + ...: float32 partial results added in a fixed order, as pointwise adds (no reduction
+    kernel under inductor): the split shrink's three parts, the split-K slices, the unrolled expand's terms."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 def _attention_kernel(backend: str):
@@ -258,7 +264,7 @@ def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_
     both = _split_k_product(rows, weight_cat, split_k) if split_k > 1 else mm_float32(rows, weight_cat.t())
     base = both[:, :out_rows].to(x.dtype).reshape(*x.shape[:-1], out_rows)
     parts = both[:, out_rows:].reshape(-1, 3, low_rows)
-    return base, ((parts[:, 0] + parts[:, 1]) + parts[:, 2]).reshape(*x.shape[:-1], low_rows)
+    return base, _sum_in_order([parts[:, 0], parts[:, 1], parts[:, 2]]).reshape(*x.shape[:-1], low_rows)
 
 
 def _split_k_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -274,10 +280,7 @@ def _split_k_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
     part = in_features // splits
     partials = bmm_float32(rows.view(rows.shape[0], splits, part).transpose(0, 1),
                            weight.view(out_features, splits, part).permute(1, 2, 0))
-    total = partials[0]
-    for index in range(1, splits):
-        total = total + partials[index]
-    return total.reshape(*x.shape[:-1], out_features)
+    return _sum_in_order([partials[index] for index in range(splits)]).reshape(*x.shape[:-1], out_features)
 
 
 # GEMM_SPLIT_K "auto" (see the setting's note below): the output features per thread block of cuBLAS's kernels
