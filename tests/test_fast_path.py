@@ -1064,6 +1064,26 @@ def test_autotune_rows_largest_captures_the_largest_row_count_first(smoke_study,
     assert sorted(orders[False]) == sorted(orders[True])
 
 
+def test_combo_kernels_reach_inductor_for_this_engine_only(smoke_study, snapshot_cache, outputs):
+    """COMBO_KERNELS "on" (issue 43; lease 30's `+combo` gained in every probed cell): this engine's compilations get
+    inductor's `combo_kernels` and its environment says so; the module's options stay empty for other engines, a
+    value outside the allowed ones is refused by name; float32 tokens are the default engine's."""
+    from rollout_lib.backends import compact_qwen3
+
+    workload = Workload(smoke_study)
+    torch._dynamo.reset()
+    with synced_engine(smoke_study, snapshot_cache, outputs, step_compile="inductor",
+                       engine={"COMBO_KERNELS": "on"}) as backend:
+        env = backend.environment()
+        assert env["combo_kernels"] == "on" and env["inductor_options"] == {"combo_kernels": True}
+        assert compact_qwen3.INDUCTOR_OPTIONS == {}
+        for cell in CELLS:
+            assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results,
+                                outputs[("float32", "graphs")]["runs"][cell])
+    with pytest.raises(ValueError, match=r"COMBO_KERNELS 'yes' is not allowed; allowed: off, on"):
+        compact_qwen3.check_engine_settings({"COMBO_KERNELS": "yes"})
+
+
 def test_shared_prompts_in_the_compiled_prefill_graph(smoke_study, snapshot_cache, outputs):
     """Both prefill candidates together: the compiled prefill runs on the distinct prompts only and copies their
     k/v and logits to every row inside the same function (the captured graph on CUDA), each row's spread given
@@ -1110,6 +1130,9 @@ def test_the_chunked_sampler_draws_the_same_tokens(vocab):
         exact = exact.gather(-1, got[:, None])[:, 0]
         assert float((got_logp.double() - exact).abs().max()) <= float((want_logp.double() - exact).abs().max()) + 1e-6
         assert float((got_logp - want_logp).abs().max()) < 1e-4
+        width = vocab // chunks  # the chunked noise is the one-pass noise, bit for bit, viewed in chunks
+        assert torch.equal(counter_noise._uniform_in_chunks(seeds, torch.tensor(step), chunks, width),
+                           counter_noise.uniform(seeds, torch.tensor(step), vocab).view(rows, chunks, width))
 
 
 def test_an_engine_with_the_chunked_sampler_samples_as_the_default(smoke_study, snapshot_cache, outputs):

@@ -59,6 +59,30 @@ def test_the_host_waits_between_steps_are_told_from_the_graphs_own_gaps():
     assert result["gaps_us_per_step"] == 2 * 4 + 75 / 2 and result["gaps_before_attention_us_per_step"] == 2 * 4
 
 
+def test_steps_are_counted_by_read_backs_where_attention_takes_two_kernels_a_layer():
+    """FA3 (lease 30) launches a split-KV kernel and its combine per layer: counted by attention kernels, a window
+    of three steps read as six. With a read-back after each step's sampler, the window is cut to the whole steps
+    between the first and the last read-back and counted by them; the window's partial steps at either end are
+    left out."""
+    events, t = [_kernel("triton_poi_partial_step_tail_0", 0.0, 7)], 10.0  # the end of a step cut by the window
+    for _step in range(3):
+        for _layer in range(2):
+            for name, dur in (("nvjet_sm90_tss_64x8", 30), ("void flash::FlashAttnFwdSm90<split>", 12),
+                              ("void flash::FlashAttnFwdCombine<128>", 3)):
+                events.append(_kernel(name, t, dur))
+                t += dur
+        events.append(_kernel("Memcpy DtoH (Device -> Pageable)", t, 2, cat="gpu_memcpy"))
+        t += 2 + 75  # the host's wait for the tokens and the next launch
+    events.append(_kernel("nvjet_sm90_tss_64x8", t, 30))  # the start of a fourth step, cut by the window
+    result = breakdown(events, layers=2)
+    assert result["steps"] == 2 and result["steps_from"].startswith("read-backs")
+    assert result["kernels_per_step"] == 7  # 6 kernels and a read-back a whole step
+    assert result["categories"]["attention"]["kernels"] == 4 and result["categories"]["gemm"]["us"] == 60
+    assert result["host_waits_us_per_step"] == 75
+    assert breakdown(events, layers=2, steps=6)["steps_from"] == "given"
+    assert breakdown([e for e in events if e["cat"] == "kernel"], layers=2)["steps"] == 6.0  # attention / layers
+
+
 def test_categories_follow_the_documented_order():
     assert category("cudnn_generated_fort_native_sdpa_gemm_like", "kernel") == "attention"  # attention first
     assert category("void cublasLt::splitKreduce_kernel<32>", "kernel") == "gemm"

@@ -18,8 +18,11 @@ kernels inside a graph), sorts them by start time and reports, per decode step:
   them), sampling, low-rank reductions (inductor's reductions with `mul` then `sum` in the name, e.g.
   `mul_sum` and the expand's `add_mul_select_slice_sum`: the LoRA shrink/expand at rank 16), KV-cache write
   (index kernels), activation (SiLU), memset/memcpy, other.
-The step count is `--steps`, or the attention kernels divided by `--layers` (one attention call per
-layer per step); a window that cuts a step at either end makes that a fraction, reported as is.
+The step count is `--steps`; else the read-backs: with CUDA graphs each step ends with one device-to-host
+copy of its tokens (`Memcpy DtoH`), so the window is cut to the whole steps between the first and the last
+(lease 30: FA3 launches two kernels a layer, split-KV and its combine, so counting attention kernels gave
+twice the steps); else the attention kernels divided by `--layers` (one attention call per layer per step),
+where a window that cuts a step at either end makes that a fraction, reported as is.
 Categories are name heuristics: the kernel names themselves are in the JSON (top 40 by time) to check
 them against.
 Also, per inductor reduction kernel (`triton_per_*`, `triton_red_*`) and launch shape (the trace's `grid` and
@@ -97,6 +100,21 @@ def reduction_launches(kernels: list[dict[str, Any]], steps: float) -> list[dict
     return sorted(rows, key=lambda row: -row["us_per_step"])
 
 
+def is_readback(event: dict[str, Any]) -> bool:
+    """A step's tokens copied to the host (the graph path's one blocking read-back per decode step)."""
+    return event.get("cat") == "gpu_memcpy" and "dtoh" in str(event.get("name", "")).lower()
+
+
+def whole_steps(kernels: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The events from the first read-back up to the last one (excluded), and how many read-backs the window
+    holds: each whole step as the previous step's read-back, the host's wait and the step's kernels, so the
+    waits between steps are counted once per step. With fewer than two read-backs, all events and that count."""
+    at = [i for i, event in enumerate(kernels) if is_readback(event)]
+    if len(at) < 2:
+        return kernels, len(at)
+    return kernels[at[0]:at[-1]], len(at)
+
+
 def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | None = None) -> dict[str, Any]:
     """Per-step figures of the GPU work in `events` (see the module docstring)."""
     kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset",
@@ -104,6 +122,11 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
                      key=lambda e: (float(e["ts"]), float(e.get("dur", 0))))
     if not kernels:
         raise SystemExit("trace: no GPU kernels in it (a trace without CUDA activity?)")
+    steps_from = "given"
+    if steps is None:
+        kernels, readbacks = whole_steps(kernels)
+        if readbacks >= 2:
+            steps, steps_from = readbacks - 1, "read-backs (whole steps between the first and the last)"
     span_us = max(float(k["ts"]) + float(k.get("dur", 0)) for k in kernels) - float(kernels[0]["ts"])
     busy_us, gaps_us, gaps_before_attention_us, host_waits_us, end = 0.0, 0.0, 0.0, 0.0, None
     per_category: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "us": 0.0})
@@ -123,7 +146,6 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
         per_category[label]["us"] += duration
         per_name[kernel.get("name", "")]["count"] += 1
         per_name[kernel.get("name", "")]["us"] += duration
-    steps_from = "given"
     if steps is None:
         attention_calls = per_category["attention"]["count"] if "attention" in per_category else 0
         if not attention_calls:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 MASK32 = 0xFFFFFFFF
@@ -67,30 +69,59 @@ def vocabulary_chunks(vocab_size: int, most: int = 128) -> int:
 
 
 def sample_chunked(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor | int,
-                   inv_temperature: torch.Tensor, greedy: torch.Tensor,
-                   chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   inv_temperature: torch.Tensor, greedy: torch.Tensor, chunks: int,
+                   in_chunks: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` with every reduction over the vocabulary split into `chunks` pieces, then combined, so a
     compiled step runs B x chunks reduction programs instead of B (one per row: 4-16 of the GPU's 132 SMs,
     ~85 us per step on the H200 for what is ~10 MB of logits). The same noise and the same formulas:
     log p = (z - max) - log(sum exp(z - max)), the race argmax(log p - log E), the first maximum on ties; only
-    the order of the sum differs (float32 rounding of log p)."""
+    the order of the sum differs (float32 rounding of log p).
+    The [rows, vocabulary] logits are viewed as [rows, chunks, width] here, outside `in_chunks` (the compiled
+    `sample_in_chunks`, by default uncompiled): inside a dynamic-shape compilation that view left inductor a
+    split it could not prove (lease 30: `CantSplit: s24 not divisible by s24*((s50//s24))`); a view is free in
+    eager code and in a captured graph."""
+    rows, vocab = logits.shape
+    return (in_chunks or sample_in_chunks)(logits.view(rows, chunks, vocab // chunks), seeds, step,
+                                           inv_temperature, greedy)
+
+
+def sample_in_chunks(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor | int,
+                     inv_temperature: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_chunked` on logits [rows, chunks, width] (vocabulary index = chunk x width + column): no reshape
+    of the vocabulary inside, so a compilation with every size symbolic has nothing to split."""
     import torch
 
-    rows, vocab = logits.shape
-    width = vocab // chunks
-    z = (logits * inv_temperature[:, None]).view(rows, chunks, width)
+    rows, chunks, width = logits.shape
+    z = logits * inv_temperature[:, None, None]
     top = z.amax(dim=-1).amax(dim=-1)  # [B]: the row's max, from per-chunk maxima
     shifted = z - top[:, None, None]
     log_sum = torch.log(torch.exp(shifted).sum(dim=-1).sum(dim=-1))  # [B]
     logp = shifted - log_sum[:, None, None]
-    noise = uniform(seeds, step, vocab).view(rows, chunks, width)
-    race = logp - torch.log(-torch.log(noise))
-    first = torch.arange(chunks, device=logits.device) * width
+    race = logp - torch.log(-torch.log(_uniform_in_chunks(seeds, step, chunks, width)))
 
-    def argmax_of(values: torch.Tensor) -> torch.Tensor:  # [B, S, W] -> [B]: the first maximum's index
+    def argmax_of(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, S, W] -> chunk, column [B, 1]
         best, at = values.max(dim=-1)
         chunk = best.argmax(dim=-1, keepdim=True)
-        return (first[chunk] + at.gather(-1, chunk))[:, 0]
+        return chunk, at.gather(-1, chunk)
 
-    tokens = torch.where(greedy, argmax_of(logits.view(rows, chunks, width)), argmax_of(race))
-    return tokens, logp.view(rows, vocab).gather(-1, tokens[:, None])[:, 0]
+    (greedy_chunk, greedy_at), (race_chunk, race_at) = argmax_of(logits), argmax_of(race)
+    chunk = torch.where(greedy[:, None], greedy_chunk, race_chunk)
+    at = torch.where(greedy[:, None], greedy_at, race_at)
+    chosen = logp.gather(1, chunk[:, :, None].expand(rows, 1, width)).gather(-1, at[:, :, None])
+    return (chunk * width + at)[:, 0], chosen[:, 0, 0]
+
+
+def _uniform_in_chunks(seeds: torch.Tensor, step: torch.Tensor | int, chunks: int, width: int) -> torch.Tensor:
+    """[B, chunks, width] float32: `uniform(seeds, step, chunks * width)` viewed as [B, chunks, width], the same
+    bits (the index built as chunk x width + column instead of viewed; `uniform` itself is h200-v2's measured
+    code and stays as it is)."""
+    import torch
+
+    seed = seeds.to(torch.int64) & MASK32
+    h = mix32(seed ^ STREAM_SALT)
+    h = mix32(h ^ (torch.as_tensor(step, dtype=torch.int64, device=seeds.device) & MASK32))
+    index = (torch.arange(chunks, dtype=torch.int64, device=seeds.device)[:, None] * width
+             + torch.arange(width, dtype=torch.int64, device=seeds.device)[None, :])
+    h = mix32(h[:, None, None] ^ index[None])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))

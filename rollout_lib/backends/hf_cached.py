@@ -207,7 +207,8 @@ class HFCachedBackend(HFBackendBase):
                           ("lora_shrink", "reductions"), ("lora_expand", "reductions"), ("attention_backend", "auto"),
                           ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"),
                           ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"),
-                          ("step_edges", "eager"), ("gemm_split_k", "off"), ("autotune_rows", "first_bucket"))
+                          ("step_edges", "eager"), ("gemm_split_k", "off"), ("autotune_rows", "first_bucket"),
+                          ("combo_kernels", "off"))
                          if getattr(self.engine, key) != default},
                       **({"gemm_splits": self.engine.gemm_split_plan()} if self.engine.gemm_split_k != "off" else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],

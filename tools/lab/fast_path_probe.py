@@ -57,7 +57,7 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "maxat": ("INDUCTOR_OPTIONS", {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON,ATEN"}),
             # inductor's combo kernels: data-independent kernels of one compiled piece (q_norm and k_norm, the
             # LoRA terms of a group, the k/v cache writes) launched as one; at 4 rows a step is ~575 launches
-            "combo": ("INDUCTOR_OPTIONS", {"combo_kernels": True}),
+            "combo": ("COMBO_KERNELS", "on"),
             "kvinside": ("CACHE_WRITE", "inside"),
             "kvoutside": ("CACHE_WRITE", "outside"),
             "shrinkgemm": ("LORA_SHRINK", "in_base_gemm"),

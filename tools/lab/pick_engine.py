@@ -19,7 +19,8 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
 - One value per setting: where two values of one setting are kept (e.g. ATTENTION_BACKEND flex and fa3), the
   larger mean gain wins. A value whose requirement is not kept is dropped (the engine's SETTING_REQUIRES, e.g.
   DECODE_PREFIX shared needs ATTENTION_BACKEND fa3).
-- Inductor options (`+pdl`, `+combo`, `+maxat`, ...) are not engine settings: reported, never chosen.
+- Inductor options (`+pdl`, `+maxat`, `+cdt`, ...) are not engine settings: reported, never chosen (`+combo` is
+  one since lease 30: COMBO_KERNELS).
 Bad input (no probe.json, a folder outside the tree given) is refused in one line before anything is printed.
 """
 from __future__ import annotations

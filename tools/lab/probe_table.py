@@ -49,7 +49,8 @@ def _trace_figures(path: Path, ms_per_step: float | None) -> dict[str, Any]:
     if ms_per_step and ms_per_step > 0:
         span_us = (result["span_us_per_step"] * result["steps"]) if result else _span_us(events)
         span_steps = span_us / (1000 * ms_per_step)
-        if result is None or abs(result["steps"] - span_steps) > STEP_COUNT_TOLERANCE * span_steps:
+        counted = result is not None and str(result["steps_from"]).startswith("read-backs")
+        if not counted and (result is None or abs(result["steps"] - span_steps) > STEP_COUNT_TOLERANCE * span_steps):
             result = breakdown(events, steps=span_steps)
             result["steps_from"] = f"trace span / the probe's ms per step ({why or 'attention count disagreed'})"
     if result is None:
