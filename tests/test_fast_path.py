@@ -1044,6 +1044,60 @@ def test_the_unrolled_lora_expand_keeps_the_engine_s_tokens(smoke_study, snapsho
         assert_same_results(results["inductor"][cell], default)
 
 
+def test_the_unrolled_expand_per_part_is_the_dense_one_bit_for_bit():
+    """LORA_EXPAND "unrolled_parts" (issue 43): a fused projection's block-diagonal B expanded part by part, each
+    part with only its own rank terms, gives `_unrolled_expand`'s float32 result bit for bit (there a part's sum
+    starts with exact zeros and adds exact zeros after its own terms), whatever B's strides (rank-major storage
+    included); a single part is the dense expand itself."""
+    from rollout_lib.backends.compact_qwen3 import _unrolled_expand, _unrolled_expand_parts
+
+    generator = torch.Generator().manual_seed(21)
+    rank, part_out = 16, (24, 8, 8)  # qkv-like: q wider than k and v
+    xa = torch.randn(4, 1, rank * len(part_out), generator=generator)
+    lora_b = torch.zeros(sum(part_out), rank * len(part_out))
+    start = 0
+    for index, rows in enumerate(part_out):  # block-diagonal, as the engine's fused buffers
+        lora_b[start:start + rows, index * rank:(index + 1) * rank] = torch.randn(rows, rank, generator=generator)
+        start += rows
+    dense = _unrolled_expand(xa, lora_b)
+    assert torch.equal(_unrolled_expand_parts(xa, lora_b, part_out), dense)
+    rank_major = lora_b.t().contiguous().t()
+    assert rank_major.stride() == (1, sum(part_out)) and torch.equal(rank_major, lora_b)
+    assert torch.equal(_unrolled_expand_parts(xa, rank_major, part_out), dense)
+    single = torch.randn(40, rank, generator=generator)
+    assert torch.equal(_unrolled_expand_parts(xa[..., :rank], single, (40,)), _unrolled_expand(xa[..., :rank], single))
+
+
+def test_the_unrolled_expand_per_part_keeps_the_engine_s_tokens(smoke_study, snapshot_cache, outputs, monkeypatch):
+    """LORA_EXPAND "unrolled_parts" in the float32 engine: B's stacked buffers are rank-major (same shapes and
+    values, B[:, r] contiguous), a sync still serves the policy under its identity (checked by `synced_engine`),
+    and the compiled step, which runs the per-part expand in each layer's projections (counted), keeps the default
+    engine's tokens and stops, log-probabilities within the comparison's tolerance."""
+    from rollout_lib.backends import compact_qwen3
+
+    workload = Workload(smoke_study)
+    calls = torch.zeros(1, dtype=torch.long)
+    per_part = compact_qwen3._unrolled_expand_parts
+
+    def counted(xa, lora_b, part_out):
+        calls[0] += 1
+        return per_part(xa, lora_b, part_out)
+
+    monkeypatch.setattr(compact_qwen3, "_unrolled_expand_parts", counted)
+    torch._dynamo.reset()
+    with synced_engine(smoke_study, snapshot_cache, outputs, step_compile="inductor",
+                       engine={"LORA_EXPAND": "unrolled_parts"}) as backend:
+        engine = backend.engine
+        for _, stack_b in engine._lora_stacks.values():
+            _, out, columns = stack_b.shape
+            assert stack_b.stride() == (out * columns, 1, out)
+        assert backend.environment()["lora_expand"] == "unrolled_parts"
+        for cell in CELLS:
+            assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results,
+                                outputs[("float32", "graphs")]["runs"][cell])
+    assert int(calls[0]) > 0  # counted inside the compiled pieces, as the steps run them
+
+
 def test_autotune_rows_largest_captures_the_largest_row_count_first(smoke_study, snapshot_cache, outputs):
     """AUTOTUNE_ROWS "largest": the cold start captures the buckets of the largest row count first (so inductor's
     first run of each compiled kernel, where it picks the launch configuration kept for every row count, is at

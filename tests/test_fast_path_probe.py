@@ -63,7 +63,9 @@ def test_every_inductor_option_a_suffix_sets_is_one_this_torch_knows():
 
     options = {suffix: value for suffix, (attribute, value) in fast_path_probe.SUFFIXES.items()
                if attribute == "INDUCTOR_OPTIONS"}
-    assert {"pdl", "maxat", "combo", "det", "cdt"} <= set(options)
+    assert {"pdl", "maxat", "det", "cdt"} <= set(options)
+    assert fast_path_probe.SUFFIXES["combo"] == ("COMBO_KERNELS", "on")  # an engine setting since lease 30
+    options["combo"] = {"combo_kernels": True}  # the option that setting gives the engine's compilations
     for suffix, settings in options.items():
         with inductor_config.patch(settings):  # raises on a key inductor does not have
             for key, value in settings.items():

@@ -70,7 +70,8 @@ def lora_add_mode(value: str | None) -> str:
 
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
                   scaling: float, lora_as_reductions: bool = False, lora_add: str = "float32_once",
-                  expand: str = "reductions", split_k: int = 1) -> torch.Tensor:
+                  expand: str = "reductions", split_k: int = 1,
+                  part_out: tuple[int, ...] | None = None) -> torch.Tensor:
     """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft's plain
     `lora.Linear` does over the bf16 mirror: the eager path). The NF4 oracle's `lora.Linear4bit` rounds
     the low-rank term to bf16 first and adds in bf16 (two roundings): a bf16-only difference that the
@@ -85,7 +86,8 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     `expand` (LORA_EXPAND, issue 43 candidates; only under inductor, with `lora_as_reductions`): "gemm", the B
     product stays a float32 GEMM (K is the rank, so no split-K: one kernel that reads B once, where the
     reduction reads it once per row); "unrolled", `_unrolled_expand`: the rank's products added one by one,
-    pointwise, so inductor has no reduction to launch-configure.
+    pointwise, so inductor has no reduction to launch-configure; "unrolled_parts", `_unrolled_expand_parts`: the
+    same per fused part (`part_out`: each part's output features), only that part's own rank terms.
     `split_k` > 1 (GEMM_SPLIT_K, issue 43 candidate): the base GEMM as `_split_k_product`, rounded once to the
     compute dtype as `linear` rounds its float32 accumulation."""
     import torch
@@ -105,6 +107,8 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
             x.float(), lora_a)
     if lora_as_reductions and expand == "unrolled":
         low = _unrolled_expand(xa, lora_b)
+    elif lora_as_reductions and expand == "unrolled_parts":
+        low = _unrolled_expand_parts(xa, lora_b, part_out or (lora_b.shape[0],))
     elif lora_as_reductions and expand == "reductions":
         low = (xa[..., None, :] * lora_b).sum(-1)
     else:
@@ -124,6 +128,25 @@ def _unrolled_expand(xa: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
     12.7-27.4 us at 16 rows), so every compilation drew a different step time. Eagerly it materializes rank
     intermediates: for compiled pieces only."""
     return _sum_in_order([xa[..., r:r + 1] * lora_b[:, r] for r in range(lora_b.shape[1])])
+
+
+def _unrolled_expand_parts(xa: torch.Tensor, lora_b: torch.Tensor, part_out: tuple[int, ...]) -> torch.Tensor:
+    """`_unrolled_expand` per part of a fused projection: B is block-diagonal ([sum(part_out), parts x rank], part p's
+    rows reading only columns p x rank .. (p + 1) x rank), so each part adds its own rank terms and none of the
+    others' zeros (qkv: 16 terms an element, not 48; gate_up: 16, not 32), then the parts are concatenated. Equal
+    to `_unrolled_expand` bit for bit on finite values: there a part's sum starts with exact zeros and adds exact
+    zeros after its own terms. Lease 30's dense unrolled kernel took 15.4 us a call at 16 rows; with B stored
+    rank-major (LORA_EXPAND "unrolled_parts" allocates it so) each term's B loads are contiguous across the
+    output features a warp computes, where row-major B put neighbouring threads' loads a B row apart."""
+    import torch
+
+    rank = lora_b.shape[1] // len(part_out)
+    parts, start = [], 0
+    for index, rows in enumerate(part_out):
+        columns = slice(index * rank, (index + 1) * rank)
+        parts.append(_unrolled_expand(xa[..., columns], lora_b[start:start + rows, columns]))
+        start += rows
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
 def _sum_in_order(terms: list[torch.Tensor]) -> torch.Tensor:
@@ -353,6 +376,9 @@ class Layer:
 #   (`_unrolled_expand`), so the B product has no reduction whose launch configuration inductor picks by
 #   benchmarking at first run (lease 28: that pick moved a 16-row step by up to ~0.4 ms between compilations
 #   of the same source). The probe's `+unrollexpand`.
+#   "unrolled_parts" (issue 43 candidate, after lease 30's "unrolled" lost +0.6-0.9 ms): the same per fused part
+#   (`_unrolled_expand_parts`: each part only its own rank terms, not the block-diagonal B's zeros) over B stored
+#   rank-major, so each term's loads are contiguous across output features. The probe's `+partsexpand`.
 # - ATTENTION_BACKEND "auto" (the default): SDPA picks its kernel (cuDNN's on the H200, ~11 us a layer
 #   at 16 rows); "efficient" or "cudnn": that SDPA backend only (`torch.nn.attention.sdpa_kernel`), to
 #   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`); "flex":
@@ -431,7 +457,7 @@ STEP_SHAPES_ALLOWED = ("per_rows", "dynamic")
 CACHE_WRITE_ALLOWED = ("outside", "inside")
 LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
 LORA_EXPAND = "reductions"
-LORA_EXPAND_ALLOWED = ("reductions", "gemm", "unrolled")
+LORA_EXPAND_ALLOWED = ("reductions", "gemm", "unrolled", "unrolled_parts")
 ATTENTION_BACKEND = "auto"
 ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3")
 PREFILL = "per_row"
@@ -739,6 +765,8 @@ class CompactQwen3:
                 continue
             stack_a = torch.stack([linear.lora_a for linear in linears])
             stack_b = torch.stack([linear.lora_b for linear in linears])
+            if self.lora_expand == "unrolled_parts":  # rank-major: B[:, r] contiguous (same shapes, other strides)
+                stack_b = stack_b.transpose(1, 2).contiguous().transpose(1, 2)
             for index, linear in enumerate(linears):
                 linear.lora_a, linear.lora_b = stack_a[index], stack_b[index]
             self._lora_stacks[fused] = (stack_a, stack_b)
@@ -901,10 +929,10 @@ class CompactQwen3:
         `cache_v`, `write`: k and v are written into the caches at columns `write` here (inside the
         compiled piece: inductor stores them from the kernel that computes them) and returned as None."""
         batch, length, _ = h.shape
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused,
                             self.lora_add, expand=self.lora_expand,
-                            split_k=self._splits(weight, length))
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+                            split_k=self._splits(weight, length), part_out=(q_size, kv_size, kv_size))
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = _rms(q.view(batch, length, self.heads, self.head_dim), q_norm, self.eps).transpose(1, 2)
         k = _rms(k.view(batch, length, self.kv_heads, self.head_dim), k_norm, self.eps).transpose(1, 2)
@@ -937,7 +965,9 @@ class CompactQwen3:
         h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add,
                               expand=expand, split_k=self._splits(o[0], length))
         gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused, add,
-                                 expand=expand, split_k=self._splits(gate_up[0], length)).chunk(2, dim=-1)
+                                 expand=expand, split_k=self._splits(gate_up[0], length),
+                                 part_out=None if gate_up[2] is None else (gate_up[2].shape[0] // 2,) * 2,
+                                 ).chunk(2, dim=-1)
         return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add,
                                  expand=expand, split_k=self._splits(down[0], length))
 

@@ -13,8 +13,8 @@ change one thing each, to read the changes apart: `+f32head` forces the float32 
 coordinate-descent tuning of launch configurations, `+det` inductor's deterministic mode (one fixed
 configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
 0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`. Issue 43's
-candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+tunelargest`, `+sdpaeff`, `+sdpacudnn`, `+flex`,
-`+fa3` (vLLM staged), `+pdl`,
+candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tunelargest`, `+sdpaeff`,
+`+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`,
 `+maxat`, `+combo`, `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
 `+sharedprefix` (with `+fa3`: each block of n rows reads its shared prompt's k/v once),
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
@@ -65,6 +65,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # the B product's rank added term by term, pointwise: no reduction whose launch configuration
             # inductor picks by benchmarking at first run (lease 28: that pick varied between compilations)
             "unrollexpand": ("LORA_EXPAND", "unrolled"),
+            # the same per fused part (only the part's own rank terms) over rank-major B (lease 30: the dense
+            # unrolled kernel read B a row apart per thread and added the block-diagonal B's zeros)
+            "partsexpand": ("LORA_EXPAND", "unrolled_parts"),
             # the cold start captures the largest row count first: inductor's first-run picks of launch
             # configurations (one for every row count) are made at 16 rows, not 4
             "tunelargest": ("AUTOTUNE_ROWS", "largest"),
