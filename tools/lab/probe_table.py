@@ -7,9 +7,10 @@ Per folder: `probe.json` gives each variant's ms per decode step, tok/s, prefill
 and cold start (or its error); each `trace-<variant>-<cell>-20ms.json.gz` beside it, a window of decode steps,
 gives kernels per step, GPU busy time and the gaps between kernels (`tools/trace_breakdown.py`). The
 baseline is the folder's first variant unless `--baseline` names another (the lab's queues list the
-shrink-only engine first). A trace whose steps, counted by attention kernels, disagree by more than 25 %
+shrink-only engine first). A trace's steps are counted by its read-backs (`tools/trace_breakdown.py`); a
+trace without two of them is counted by attention kernels, and where that count disagrees by more than 25 %
 with its span over the probe's ms per step (a variant whose attention takes two kernels a layer, e.g.
-split-KV with a combine kernel) is counted by the span instead, and its row says so. Prints two markdown
+split-KV with a combine kernel) by the span instead, and its row says so. Prints two markdown
 tables per folder: the speed of each variant against the baseline, then where a decode step's GPU time goes
 (ms per step by kernel category: GEMMs, float32 GEMMs, LoRA reductions, attention, norms, sampling, the rest,
 the gaps, the part of them just before attention kernels and the part that is the GPU waiting for the host;
