@@ -66,10 +66,62 @@ def test_a_candidate_measured_on_top_of_one_not_kept_is_not_kept(tmp_path):
     folder = _probe(tmp_path / "p", {
         BASE: ((2.1, 2.4), (40.0, 60.0)),
         f"{BASE}+fa3": ((2.2, 2.5), (40.0, 60.0)),            # slower: dropped
-        f"{BASE}+fa3+sharedprefix": ((2.0, 2.2), (40.0, 60.0))})  # gains against +fa3, but +fa3 is not kept
+        f"{BASE}+fa3+sharedprefix": ((2.15, 2.3), (40.0, 60.0))})  # gains against +fa3, not as a pair: dropped
     engine, lines = pick([folder], 0.02)
     assert engine == {"LORA_SHRINK": "in_base_gemm"}
     assert "+sharedprefix (DECODE_PREFIX shared): dropped, measured only on top of candidates not kept" in lines
+
+
+def test_settings_that_pay_only_together_are_kept_as_a_bundle_and_open_what_needs_them(tmp_path):
+    """Lease 31's shape: +fa3 and +pipelined each lose alone, together (on top of a kept +combo) they gain; the
+    bundle sets both, and +sharedprefix (on top of the bundle) is judged once the bundle is kept. A bundle with a
+    kept part (combo+fa3+pipelined against the base, combo+pipelined) is not judged: its other parts are, on top
+    of the kept one."""
+    folder = _probe(tmp_path / "p", {
+        BASE: ((2.10, 2.40), (40.0, 60.0)),
+        f"{BASE}+combo": ((2.00, 2.30), (40.0, 60.0)),                       # kept
+        f"{BASE}+fa3": ((2.20, 2.50), (40.0, 60.0)),                         # loses alone
+        f"{BASE}+pipelined": ((2.12, 2.45), (40.0, 60.0)),                   # loses alone
+        f"{BASE}+combo+pipelined": ((2.05, 2.35), (40.0, 60.0)),             # loses on top of combo
+        f"{BASE}+combo+fa3+pipelined": ((1.80, 2.10), (40.0, 60.0)),         # the pair: +0.20 / +0.20 vs combo
+        f"{BASE}+combo+fa3+sharedprefix+pipelined": ((1.70, 2.00), (40.0, 60.0))})  # +0.10 on top of the pair
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"ATTENTION_BACKEND": "fa3", "COMBO_KERNELS": "on", "DECODE_PREFIX": "shared",
+                      "LORA_SHRINK": "in_base_gemm", "READBACK": "pipelined"}
+    said = "\n".join(lines)
+    assert ("+fa3+pipelined (ATTENTION_BACKEND+READBACK fa3+pipelined): kept, decode step gains (ms: "
+            f"{BASE}+combo+fa3+pipelined vs {BASE}+combo: p128-r64-n1-greedy +0.200") in said
+    assert "+pipelined (READBACK pipelined): dropped" in said and "+fa3 (ATTENTION_BACKEND fa3): dropped" in said
+    assert "+sharedprefix (DECODE_PREFIX shared): kept" in said
+    assert "+combo+fa3+pipelined (" not in said and "+combo+pipelined (" not in said
+    # the same pair losing together is dropped, and nothing it would have opened is kept
+    slower = _probe(tmp_path / "q", {
+        BASE: ((2.10, 2.40), (40.0, 60.0)),
+        f"{BASE}+combo": ((2.00, 2.30), (40.0, 60.0)),
+        f"{BASE}+combo+fa3+pipelined": ((1.95, 2.31), (40.0, 60.0)),        # +0.05 / -0.01: dropped
+        f"{BASE}+combo+fa3+sharedprefix+pipelined": ((1.90, 2.32), (40.0, 60.0))})  # as a triple too
+    engine, lines = pick([slower], 0.02)
+    assert engine == {"COMBO_KERNELS": "on", "LORA_SHRINK": "in_base_gemm"}
+    assert any(line.startswith("+fa3+pipelined (ATTENTION_BACKEND+READBACK fa3+pipelined): dropped, decode step "
+                               "gains not above") for line in lines)
+    assert any(line.startswith("+fa3+sharedprefix+pipelined (ATTENTION_BACKEND+DECODE_PREFIX+READBACK "
+                               "fa3+shared+pipelined): dropped, decode step gains not above") for line in lines)
+    assert "+sharedprefix (DECODE_PREFIX shared): dropped, measured only on top of candidates not kept" in lines
+
+
+def test_a_failure_superseded_by_a_later_measurement_is_judged_by_the_measurement(tmp_path):
+    earlier = _probe(tmp_path / "a", {BASE: ((2.1, 2.4), (40.0, 60.0)),
+                                      f"{BASE}+chunkedsampler": "InductorError: CantSplit:\n s24 not divisible"})
+    later = _probe(tmp_path / "b", {BASE: ((2.1, 2.4), (40.0, 60.0)),
+                                    f"{BASE}+chunkedsampler": ((2.0, 2.3), (40.0, 60.0))})
+    engine, lines = pick([earlier, later], 0.02)
+    assert engine == {"LORA_SHRINK": "in_base_gemm", "SAMPLER": "chunked"}
+    assert any(line.startswith("+chunkedsampler (SAMPLER chunked): kept") and line.endswith(
+        f"it failed in {earlier} before (InductorError: CantSplit: s24 not divisible)") for line in lines)
+    engine, lines = pick([later, earlier], 0.02)  # the failure is the latest record: decisive
+    assert engine == {"LORA_SHRINK": "in_base_gemm"}
+    assert ("+chunkedsampler (SAMPLER chunked): dropped, inductor+shrinkgemm+chunkedsampler failed: "
+            "InductorError: CantSplit: s24 not divisible") in lines
 
 
 def test_a_kept_setting_whose_requirement_loses_its_setting_is_dropped(tmp_path):

@@ -10,9 +10,10 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   suffixes of `tools/lab/fast_path_probe.py`). Its effect is read wherever a probe has a variant that adds exactly
   that suffix to another variant of the same probe (its parent), both measured: per cell, the parent's ms per
   decode step minus the variant's; for the prefill settings (PREFILL, PREFILL_STEP) the prefill's ms instead.
-- Judged by the comparisons reachable when it is first judged: against the base first, then on top of candidates
-  already kept. Kept when each of them gains more than `--min-gain-ms` in every cell both measured and, for a
-  prefill setting, its decode step is nowhere worse by more than that. A variant that failed, or a candidate
+- Judged by the comparisons reachable when it is first judged (against the base first, then on top of candidates
+  already kept), of those the ones on top of the most kept suffixes: where the engine will run it. Kept when
+  each of them gains more than `--min-gain-ms` in every cell both measured and, for a prefill setting, its
+  decode step is nowhere worse by more than that. A variant that failed, or a candidate
   measured only on top of candidates not kept, is not kept.
 - The probes' base (the suffixes of each folder's first variant, e.g. `+shrinkgemm`, measured against the
   default engine before) is kept.
@@ -21,6 +22,15 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   DECODE_PREFIX shared needs ATTENTION_BACKEND fa3).
 - Inductor options (`+pdl`, `+maxat`, `+cdt`, ...) are not engine settings: reported, never chosen (`+combo` is
   one since lease 30: COMBO_KERNELS).
+- Bundles: settings that only pay together (lease 31: FA3's graph waits ~0.6 ms for its launch unless the next
+  step is enqueued while this one runs, READBACK pipelined) are judged as one candidate where a variant adds two
+  or more engine-setting suffixes to a measured ancestor in the same probe, after the single settings, by the
+  same rule, and only while none of its parts is kept (a kept part's partners are measured on top of it:
+  `+combo+fa3+pipelined` against `+combo` is the bundle fa3+pipelined once combo is kept); a kept bundle sets
+  all its settings, unless one of them is already chosen with another value.
+- A failure is decisive only when it is the candidate's latest record (the folders in the order given): a
+  variant that failed in an earlier probe and was measured in a later one (a fix between leases) is judged by
+  its measurements, the failure named in its verdict.
 Bad input (no probe.json, a folder outside the tree given) is refused in one line before anything is printed.
 """
 from __future__ import annotations
@@ -60,10 +70,13 @@ def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dic
     found = []
     for name in variants:
         head, suffixes = parts[name][0], parts[name][1:]
+        pairs = []
         for suffix in suffixes:
             parent = by_parts.get((head, frozenset(s for s in suffixes if s != suffix)))
-            if parent is None or suffixes.count(suffix) != 1:
-                continue
+            if parent is not None and suffixes.count(suffix) == 1:
+                pairs.append((parent, suffix))
+        pairs += _bundles(name, parts, by_parts)
+        for parent, suffix in pairs:
             child, before = probe[name], probe[parent]
             record = {"folder": str(folder), "variant": name, "parent": parent, "suffix": suffix,
                       "parent_suffixes": set(parts[parent][1:])}
@@ -80,13 +93,38 @@ def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dic
     return base, found
 
 
+def _bundles(name: str, parts: dict[str, list[str]], by_parts: dict[tuple[str, frozenset[str]], str]
+             ) -> list[tuple[str, str]]:
+    """(ancestor, "a+b") for each measured ancestor of `name` (same head, a subset of its suffixes) two or more
+    suffixes away."""
+    head, mine = parts[name][0], frozenset(parts[name][1:])
+    found = []
+    for (other_head, shared), parent in by_parts.items():
+        if other_head == head and shared < mine and len(mine - shared) >= 2:
+            found.append((parent, "+".join(s for s in parts[name][1:] if s not in shared)))
+    return found
+
+
+def _where_it_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The comparisons on top of the most kept suffixes among `records` (all of them where they tie): the engine
+    will run a candidate beside everything kept before it, so that is where its gain is read."""
+    most = max((len(r["parent_suffixes"]) for r in records), default=0)
+    return [r for r in records if len(r["parent_suffixes"]) == most]
+
+
 def _verdict(suffix: str, name: str, value: str, mine: list[dict[str, Any]], min_gain_ms: float
              ) -> tuple[float | None, str]:
-    """(mean gain or None, the verdict line) of one candidate over its comparisons `mine`."""
+    """(mean gain or None, the verdict line) of one candidate over its comparisons `mine` (in the folders'
+    order: a failure followed by a measurement of the same variant is superseded)."""
     failed = [r for r in mine if "failed" in r]
+    if failed and "failed" in mine[-1]:
+        return None, (f"+{suffix} ({name} {value}): dropped, {failed[-1]['variant']} failed: "
+                      f"{' '.join(str(failed[-1]['failed']).split())[:100]}")
     if failed:
-        return None, (f"+{suffix} ({name} {value}): dropped, {failed[0]['variant']} failed: "
-                      f"{str(failed[0]['failed'])[:100]}")
+        mine = [r for r in mine if "failed" not in r]
+        earlier = f"; it failed in {failed[0]['folder']} before ({' '.join(str(failed[0]['failed']).split())[:60]})"
+    else:
+        earlier = ""
     key = "prefill_gain_ms" if name in PREFILL_SETTINGS else "step_gain_ms"
     what = "prefill" if key == "prefill_gain_ms" else "decode step"
     per_cell = [(r, cell, gain) for r in mine for cell, gain in r[key].items()]
@@ -94,12 +132,13 @@ def _verdict(suffix: str, name: str, value: str, mine: list[dict[str, Any]], min
                       for r in mine)
     if not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
         return None, (f"+{suffix} ({name} {value}): dropped, {what} gains not above {min_gain_ms} ms in every cell "
-                      f"(ms: {shown or 'no cell measured'})")
+                      f"(ms: {shown or 'no cell measured'}){earlier}")
     worse = [(c, g) for r in mine for c, g in r["step_gain_ms"].items() if g < -min_gain_ms]
     if name in PREFILL_SETTINGS and worse:
         return None, (f"+{suffix} ({name} {value}): dropped, its decode step is slower "
-                      f"({worse[0][0]} {worse[0][1]:+.3f} ms)")
-    return statistics.mean(g for _, _, g in per_cell), f"+{suffix} ({name} {value}): kept, {what} gains (ms: {shown})"
+                      f"({worse[0][0]} {worse[0][1]:+.3f} ms){earlier}")
+    return statistics.mean(g for _, _, g in per_cell), (f"+{suffix} ({name} {value}): kept, {what} gains "
+                                                        f"(ms: {shown}){earlier}")
 
 
 def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) -> tuple[dict[str, str], list[str]]:
@@ -117,35 +156,64 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
         base, found = comparisons(folder, read_probe(folder))
         bases |= base
         records += found
-    undecided = sorted({r["suffix"] for r in records} - bases)
-    for suffix in [s for s in undecided if s not in setting_of]:
+    singles = sorted({r["suffix"] for r in records if "+" not in r["suffix"]} - bases)
+    for suffix in [s for s in singles if s not in setting_of]:
         lines.append(f"+{suffix}: not an engine setting (an inductor or probe option): reported, not chosen")
-    undecided = [s for s in undecided if s in setting_of]
+    undecided = [s for s in singles if s in setting_of]
     gains: dict[str, float] = {}
-    while True:
-        reachable = {s: [r for r in records if r["suffix"] == s and r["parent_suffixes"] - bases <= set(gains)]
-                     for s in undecided}
-        ready = [s for s in undecided if reachable[s]]
-        if not ready:
+    kept_parts = set(bases)  # every suffix of the base and of the candidates kept so far (a bundle's too)
+
+    def judge(pending: list[str], settings_of: dict[str, tuple[str, str]]) -> bool:
+        """Judge what has become reachable; True when something was judged."""
+        judged = False
+        while True:
+            reachable = {s: _where_it_runs([r for r in records if r["suffix"] == s
+                                            and r["parent_suffixes"] <= kept_parts]) for s in pending}
+            ready = [s for s in pending if reachable[s]]
+            if not ready:
+                return judged
+            for suffix in ready:
+                gain, line = _verdict(suffix, *settings_of[suffix], reachable[suffix], min_gain_ms)
+                lines.append(line)
+                if gain is not None:
+                    gains[suffix] = gain
+                    kept_parts.update(suffix.split("+"))
+                pending.remove(suffix)
+                judged = True
+
+    bundle_of = {}
+    for suffix in sorted({r["suffix"] for r in records if "+" in r["suffix"]}):
+        members = suffix.split("+")
+        named = [setting_of[m] for m in members if m in setting_of]
+        if len(named) == len(members) and len({n for n, _ in named}) == len(named):
+            bundle_of[suffix] = ("+".join(n for n, _ in named), "+".join(v for _, v in named))
+    bundles = sorted(bundle_of)
+    while True:  # single settings first, then bundles; what a kept bundle makes reachable is judged after it
+        judge(undecided, setting_of)
+        # a bundle with a part already kept is not one: its other parts are measured on top of that part
+        bundles = [b for b in bundles if not set(b.split("+")) & kept_parts]
+        if not judge(bundles, bundle_of):
             break
-        for suffix in ready:
-            gain, line = _verdict(suffix, *setting_of[suffix], reachable[suffix], min_gain_ms)
-            lines.append(line)
-            if gain is not None:
-                gains[suffix] = gain
-            undecided.remove(suffix)
     for suffix in undecided:
-        lines.append(f"+{suffix} ({' '.join(setting_of[suffix])}): dropped, measured only on top of candidates "
-                     "not kept")
+        lines.append(f"+{suffix} ({' '.join(setting_of[suffix])}): dropped, measured only on top of "
+                     "candidates not kept")
+    for suffix in bundles:
+        lines.append(f"+{suffix} ({' '.join(bundle_of[suffix])}): dropped, measured only on top of "
+                     "candidates not kept")
     chosen: dict[str, tuple[str, float]] = {}
     for suffix in sorted(bases | set(gains), key=lambda s: -gains.get(s, float("inf"))):
-        if suffix not in setting_of:
+        members = [m for m in suffix.split("+") if m in setting_of]
+        if "+" not in suffix and suffix not in setting_of:
             continue
-        name, value = setting_of[suffix]
-        if name in chosen:
-            lines.append(f"+{suffix} ({name} {value}): dropped, {name} {chosen[name][0]} gains more")
+        clash = [(setting_of[m][0], chosen[setting_of[m][0]][0]) for m in members
+                 if setting_of[m][0] in chosen and chosen[setting_of[m][0]][0] != setting_of[m][1]]
+        if clash:
+            lines.append(f"+{suffix} ({' '.join(bundle_of.get(suffix) or setting_of[suffix])}): dropped, "
+                         f"{clash[0][0]} {clash[0][1]} gains more")
             continue
-        chosen[name] = (value, gains.get(suffix, float("inf")))
+        for m in members:
+            name, value = setting_of[m]
+            chosen.setdefault(name, (value, gains.get(suffix, float("inf"))))
     for (name, value), (needs, needed, _) in SETTING_REQUIRES.items():
         if chosen.get(name, (None,))[0] == value and chosen.get(needs, (None,))[0] != needed:
             del chosen[name]
