@@ -450,6 +450,47 @@ def test_a_conformance_run_with_candidate_options_is_a_diagnostic(smoke_study, s
     assert report["verdict"]["checks"]["a_float32_greedy_exact"]  # in float32 the modes are one
 
 
+def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_part(smoke_study, snapshot_cache):
+    """Lease 31: the picked engine (LORA_SHRINK in_base_gemm, bf16 only) failed conformance at its float32 part's
+    cold start. The float32 part now runs the candidate without it (and without what needs it), says so, and the
+    bf16 part runs it whole."""
+    from rollout_lib.checks.conformance import ConformanceSettings, run_conformance
+
+    settings = ConformanceSettings(prompt_tokens=(16,), response_tokens=(8,), partitions_response_tokens=())
+    engine = {"LORA_SHRINK": "in_base_gemm", "PREFILL": "shared_prompts"}
+    report = run_conformance(smoke_study, settings, device="cpu", cache_dir=snapshot_cache, show_progress=False,
+                             candidate_options={"engine": engine})
+    bf16 = smoke_study.actor.quantization.compute_dtype
+    assert report["candidate_options"] == {"engine": engine}
+    assert report["float32"]["engine_settings"] == {"PREFILL": "shared_prompts"}
+    assert report["float32"]["engine_settings_left_out"] == {
+        "LORA_SHRINK": "in_base_gemm: bfloat16 engines only (A is appended to the bf16 base weight as three bf16 "
+                       "parts)"}
+    assert report[bf16]["engine_settings"] == engine and report[bf16]["engine_settings_left_out"] == {}
+    env = {dtype: report[dtype]["environment"]["hf_cached"] for dtype in ("float32", bf16)}
+    assert "lora_shrink" not in env["float32"] and env[bf16]["lora_shrink"] == "in_base_gemm"
+    assert env["float32"]["prefill"] == env[bf16]["prefill"] == "shared_prompts"
+    assert report["verdict"]["checks"]["a_float32_greedy_exact"]
+
+
+@pytest.mark.parametrize(("engine", "dtype", "kept", "left_out"), [
+    ({"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared", "COMBO_KERNELS": "on"}, "float32",
+     {"COMBO_KERNELS": "on"}, {"ATTENTION_BACKEND": "fa3: bfloat16 engines only (FA3's kernels take bf16 or fp16 "
+                                                    "only)",
+                               "DECODE_PREFIX": "shared: needs ATTENTION_BACKEND fa3, left out in float32"}),
+    ({"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}, "bfloat16",
+     {"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}, {}),
+    ({"ATTENTION_BACKEND": "flex", "READBACK": "pipelined"}, "float32",
+     {"ATTENTION_BACKEND": "flex", "READBACK": "pipelined"}, {}),
+])
+def test_an_engine_mapping_for_a_dtype_keeps_what_that_dtype_runs(engine, dtype, kept, left_out):
+    from rollout_lib.backends.compact_qwen3 import settings_for_dtype
+
+    assert settings_for_dtype(engine, dtype) == (kept, left_out)
+    with pytest.raises(ValueError, match="SAMPLER 'fast' is not allowed; allowed: "):
+        settings_for_dtype({"SAMPLER": "fast"}, dtype)
+
+
 def _lora_layer(seed: int, rows: int, in_features: int, out_features: int, rank: int):
     """x (bf16), W (bf16) and float32 LoRA A, B of one projection, at scales like the engine's."""
     generator = torch.Generator().manual_seed(seed)

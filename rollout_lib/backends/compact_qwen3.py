@@ -494,6 +494,28 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                                                   "its kernel returns the log-sum-exp the two halves merge by")}
 
 
+# a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
+BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf16 base weight as three bf16 parts",
+                      ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only"}
+
+
+def settings_for_dtype(settings: dict[str, str], dtype: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(the part of an `engine` mapping an engine of `dtype` ("float32", "bfloat16") runs, {setting: why it is
+    left out}): a candidate's bf16-only values, and what requires them (SETTING_REQUIRES), are left out of a
+    float32 engine, so a check that runs the candidate in both dtypes (conformance) keeps the rest of it in float32
+    and says what it left out."""
+    settings = check_engine_settings(settings)
+    left_out: dict[str, str] = {}
+    if dtype != "bfloat16":
+        for (name, value), why in BF16_ONLY_SETTINGS.items():
+            if settings.get(name) == value:
+                left_out[name] = f"{value}: bfloat16 engines only ({why})"
+        for (name, value), (needs, needed, _) in SETTING_REQUIRES.items():
+            if settings.get(name) == value and needs in left_out and settings.get(needs) == needed:
+                left_out[name] = f"{value}: needs {needs} {needed}, left out in {dtype}"
+    return {k: v for k, v in settings.items() if k not in left_out}, left_out
+
+
 # the settings an engine takes per instance (hf_cached's `engine` option: a candidate measured or checked for
 # conformance without editing this module); each falls back to the module's value above
 ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAND_ALLOWED,

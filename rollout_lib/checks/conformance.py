@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from rollout_lib.backends import create_backend
 from rollout_lib.backends.base import Backend, RequestResult
+from rollout_lib.backends.compact_qwen3 import settings_for_dtype
 from rollout_lib.backends.decode import teacher_forced
 from rollout_lib.models.policy import policy_versions
 from rollout_lib.study.prereg import Preregistration
@@ -157,8 +158,13 @@ def run_conformance(study: Preregistration, settings: ConformanceSettings, devic
     started = time.perf_counter()
     for dtype in ("float32", study.actor.quantization.compute_dtype):
         part: dict[str, Any] = {}
+        options = dict(candidate_options)
+        if "engine" in options:  # a bf16-only setting (and what needs it) is left out of the float32 part, said so
+            options["engine"], left_out = settings_for_dtype(options["engine"], dtype)
+            part["engine_settings"] = options["engine"]
+            part["engine_settings_left_out"] = left_out
         backends = {name: create_backend(name, study, device=device, compute_dtype=dtype, cache_dir=cache_dir,
-                                         **(candidate_options if name == "hf_cached" else {}))
+                                         **(options if name == "hf_cached" else {}))
                     for name in ("hf_reference", "hf_cached")}
         for backend in backends.values():
             part.setdefault("cold_start_s", {})[backend.name] = backend.cold_start().seconds
