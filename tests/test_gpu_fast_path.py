@@ -121,6 +121,24 @@ def _run(study, decode, dtype, cells, versions=2):
     return backend, policies, out
 
 
+def _reference_margins(study, reference, results) -> list[list[float]]:
+    """The reference engine's own top-1 minus top-2 logit at each of its greedy tokens (teacher-forced): where a
+    candidate engine may part from it (checks.conformance.greedy_divergences_beyond_ties)."""
+    cell = Workload(study).cell(results[0].request_id.split("/")[0])
+    requests = Workload(study).requests(cell)
+    return [reference.teacher_forced(r.prompt_token_ids, list(x.token_ids)).top1_minus_top2
+            for r, x in zip(requests, results, strict=True)]
+
+
+def _parts_only_at_near_ties(study, expected, got, margins) -> None:
+    from rollout_lib.checks.conformance import greedy_divergences_beyond_ties
+
+    tie = study.tolerances.bf16_teacher_forced_tie_margin_logits
+    broken = greedy_divergences_beyond_ties(expected, got, margins, tie)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(expected, got, strict=True))
+    assert not broken, f"{same} of {len(got)} greedy requests identical; beyond the near ties: " + "; ".join(broken)
+
+
 def test_graphs_equal_eager_greedy_in_float32(study):
     cells = [CELL, "p512-r64-n4-greedy"]
     eager, _, a = _run(study, "eager", "float32", cells)
@@ -179,14 +197,14 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
 
     cells = ["p128-r64-n4-greedy"]
     default, _, expected = _run(study, "graphs", "bfloat16", cells)
+    margins = _reference_margins(study, default, expected[cells[0]])
     default.teardown()
     monkeypatch.setattr(compact_qwen3, "LORA_SHRINK", "in_base_gemm")
     backend, policies, got = _run(study, "graphs", "bfloat16", cells, versions=2)
     try:
         assert backend.environment()["lora_shrink"] == "in_base_gemm"
         assert backend.sync_policy(policies[1]) == policies[1].identity
-        same = sum(a.token_ids == b.token_ids for a, b in zip(expected[cells[0]], got[cells[0]], strict=True))
-        assert same >= len(got[cells[0]]) - 4, f"{same} of {len(got[cells[0]])} greedy requests identical"
+        _parts_only_at_near_ties(study, expected[cells[0]], got[cells[0]], margins)
     finally:
         backend.teardown()
 
@@ -221,6 +239,7 @@ def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkey
     cells = ["p128-r64-n4-greedy"]
     monkeypatch.setattr(compact_qwen3, "LORA_SHRINK", "in_base_gemm")
     reference, _, expected = _run(study, "graphs", "bfloat16", cells)
+    margins = _reference_margins(study, reference, expected[cells[0]])
     reference.teardown()
     for name, value in settings.items():
         monkeypatch.setattr(compact_qwen3, name, value)
@@ -234,8 +253,7 @@ def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkey
             assert graphs and all(p.graph is not None for p in graphs.values())
             assert {key[3] for key in graphs} == ({4} if "PREFILL" in settings else {None})
         assert backend.sync_policy(policies[1]) == policies[1].identity
-        same = sum(a.token_ids == b.token_ids for a, b in zip(expected[cells[0]], got[cells[0]], strict=True))
-        assert same >= len(got[cells[0]]) - 4, f"{same} of {len(got[cells[0]])} greedy requests identical"
+        _parts_only_at_near_ties(study, expected[cells[0]], got[cells[0]], margins)
     finally:
         backend.teardown()
 

@@ -55,6 +55,39 @@ def compare_free_running(oracle: list[RequestResult], candidate: list[RequestRes
     return {"requests": len(rows), "identical": identical, "rows": rows}
 
 
+def greedy_divergences_beyond_ties(reference: list[RequestResult], candidate: list[RequestResult],
+                                   reference_margins: list[list[float]], tie_margin: float) -> list[str]:
+    """Where two bf16 engines' free-running greedy requests may part (an engine candidate against the engine it
+    would replace: their kernels round differently): only at a position where the reference's own top-1 minus
+    top-2 logit (`reference_margins`, teacher-forced on its tokens) is below `tie_margin`, and before that each
+    sampled token's log-probability within `tie_margin` of the reference's. One line per request that breaks
+    either; empty when none does. A request whose tokens are identical is held to the log-probability bound over
+    all its tokens."""
+    broken = []
+    for ref, cand, margins in zip(reference, candidate, reference_margins, strict=True):
+        if ref.request_id != cand.request_id:
+            raise ValueError(f"request {cand.request_id!r} compared with {ref.request_id!r}")
+        split = first_divergence(ref.token_ids, cand.token_ids)
+        shared = min(len(ref.token_ids), len(cand.token_ids)) if split is None else split
+        if ref.logprobs is None or cand.logprobs is None:
+            broken.append(f"{ref.request_id}: no log-probabilities to compare")
+            continue
+        drift = [(t, abs(a - b)) for t, (a, b) in enumerate(zip(ref.logprobs[:shared], cand.logprobs[:shared],
+                                                                  strict=True))]
+        worst = max(drift, key=lambda d: d[1], default=(None, 0.0))
+        if worst[1] > tie_margin:
+            broken.append(f"{ref.request_id}: sampled log-probability {worst[1]:.3f} from the reference's at "
+                          f"position {worst[0]}, before any divergence (bound {tie_margin})")
+        elif split is not None and split >= len(margins):
+            broken.append(f"{ref.request_id}: the reference stopped after {len(ref.token_ids)} tokens, the "
+                          f"candidate after {len(cand.token_ids)}, identical up to there")
+        elif split is not None and not margins[split] < tie_margin:
+            broken.append(f"{ref.request_id}: tokens part at position {split} (reference {ref.token_ids[split]}, "
+                          f"candidate {cand.token_ids[split] if split < len(cand.token_ids) else 'stopped'}) where "
+                          f"the reference's top-1 minus top-2 logit is {margins[split]:.3f}, not below {tie_margin}")
+    return broken
+
+
 def score_sampled(scorer: Backend, requests: list[GenerationRequest],
                   results: list[RequestResult]) -> tuple[list[dict[str, Any]], float, int]:
     """Each result's sampled-token log-probabilities against the NF4 actor (`scorer.model`) scoring
