@@ -498,13 +498,14 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
         check_variants(variants)
         report = run_diagnostic(study, cells, args.repetitions, stream_intervals=intervals,
                                 non_streamed=args.non_streamed, variants=variants,
-                                hf_cached_options=_backend_options(args.hf_cached_option))
+                                hf_cached_options=_backend_options(args.hf_cached_option), rounds=args.rounds)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     write_json_atomic(out, report)
     for row in report["rows"]:
         print(f"{row['cell_id']}: " + "; ".join(_diagnostic_figures(row)))
     print(f"wrote {out}")
+    return 0
 
 
 def _diagnostic_figures(row: dict) -> list[str]:
@@ -535,8 +536,11 @@ def _diagnostic_figures(row: dict) -> list[str]:
                        if "hf_cached_over_inprocess_no_adapter_reset_cache" in row else "")
                     + (f", decode step {1000 * step:.2f} ms" if isinstance(step, float) else "")
                     + (f" = {over:.1f}x its bandwidth floor" if isinstance(over, float) else ""))
+    for engine, words in (("no_adapter", "without LoRA"), ("no_adapter_reset_cache", "prefix cache reset")):
+        if f"hf_cached_over_inprocess_{engine}_by_round" in row:
+            said.append(f"hf_cached / in-process {words} by round: "
+                        + ", ".join(f"{x:.2f}x" for x in row[f"hf_cached_over_inprocess_{engine}_by_round"]))
     return said
-    return 0
 
 
 def cmd_vllm_compare(args: argparse.Namespace) -> int:
@@ -1175,6 +1179,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an option of the hf_cached side, e.g. engine='{\"LORA_SHRINK\": \"in_base_gemm\"}' "
                         "(a candidate of issue 43)")
     p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the in-process engines and hf_cached this many times, interleaved, each time in "
+                        "a fresh process; each side's median over the rounds is compared, each round's ratio "
+                        "shown (default 1; not with managed)")
     p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
     p.set_defaults(func=cmd_vllm_diagnostic)
 

@@ -127,6 +127,47 @@ def test_the_engine_without_lora_also_runs_with_its_prefix_cache_reset_before_ea
     assert shown["hf_cached / same, prefix cache reset"] == "1.50"
 
 
+def test_rounds_interleave_fresh_processes_and_compare_each_sides_median(smoke_study, tmp_path, monkeypatch,
+                                                                         capsys):
+    """Lease 31 read the engine without LoRA at 1,286 and 1,993 tok/s on one cell in two processes of one hold:
+    with rounds, each side runs once per round in a fresh process (interleaved), each side's median over the
+    rounds is compared, and each round's ratio (its two sides measured next to each other) is kept beside it."""
+    from rollout_lib import cli
+    from rollout_lib.checks import vllm_inprocess
+
+    order, engine_rates, hf_rates = [], iter([50.0, 80.0, 60.0]), iter([60.0, 90.0, 72.0])
+
+    def engine_child(python, job):
+        order.append("engine")
+        return {"adapter": False, "cells": {c: {"tokens_per_s": next(engine_rates)} for c in job["cells"]}}
+
+    def hf_child(job):
+        order.append("hf_cached")
+        rate = next(hf_rates)
+        return {"gpu": "no GPU", "cells": {c: {"tokens_per_s": rate, "rows": 4, "median_decode_step_s": 1 / rate}
+                                           for c in job["cells"]}}
+
+    monkeypatch.setattr(vllm_inprocess, "run_child", engine_child)
+    monkeypatch.setattr(vllm_inprocess, "run_backend_child", hf_child)
+    report = vllm_inprocess.run_diagnostic(smoke_study, ["p16-r8-n1-greedy"], repetitions=2,
+                                           variants=("inprocess_no_adapter", "hf_cached"), rounds=3,
+                                           backend_options={"cache_dir": str(tmp_path / "cache")})
+    assert order == ["engine", "hf_cached"] * 3 and report["rounds"] == 3
+    (row,) = report["rows"]
+    assert row["inprocess_no_adapter_tokens_per_s"] == 60.0 and row["hf_cached_tokens_per_s"] == 72.0  # medians
+    assert report["inprocess"]["no_adapter"]["cells"]["p16-r8-n1-greedy"]["tokens_per_s_by_round"] == [50.0, 80.0,
+                                                                                                    60.0]
+    assert row["hf_cached_median_decode_step_s"] == pytest.approx(1 / 72.0)
+    assert row["hf_cached_over_inprocess_no_adapter"] == pytest.approx(1.2)
+    assert row["hf_cached_over_inprocess_no_adapter_by_round"] == pytest.approx([1.2, 1.125, 1.2])
+    assert report["verdict"] == {"hf_cached_at_least_1.3x_inprocess_no_adapter": False,
+                                 "hf_cached_at_least_1.3x_inprocess_no_adapter_in_every_round": False}
+    assert "hf_cached / in-process without LoRA by round: 1.20x, 1.12x, 1.20x" in cli._diagnostic_figures(row)
+    from rollout_lib.report.diagnostics import _inprocess_row
+
+    assert _inprocess_row(row)["hf_cached / no LoRA, each round"] == "1.20, 1.12, 1.20"
+
+
 def test_the_report_table_shows_only_the_sides_that_ran():
     from rollout_lib.report.diagnostics import _inprocess_row
 
@@ -147,6 +188,9 @@ def test_the_report_table_shows_only_the_sides_that_ran():
     (["--variants", "hf_cached", "--hf-cached-option", 'engine={"LORA_SHRINK": "fused"}'],
      "hf_cached: LORA_SHRINK 'fused' is not allowed; allowed: reductions, in_base_gemm"),
     (["--hf-cached-option", "decode=eager"], "hf_cached_options: options of the hf_cached side; add hf_cached"),
+    (["--rounds", "2"], "rounds 2 is not allowed; allowed: an integer >= 1, and 1 when managed is among the "
+                        "variants (the managed backend is measured once)"),
+    (["--variants", "hf_cached", "--rounds", "0"], "rounds 0 is not allowed; allowed: an integer >= 1"),
 ])
 def test_bad_variants_and_options_are_refused_in_one_line_before_anything_runs(tmp_path, extra, message):
     out = tmp_path / "diag.json"

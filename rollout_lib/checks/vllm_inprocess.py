@@ -129,18 +129,36 @@ def _hf_cached_columns(study: Preregistration, workload: Workload, cell_id: str,
     return out
 
 
+def _over_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's child results from several rounds as one: round 1's record with each cell's tokens_per_s (and
+    hf_cached's median_decode_step_s) the median over the rounds, each round's figure beside it."""
+    merged = json.loads(json.dumps(results[0]))
+    for cell_id, cell in merged["cells"].items():
+        for key in ("tokens_per_s", "median_decode_step_s"):
+            if key in cell:
+                by_round = [r["cells"][cell_id][key] for r in results]
+                cell[key], cell[f"{key}_by_round"] = statistics.median(by_round), by_round
+    merged["rounds"] = len(results)
+    return merged
+
+
 def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 3,
                    backend_options: dict[str, Any] | None = None,
                    stream_intervals: tuple[int, ...] = (1,), non_streamed: bool = False,
                    variants: tuple[str, ...] = DEFAULT_VARIANTS,
-                   hf_cached_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                   hf_cached_options: dict[str, Any] | None = None, rounds: int = 1) -> dict[str, Any]:
     """`stream_intervals`: the managed backend once per value (`stream_interval` option; 1 is the
     preregistered setting and the one the 5% goal is judged on). `non_streamed`: once more with
     `streaming: false` (one response per request, built once at the end as the in-process engine
     does), reported beside the preregistered setting, never instead of it. `variants`: which sides run
     (VARIANTS; `hf_cached` adds this project's fast path in its own process, judged against the
     in-process engine without LoRA: issue 43's side-by-side; `hf_cached_options` are its backend options,
-    e.g. {"engine": {...}} for a candidate, checked here before anything starts)."""
+    e.g. {"engine": {...}} for a candidate, checked here before anything starts). `rounds`: the in-process engines
+    and hf_cached each measured that many times in fresh processes, interleaved (round 1: each side once, then
+    round 2, ...), so a ratio is read against each side's spread across processes (lease 31, one H100 hold: the
+    engine without LoRA at 1,286 and 1,993 tok/s on one cell in two processes); each side's figure is its median
+    over the rounds, each round's figure and each round's ratio beside it. The managed backend is not repeated:
+    with it, `rounds` must be 1."""
     if 1 not in stream_intervals or any(not isinstance(n, int) or n < 1 for n in stream_intervals):
         raise ValueError(f"stream_intervals {list(stream_intervals)!r}: integers >= 1, including 1 (the "
                          "preregistered setting)")
@@ -151,6 +169,9 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
         create_backend("hf_cached", study, **(hf_cached_options or {}))
     if non_streamed and "managed" not in variants:
         raise ValueError("non_streamed: a setting of the managed backend; add managed to the variants")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1 or (rounds > 1 and "managed" in variants):
+        raise ValueError(f"rounds {rounds!r} is not allowed; allowed: an integer >= 1, and 1 when managed is "
+                         "among the variants (the managed backend is measured once)")
     workload = Workload(study)
     policy = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, 1)[-1]
     options = dict(backend_options or {})
@@ -166,16 +187,24 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
            "max_lora_rank": next(r for r in LORA_RANKS if r >= study.actor.lora.rank),
            "cells": _job_requests(workload, cells),
            "engine_overrides": {} if managed.on_gpu else {"gpu_memory_utilization": 0.1}}
-    inprocess = {}
+    sides = {}  # side -> one child job (a fresh process each time it runs)
     if "inprocess_adapter" in variants:
-        inprocess["adapter"] = run_child(managed.server_python, job | {"adapter_dir": str(adapter_dir)})
+        sides["adapter"] = lambda: run_child(managed.server_python, job | {"adapter_dir": str(adapter_dir)})
     if "inprocess_no_adapter" in variants:
-        inprocess["no_adapter"] = run_child(managed.server_python, job)
+        sides["no_adapter"] = lambda: run_child(managed.server_python, job)
     if "inprocess_no_adapter_reset_cache" in variants:
-        inprocess["no_adapter_reset_cache"] = run_child(managed.server_python, job | {"reset_prefix_cache": True})
-    hf_cached = (run_backend_child({"params": str(Path(study.source_path).resolve()), "backend": "hf_cached",
-                                    "cells": cells, "repetitions": repetitions, "options": hf_cached_options or {}})
-                 if "hf_cached" in variants else None)
+        sides["no_adapter_reset_cache"] = lambda: run_child(managed.server_python, job | {"reset_prefix_cache": True})
+    if "hf_cached" in variants:
+        sides["hf_cached"] = lambda: run_backend_child({
+            "params": str(Path(study.source_path).resolve()), "backend": "hf_cached", "cells": cells,
+            "repetitions": repetitions, "options": hf_cached_options or {}})
+    by_round: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    for _ in range(rounds):
+        for side, measure in sides.items():
+            by_round[side].append(measure())
+    measured = {side: results[0] if rounds == 1 else _over_rounds(results) for side, results in by_round.items()}
+    hf_cached = measured.pop("hf_cached", None)
+    inprocess = measured
     by_interval = ({n: _measure_managed(study, workload, policy, cells, repetitions,
                                         options | {"stream_interval": n}) for n in sorted(set(stream_intervals))}
                    if "managed" in variants else {})
@@ -210,6 +239,11 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
         if hf_cached is not None:
             row |= _hf_cached_columns(study, workload, cell_id, hf_cached["cells"][cell_id], hf_cached["gpu"],
                                       inprocess)
+            for engine in ENGINES_WITHOUT_LORA if rounds > 1 else ():
+                if engine in inprocess:  # each round's ratio, the two sides measured next to each other
+                    row[f"hf_cached_over_inprocess_{engine}_by_round"] = [
+                        h["cells"][cell_id]["tokens_per_s"] / v["cells"][cell_id]["tokens_per_s"]
+                        for h, v in zip(by_round["hf_cached"], by_round[engine], strict=True)]
         rows.append(row)
     verdict = {}
     if by_interval and "adapter" in inprocess:
@@ -219,7 +253,11 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
         if engine in inprocess:
             verdict[f"hf_cached_at_least_{HF_CACHED_GOAL}x_inprocess_{engine}"] = all(
                 r[f"hf_cached_over_inprocess_{engine}"] >= HF_CACHED_GOAL for r in rows)
-    return {"kind": "vllm_inprocess_diagnostic", "cells": cells, "repetitions": repetitions, "variants": list(variants),
+            if rounds > 1:
+                verdict[f"hf_cached_at_least_{HF_CACHED_GOAL}x_inprocess_{engine}_in_every_round"] = all(
+                    min(r[f"hf_cached_over_inprocess_{engine}_by_round"]) >= HF_CACHED_GOAL for r in rows)
+    return {"kind": "vllm_inprocess_diagnostic", "cells": cells, "repetitions": repetitions, "rounds": rounds,
+            "variants": list(variants),
             "policy_identity": policy.identity, **({"managed": by_interval[1]} if by_interval else {}),
             "managed_by_stream_interval": {str(n): v for n, v in by_interval.items() if n != 1},
             **({"managed_non_streamed": unstreamed} if unstreamed is not None else {}),

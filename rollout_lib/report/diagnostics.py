@@ -87,6 +87,10 @@ def _inprocess_row(r: dict[str, Any]) -> dict[str, str]:
                 "floor ms/step (weights + LoRA + KV)": (f"{1000 * floor['step_floor_s']:.3f}"
                                                         if floor.get("status") == "measured" else floor.get("status")),
                 "step / floor": _num(r.get("hf_cached_decode_step_over_floor"), 1)}
+        for engine, column in (("no_adapter", "hf_cached / no LoRA, each round"),
+                               ("no_adapter_reset_cache", "hf_cached / prefix cache reset, each round")):
+            if f"hf_cached_over_inprocess_{engine}_by_round" in r:  # `--rounds`: the spread across processes
+                row[column] = ", ".join(_num(x, 2) for x in r[f"hf_cached_over_inprocess_{engine}_by_round"])
     return row
 
 
