@@ -8,8 +8,8 @@ Variants: `off` / `inductor` are the graph path with the step uncompiled / compi
 before capture; `eager` the transformers + peft loop; `before` the graph path with an older copy
 of compact_qwen3.py (`--before FILE`), for before/after in one process. Suffixes on `off` / `inductor`
 change one thing each, to read the changes apart: `+f32head` forces the float32 GEMM head, `+dynamic` /
-`+perrows` one compilation for every row count / one per row count (STEP_SHAPES), `+again` nothing changed (a
-second compilation from empty caches: the draw's size in this process), `+kvinside` /
+`+perrows` one compilation for every row count / one per row count (STEP_SHAPES), `+again` / `+again2` nothing
+changed (a second / third compilation from empty caches: the draw's size in this process), `+kvinside` /
 `+kvoutside` the k/v cache write inside / outside the compiled piece (CACHE_WRITE), `+cdt` inductor's
 coordinate-descent tuning of launch configurations, `+det` inductor's deterministic mode (one fixed
 configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
@@ -52,6 +52,7 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # nothing changed: its parent compiled a second time from empty caches, so its delta is the size of
             # inductor's first-run draw of launch configurations in this process (lease 28/30: up to ~0.5 ms)
             "again": ("INDUCTOR_OPTIONS", {}),
+            "again2": ("INDUCTOR_OPTIONS", {}),  # a third compilation (lease 32: the draw's spread, not one pair)
             "det": ("INDUCTOR_OPTIONS", {"deterministic": True}),
             # programmatic dependent launch between inductor's Triton kernels (Hopper; vLLM sets it for its
             # full CUDA graphs through TORCHINDUCTOR_ENABLE_PDL): a kernel's prologue overlaps the previous tail
