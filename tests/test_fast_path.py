@@ -950,11 +950,13 @@ def test_the_shared_prefix_merge_compiles_with_the_step(smoke_study, snapshot_ca
     ({"ATTENTION_BACKEND": "fa3"}, "bfloat16", r"ATTENTION_BACKEND fa3 needs a bf16 engine on a Hopper GPU .*cpu"),
     ({"DECODE_PREFIX": "shared"}, "float32",
      r"DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 .*; this engine: ATTENTION_BACKEND auto"),
+    ({"LORA_EXPAND": "triton"}, "float32", r"LORA_EXPAND triton needs a CUDA GPU and Triton; this engine: cpu"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):
     from rollout_lib.backends import compact_qwen3
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # LORA_EXPAND triton runs on a CPU only in the interpreter
     for name, value in settings.items():
         monkeypatch.setattr(compact_qwen3, name, value)
     backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype=dtype, decode="graphs",

@@ -87,7 +87,8 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     product stays a float32 GEMM (K is the rank, so no split-K: one kernel that reads B once, where the
     reduction reads it once per row); "unrolled", `_unrolled_expand`: the rank's products added one by one,
     pointwise, so inductor has no reduction to launch-configure; "unrolled_parts", `_unrolled_expand_parts`: the
-    same per fused part (`part_out`: each part's output features), only that part's own rank terms.
+    same per fused part (`part_out`: each part's output features), only that part's own rank terms; "triton",
+    `lora_expand_add`: one hand-written Triton kernel with one fixed launch configuration (CUDA only).
     `split_k` > 1 (GEMM_SPLIT_K, issue 43 candidate): the base GEMM as `_split_k_product`, rounded once to the
     compute dtype as `linear` rounds its float32 accumulation."""
     import torch
@@ -105,6 +106,8 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
         base = base_product(x, weight)
         xa = (x.float()[..., None, :] * lora_a).sum(-1) if lora_as_reductions else torch.nn.functional.linear(
             x.float(), lora_a)
+    if lora_as_reductions and expand == "triton":  # the add and the rounding are the kernel's
+        return lora_expand_add(base, xa, lora_b, scaling, lora_add == "bf16_like_nf4_oracle")
     if lora_as_reductions and expand == "unrolled":
         low = _unrolled_expand(xa, lora_b)
     elif lora_as_reductions and expand == "unrolled_parts":
@@ -116,6 +119,100 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     if lora_add == "bf16_like_nf4_oracle":
         return base + (low * scaling).to(base.dtype)
     return (base.float() + low * scaling).to(base.dtype)
+
+
+# LORA_EXPAND "triton": one launch configuration, fixed here, for every row count and every compilation
+LORA_EXPAND_BLOCK_N = 128  # output features per program (a program per BLOCK_N features of one row)
+LORA_EXPAND_WARPS = 4
+_LORA_EXPAND_OP = None
+
+
+def _lora_expand_triton_op():
+    """The custom op `rollout::lora_expand_add` (registered once per process, on first use): the Triton kernel
+    behind an opaque op with a fake (shape-only) implementation, so inductor calls it from a compiled piece as it
+    calls a cuBLAS GEMM (its launch recorded in the piece's CUDA graph) and chooses nothing for it."""
+    global _LORA_EXPAND_OP
+    if _LORA_EXPAND_OP is not None:
+        return _LORA_EXPAND_OP
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(base_ptr, xa_ptr, b_ptr, out_ptr, features, rank, scaling, base_row, xa_row, b_row, out_row,
+               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ORACLE_ROUNDING: tl.constexpr):
+        row = tl.program_id(1)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, BLOCK_R)
+        keep_n, keep_r = n < features, r < rank
+        b = tl.load(b_ptr + n[:, None] * b_row + r[None, :], mask=keep_n[:, None] & keep_r[None, :], other=0.0)
+        xa = tl.load(xa_ptr + row * xa_row + r, mask=keep_r, other=0.0)
+        low = tl.sum(b * xa[None, :], axis=1) * scaling  # float32 products and sums, in the kernel's fixed order
+        base = tl.load(base_ptr + row * base_row + n, mask=keep_n, other=0.0)
+        if ORACLE_ROUNDING:  # lora_add "bf16_like_nf4_oracle": the term rounded to the base's dtype first, then
+            low = low.to(base.dtype).to(tl.float32)  # added as torch adds two bf16 tensors (in float32, rounded)
+        out = (base.to(tl.float32) + low).to(base.dtype)  # "float32_once": added in float32, rounded once
+        tl.store(out_ptr + row * out_row + n, out, mask=keep_n)
+
+    def lora_expand_rows(base, xa, lora_b, scaling, oracle_rounding):
+        rows, features = base.shape
+        out = torch.empty((rows, features), dtype=base.dtype, device=base.device)
+        kernel[(triton.cdiv(features, LORA_EXPAND_BLOCK_N), rows)](
+            base, xa, lora_b, out, features, lora_b.shape[1], scaling, base.stride(0), xa.stride(0),
+            lora_b.stride(0), out.stride(0), BLOCK_N=LORA_EXPAND_BLOCK_N,
+            BLOCK_R=triton.next_power_of_2(lora_b.shape[1]), ORACLE_ROUNDING=oracle_rounding,
+            num_warps=LORA_EXPAND_WARPS)
+        return out
+
+    # types, not strings (this module's `from __future__ import annotations`): the op's schema is read from them
+    lora_expand_rows.__annotations__ = {"base": torch.Tensor, "xa": torch.Tensor, "lora_b": torch.Tensor,
+                                        "scaling": float, "oracle_rounding": bool, "return": torch.Tensor}
+    op = torch.library.custom_op("rollout::lora_expand_add", mutates_args=())(lora_expand_rows)
+
+    def shape_only(base, xa, lora_b, scaling, oracle_rounding):
+        return base.new_empty(base.shape)
+
+    shape_only.__annotations__ = dict(lora_expand_rows.__annotations__)
+    op.register_fake(shape_only)
+    _LORA_EXPAND_OP = op
+    return _LORA_EXPAND_OP
+
+
+def lora_expand_add(base: torch.Tensor, xa: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+                    oracle_rounding: bool = False) -> torch.Tensor:
+    """LORA_EXPAND "triton" (issue 43 candidate): base + scaling * (xa @ B^T), the float32 low-rank term added in
+    float32 and rounded once to the base's dtype (or rounded first and added in that dtype: `oracle_rounding`,
+    lora_add "bf16_like_nf4_oracle"), as `_fused_linear`'s other expands. base [..., out] (any row stride), xa
+    [..., rank] float32, B [out, rank] float32 (for a fused projection its block-diagonal B: a part's rows read
+    the other parts' exact zeros, which add nothing). One program per BLOCK_N output features of one row, B's
+    tile and the row's xa loaded whole, their products summed by one `tl.sum` over the rank: a launch
+    configuration fixed here, not picked by inductor's first-run benchmark (leases 28-31: the expand reductions'
+    picks moved a 16-row step by 0.2-1.0 ms between compilations of the same source)."""
+    features = base.shape[-1]
+    rows = base.reshape(-1, features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    terms = xa.reshape(-1, xa.shape[-1])
+    if terms.stride(-1) != 1:
+        terms = terms.contiguous()
+    if lora_b.stride(-1) != 1:
+        lora_b = lora_b.contiguous()
+    op = _LORA_EXPAND_OP or _lora_expand_triton_op()  # registered by the engine before any trace reaches here
+    out = op(rows, terms, lora_b, float(scaling), bool(oracle_rounding))
+    return out.view(*base.shape[:-1], features) if base.dim() != 2 else out
+
+
+def _check_lora_expand_triton(device: torch.device) -> None:
+    """LORA_EXPAND "triton" runs on a CUDA GPU with Triton installed (or, for tests, on a CPU in Triton's
+    interpreter: TRITON_INTERPRET=1); refused elsewhere, by name."""
+    import importlib.util
+    import os
+
+    triton = importlib.util.find_spec("triton") is not None
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if not triton or (device.type != "cuda" and not interpreted):
+        raise ValueError(f"LORA_EXPAND triton needs a CUDA GPU and Triton; this engine: {device}, Triton "
+                         f"{'installed' if triton else 'not installed'}")
 
 
 def _unrolled_expand(xa: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
@@ -379,6 +476,10 @@ class Layer:
 #   "unrolled_parts" (issue 43 candidate, after lease 30's "unrolled" lost +0.6-0.9 ms): the same per fused part
 #   (`_unrolled_expand_parts`: each part only its own rank terms, not the block-diagonal B's zeros) over B stored
 #   rank-major, so each term's loads are contiguous across output features. The probe's `+partsexpand`.
+#   "triton" (issue 43 candidate, CUDA only, after lease 31 measured the draw at up to ~0.3 ms per pair of
+#   compilations with nothing changed): the B product, the add and the rounding as one hand-written Triton kernel
+#   (`lora_expand_add`) with one launch configuration fixed here, so no compilation draws it. The probe's
+#   `+tritonexpand`.
 # - ATTENTION_BACKEND "auto" (the default): SDPA picks its kernel (cuDNN's on the H200, ~11 us a layer
 #   at 16 rows); "efficient" or "cudnn": that SDPA backend only (`torch.nn.attention.sdpa_kernel`), to
 #   compare decode attention kernels side by side (the probe's `+sdpaeff`, `+sdpacudnn`); "flex":
@@ -457,7 +558,7 @@ STEP_SHAPES_ALLOWED = ("per_rows", "dynamic")
 CACHE_WRITE_ALLOWED = ("outside", "inside")
 LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
 LORA_EXPAND = "reductions"
-LORA_EXPAND_ALLOWED = ("reductions", "gemm", "unrolled", "unrolled_parts")
+LORA_EXPAND_ALLOWED = ("reductions", "gemm", "unrolled", "unrolled_parts", "triton")
 ATTENTION_BACKEND = "auto"
 ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3")
 PREFILL = "per_row"
@@ -650,6 +751,9 @@ class CompactQwen3:
         if self.lora_shrink == "in_base_gemm" and self.dtype != torch.bfloat16:
             raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
         self.lora_expand = setting("LORA_EXPAND")
+        if self.lora_expand == "triton":
+            _check_lora_expand_triton(self.device)
+            _lora_expand_triton_op()  # the op registered now, outside any compiled trace
         self.attention_backend = setting("ATTENTION_BACKEND")
         if self.attention_backend == "fa3":
             _check_fa3(self.device, self.dtype)

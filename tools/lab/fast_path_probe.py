@@ -14,7 +14,7 @@ changed (a second / third compilation from empty caches: the draw's size in this
 coordinate-descent tuning of launch configurations, `+det` inductor's deterministic mode (one fixed
 configuration per reduction, no benchmark at first launch: the choice that moved 16-row steps by
 0.2-0.5 ms from hold to hold) (both INDUCTOR_OPTIONS, merged); e.g. `inductor+perrows+det`. Issue 43's
-candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tunelargest`, `+sdpaeff`,
+candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tritonexpand`, `+tunelargest`, `+sdpaeff`,
 `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`,
 `+maxat`, `+combo`, `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
 `+sharedprefix` (with `+fa3`: each block of n rows reads its shared prompt's k/v once),
@@ -73,6 +73,10 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # the same per fused part (only the part's own rank terms) over rank-major B (lease 30: the dense
             # unrolled kernel read B a row apart per thread and added the block-diagonal B's zeros)
             "partsexpand": ("LORA_EXPAND", "unrolled_parts"),
+            # the B product, add and rounding as one hand-written Triton kernel with one fixed launch configuration
+            # (lease 31: inductor's first-run picks for the expand reductions moved a step up to ~0.3 ms, nothing
+            # changed)
+            "tritonexpand": ("LORA_EXPAND", "triton"),
             # the cold start captures the largest row count first: inductor's first-run picks of launch
             # configurations (one for every row count) are made at 16 rows, not 4
             "tunelargest": ("AUTOTUNE_ROWS", "largest"),
