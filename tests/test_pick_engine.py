@@ -14,16 +14,16 @@ BASE = "inductor+shrinkgemm"
 
 
 def _probe(folder, variants: dict[str, object]):
-    """`variants`: name -> (ms per step per cell, ms prefill per cell), or an error string."""
+    """`variants`: name -> (ms per step per cell, ms prefill per cell[, tokens/s per cell]), or an error string."""
     folder.mkdir()
     probe = {"cells": list(CELLS)}
     for name, figures in variants.items():
         if isinstance(figures, str):
             probe[name] = {"error": figures}
             continue
-        steps, prefills = figures
-        probe[name] = {"cells": {c: {"ms_per_decode_step": s, "tokens_per_s": 1000.0, "ms_prefill": p}
-                                 for c, s, p in zip(CELLS, steps, prefills, strict=True)}}
+        steps, prefills, rates = (*figures, (1000.0,) * len(CELLS))[:3]
+        probe[name] = {"cells": {c: {"ms_per_decode_step": s, "tokens_per_s": r, "ms_prefill": p}
+                                 for c, s, p, r in zip(CELLS, steps, prefills, rates, strict=True)}}
     (folder / "probe.json").write_text(json.dumps(probe))
     return folder
 
@@ -107,6 +107,23 @@ def test_settings_that_pay_only_together_are_kept_as_a_bundle_and_open_what_need
     assert any(line.startswith("+fa3+sharedprefix+pipelined (ATTENTION_BACKEND+DECODE_PREFIX+READBACK "
                                "fa3+shared+pipelined): dropped, decode step gains not above") for line in lines)
     assert "+sharedprefix (DECODE_PREFIX shared): dropped, measured only on top of candidates not kept" in lines
+
+
+def test_prefill_settings_are_judged_by_their_prefill_and_the_tokens_per_s_they_move(tmp_path):
+    """Lease 28's shape: shared prompts and the captured prefill each lose somewhere alone; together they cut
+    the prefill in every cell and raise tokens/s in every cell while the decode step reads slower (its draw):
+    kept as a bundle. A prefill setting whose tokens/s falls in a cell is dropped, whatever its prefill gain."""
+    folder = _probe(tmp_path / "p", {
+        BASE: ((2.00, 2.40), (64.5, 73.9), (1342.0, 4531.0)),
+        f"{BASE}+sharedprefill": ((2.16, 2.72), (99.4, 73.4), (1084.0, 4207.0)),         # slower alone
+        f"{BASE}+prefillgraph": ((2.09, 2.50), (9.1, 31.5), (1812.0, 4500.0)),           # prefill gains, rate falls
+        f"{BASE}+sharedprefill+prefillgraph": ((2.18, 2.53), (9.2, 11.0), (1739.0, 5973.0))})
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"LORA_SHRINK": "in_base_gemm", "PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"}
+    assert ("+prefillgraph (PREFILL_STEP compiled_graph): dropped, its tokens/s fell (p128-r64-n4-stochastic "
+            "x0.993)") in lines
+    assert any(line.startswith("+sharedprefill+prefillgraph (PREFILL+PREFILL_STEP shared_prompts+compiled_graph): "
+                               "kept, prefill gains (ms: ") for line in lines)
 
 
 def test_a_failure_superseded_by_a_later_measurement_is_judged_by_the_measurement(tmp_path):

@@ -9,12 +9,14 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
 - A candidate is a probe suffix that sets one of the engine's settings (`compact_qwen3.ENGINE_SETTINGS`; the
   suffixes of `tools/lab/fast_path_probe.py`). Its effect is read wherever a probe has a variant that adds exactly
   that suffix to another variant of the same probe (its parent), both measured: per cell, the parent's ms per
-  decode step minus the variant's; for the prefill settings (PREFILL, PREFILL_STEP) the prefill's ms instead.
+  decode step minus the variant's; for the prefill settings (PREFILL, PREFILL_STEP, or a bundle of them) the
+  prefill's ms instead.
 - Judged by the comparisons reachable when it is first judged (against the base first, then on top of candidates
   already kept), of those the ones on top of the most kept suffixes: where the engine will run it. Kept when
   each of them gains more than `--min-gain-ms` in every cell both measured and, for a prefill setting, its
-  decode step is nowhere worse by more than that. A variant that failed, or a candidate
-  measured only on top of candidates not kept, is not kept.
+  tokens/s is nowhere lower (the wall it moves; until lease 31 the rule asked its decode step to be nowhere
+  worse by more than `--min-gain-ms`, which the decode step's draw alone could break). A variant that failed,
+  or a candidate measured only on top of candidates not kept, is not kept.
 - The probes' base (the suffixes of each folder's first variant, e.g. `+shrinkgemm`, measured against the
   default engine before) is kept.
 - One value per setting: where two values of one setting are kept (e.g. ATTENTION_BACKEND flex and fa3), the
@@ -89,6 +91,9 @@ def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dic
                 record["prefill_gain_ms"] = {c: before["cells"][c]["ms_prefill"] - child["cells"][c]["ms_prefill"]
                                              for c in cells if "ms_prefill" in before["cells"][c]
                                              and "ms_prefill" in child["cells"][c]}
+                record["rate_ratio"] = {c: child["cells"][c]["tokens_per_s"] / before["cells"][c]["tokens_per_s"]
+                                        for c in cells if before["cells"][c].get("tokens_per_s")
+                                        and "tokens_per_s" in child["cells"][c]}
             found.append(record)
     return base, found
 
@@ -125,7 +130,8 @@ def _verdict(suffix: str, name: str, value: str, mine: list[dict[str, Any]], min
         earlier = f"; it failed in {failed[0]['folder']} before ({' '.join(str(failed[0]['failed']).split())[:60]})"
     else:
         earlier = ""
-    key = "prefill_gain_ms" if name in PREFILL_SETTINGS else "step_gain_ms"
+    prefill = all(part in PREFILL_SETTINGS for part in name.split("+"))  # a setting, or a bundle of them
+    key = "prefill_gain_ms" if prefill else "step_gain_ms"
     what = "prefill" if key == "prefill_gain_ms" else "decode step"
     per_cell = [(r, cell, gain) for r in mine for cell, gain in r[key].items()]
     shown = "; ".join(f"{r['variant']} vs {r['parent']}: " + ", ".join(f"{c} {g:+.3f}" for c, g in r[key].items())
@@ -133,10 +139,10 @@ def _verdict(suffix: str, name: str, value: str, mine: list[dict[str, Any]], min
     if not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
         return None, (f"+{suffix} ({name} {value}): dropped, {what} gains not above {min_gain_ms} ms in every cell "
                       f"(ms: {shown or 'no cell measured'}){earlier}")
-    worse = [(c, g) for r in mine for c, g in r["step_gain_ms"].items() if g < -min_gain_ms]
-    if name in PREFILL_SETTINGS and worse:
-        return None, (f"+{suffix} ({name} {value}): dropped, its decode step is slower "
-                      f"({worse[0][0]} {worse[0][1]:+.3f} ms){earlier}")
+    slower = [(c, x) for r in mine for c, x in r.get("rate_ratio", {}).items() if x < 1.0]
+    if prefill and slower:  # the wall it moves: tokens/s, the decode steps included (their draw too)
+        return None, (f"+{suffix} ({name} {value}): dropped, its tokens/s fell "
+                      f"({slower[0][0]} x{slower[0][1]:.3f}){earlier}")
     return statistics.mean(g for _, _, g in per_cell), (f"+{suffix} ({name} {value}): kept, {what} gains "
                                                         f"(ms: {shown}){earlier}")
 
