@@ -126,6 +126,29 @@ def test_prefill_settings_are_judged_by_their_prefill_and_the_tokens_per_s_they_
                                "kept, prefill gains (ms: ") for line in lines)
 
 
+def test_a_source_compiled_more_than_once_is_judged_by_the_mean_of_its_compilations(tmp_path):
+    """The draw probe: the base and a candidate each compiled twice or three times. Against the base's first
+    compilation alone the candidate would lose in one cell (2.30 against 2.25); against the base's mean it gains
+    in both; `+again` itself is no candidate and no line."""
+    folder = _probe(tmp_path / "p", {
+        BASE: ((2.10, 2.25), (40.0, 60.0)),
+        f"{BASE}+again": ((2.20, 2.55), (40.0, 60.0)),
+        f"{BASE}+again2": ((2.15, 2.50), (40.0, 60.0)),        # the base: 2.15 / 2.4333 by the mean
+        f"{BASE}+combo": ((2.00, 2.30), (40.0, 60.0)),
+        f"{BASE}+combo+again": ((2.06, 2.34), (40.0, 60.0))})  # combo: 2.03 / 2.32 -> +0.12 / +0.113
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"COMBO_KERNELS": "on", "LORA_SHRINK": "in_base_gemm"}
+    (line,) = [line for line in lines if line.startswith("+combo ")]
+    assert "p128-r64-n1-greedy +0.120, p128-r64-n4-stochastic +0.113" in line
+    assert not any("again" in line for line in lines)
+    # one failed compilation fails the source
+    failing = _probe(tmp_path / "q", {BASE: ((2.1, 2.4), (40.0, 60.0)), f"{BASE}+combo": ((2.0, 2.3), (40.0, 60.0)),
+                                      f"{BASE}+combo+again": "RuntimeError: CUDA error"})
+    engine, lines = pick([failing], 0.02)
+    assert engine == {"LORA_SHRINK": "in_base_gemm"}
+    assert "+combo (COMBO_KERNELS on): dropped, inductor+shrinkgemm+combo failed: RuntimeError: CUDA error" in lines
+
+
 def test_a_failure_superseded_by_a_later_measurement_is_judged_by_the_measurement(tmp_path):
     earlier = _probe(tmp_path / "a", {BASE: ((2.1, 2.4), (40.0, 60.0)),
                                       f"{BASE}+chunkedsampler": "InductorError: CantSplit:\n s24 not divisible"})

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tools.lab.probe_table import main, probe_rows, render, render_launches, render_time
+from tools.lab.probe_table import compilations, main, probe_rows, render, render_launches, render_time
 
 LAYERS = 28
 
@@ -125,3 +125,27 @@ def test_the_launches_table_lists_each_traced_row_s_reductions(tmp_path, capsys)
     assert main([str(tmp_path), "--launches"]) == 0
     assert "launch shapes picked at first run" in capsys.readouterr().out
     assert main([str(tmp_path)]) == 0 and "launch shapes" not in capsys.readouterr().out
+
+
+def test_a_source_compiled_more_than_once_is_read_over_its_compilations(tmp_path, capsys):
+    """Lease 32's draw probe: X, X+again, X+again2 are one source; its mean, spread and mean against the base's."""
+    cell = "p128-r64-n4-stochastic"
+    steps = {"inductor+shrinkgemm": 2.40, "inductor+shrinkgemm+again": 2.70, "inductor+shrinkgemm+again2": 2.50,
+             "inductor+shrinkgemm+combo": 2.20, "inductor+shrinkgemm+combo+again": 2.30,
+             "inductor+shrinkgemm+flex": 3.00}
+    probe = {"cells": [cell]} | {v: {"cells": {cell: {"ms_per_decode_step": ms, "tokens_per_s": 4000.0 / ms}}}
+                                 for v, ms in steps.items()}
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    groups = {g["source"]: g for g in compilations(probe_rows(tmp_path))}
+    assert groups["inductor+shrinkgemm"] == {
+        "source": "inductor+shrinkgemm", "cell": cell, "compilations": 3, "mean_ms_per_step": 2.533,
+        "min_ms_per_step": 2.4, "max_ms_per_step": 2.7, "delta_mean_ms_per_step": 0.0,
+        "mean_tokens_per_s": round((4000 / 2.4 + 4000 / 2.7 + 4000 / 2.5) / 3, 1)}
+    assert groups["inductor+shrinkgemm+combo"]["compilations"] == 2
+    assert groups["inductor+shrinkgemm+combo"]["delta_mean_ms_per_step"] == pytest.approx(2.25 - 2.5333, abs=1e-3)
+    assert groups["inductor+shrinkgemm+flex"]["compilations"] == 1
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| inductor+shrinkgemm+combo | p128-r64-n4-stochastic | 2 | 2.250 | 2.200-2.300 | -0.283 |" in out
+    # a probe without a repeated source prints no such table
+    assert compilations([r for r in probe_rows(tmp_path) if "again" not in r["variant"]]) == []

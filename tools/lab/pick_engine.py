@@ -23,7 +23,9 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   larger mean gain wins. A value whose requirement is not kept is dropped (the engine's SETTING_REQUIRES, e.g.
   DECODE_PREFIX shared needs ATTENTION_BACKEND fa3).
 - Inductor options (`+pdl`, `+maxat`, `+cdt`, ...) are not engine settings: reported, never chosen (`+combo` is
-  one since lease 30: COMBO_KERNELS).
+  one since lease 30: COMBO_KERNELS). `+again` / `+again2` (the same source compiled again) are not candidates:
+  a source's compilations are read as one, by their mean per cell (lease 31: one pair of compilations of one
+  source differed by up to 0.33 ms per step).
 - Bundles: settings that only pay together (lease 31: FA3's graph waits ~0.6 ms for its launch unless the next
   step is enqueued while this one runs, READBACK pipelined) are judged as one candidate where a variant adds two
   or more engine-setting suffixes to a measured ancestor in the same probe, after the single settings, by the
@@ -63,8 +65,34 @@ def _suffixes() -> dict[str, tuple[str, Any]]:
     return SUFFIXES
 
 
+AGAIN_SUFFIXES = ("again", "again2")  # the same source compiled again (tools/lab/fast_path_probe.py)
+
+
+def over_compilations(probe: dict[str, Any]) -> dict[str, Any]:
+    """The probe with each source's compilations (`X`, `X+again`, `X+again2`) as one variant `X` whose figures are
+    their means per cell (a cell only where every compilation measured it); a source any of whose compilations
+    failed keeps that failure."""
+    merged: dict[str, Any] = {"cells": probe.get("cells", [])}
+    members: dict[str, list[dict[str, Any]]] = {}
+    for name, entry in probe.items():
+        if name != "cells":
+            members.setdefault("+".join(p for p in name.split("+") if p not in AGAIN_SUFFIXES), []).append(entry)
+    for source, entries in members.items():
+        failed = [e for e in entries if "error" in e or not e.get("cells")]
+        if failed:
+            merged[source] = failed[0]
+            continue
+        cells = set.intersection(*(set(e["cells"]) for e in entries))
+        merged[source] = {"compilations": len(entries), "cells": {
+            c: {key: statistics.mean(e["cells"][c][key] for e in entries) for key in entries[0]["cells"][c]
+                if all(key in e["cells"][c] for e in entries)} for c in sorted(cells)}}
+    return merged
+
+
 def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dict[str, Any]]]:
-    """The folder's base suffixes, and one record per (variant, its parent, the suffix between them)."""
+    """The folder's base suffixes, and one record per (variant, its parent, the suffix between them); a source
+    compiled more than once is read by the mean of its compilations (`over_compilations`)."""
+    probe = over_compilations(probe)
     variants = [name for name in probe if name != "cells"]
     parts = {name: name.split("+") for name in variants}
     base = set(parts[variants[0]][1:])

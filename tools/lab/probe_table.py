@@ -17,7 +17,8 @@ the gaps, the part of them just before attention kernels and the part that is th
 `tools/trace_breakdown.py` says how kernels are sorted). `--launches` adds a third table: per traced row,
 inductor's reduction kernels (us per step in all) and the launch shapes of the four that took longest, so a
 delta can be checked against the draw of launch configurations each compilation makes (docs/perf-notes.md,
-lease 28). `--json` also writes the rows.
+lease 28). Where the probe compiled a source more than once (`+again`, `+again2`), a table of each source over
+its compilations: mean, min-max and the mean against the baseline's mean. `--json` also writes the rows.
 """
 from __future__ import annotations
 
@@ -180,6 +181,48 @@ def render_launches(rows: list[dict[str, Any]], top: int = 4) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+# probe suffixes that change nothing: the same source compiled again from empty caches (its draw)
+AGAIN_SUFFIXES = ("again", "again2")
+
+
+def compilations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per source (a variant with its `+again` / `+again2` suffixes taken off) and cell, where the probe compiled
+    it more than once: the compilations' ms per step (mean, min, max), their mean against the baseline source's
+    mean in that cell, and the mean tok/s. A delta between two sources is readable where it exceeds the spread of
+    each (lease 31: one pair of compilations of the same source differed by up to 0.33 ms per step)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("cell") is None:
+            continue
+        source = "+".join(part for part in row["variant"].split("+") if part not in AGAIN_SUFFIXES)
+        groups.setdefault((source, row["cell"]), []).append(row)
+    if not any(len(members) > 1 for members in groups.values()):
+        return []
+    base_source = "+".join(part for part in (rows[0].get("baseline") or rows[0]["variant"]).split("+")
+                           if part not in AGAIN_SUFFIXES)
+    out = []
+    for (source, cell), members in groups.items():
+        steps = [m["ms_per_decode_step"] for m in members]
+        mean = sum(steps) / len(steps)
+        base = groups.get((base_source, cell))
+        base_mean = sum(m["ms_per_decode_step"] for m in base) / len(base) if base else None
+        out.append({"source": source, "cell": cell, "compilations": len(steps), "mean_ms_per_step": round(mean, 3),
+                    "min_ms_per_step": round(min(steps), 3), "max_ms_per_step": round(max(steps), 3),
+                    "delta_mean_ms_per_step": round(mean - base_mean, 3) if base_mean is not None else None,
+                    "mean_tokens_per_s": round(sum(m["tokens_per_s"] for m in members) / len(members), 1)})
+    return out
+
+
+def render_compilations(groups: list[dict[str, Any]]) -> str:
+    lines = ["| source | cell | compilations | mean ms/step | min-max | Δ mean vs base | mean tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for g in groups:
+        lines.append(f"| {g['source']} | {g['cell']} | {g['compilations']} | {g['mean_ms_per_step']:.3f} | "
+                     f"{g['min_ms_per_step']:.3f}-{g['max_ms_per_step']:.3f} | "
+                     f"{_cell(g['delta_mean_ms_per_step'], '{:+.3f}')} | {g['mean_tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path, help="folders holding a probe.json (and its traces)")
@@ -197,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             time_table = render_time(rows)
             if time_table:
                 print(f"GPU time per decode step by kernel category, ms (from the traces):\n{time_table}\n")
+            groups = compilations(rows)
+            if groups:
+                print("Each source over its compilations (`+again`, `+again2`: the same source compiled again):\n"
+                      f"{render_compilations(groups)}\n")
             launches = render_launches(rows) if args.launches else ""
             if launches:
                 print("Inductor's reduction kernels, launch shapes picked at first run (from the traces):\n"
