@@ -124,8 +124,8 @@ def _run(study, decode, dtype, cells, versions=2):
 def _reference_margins(study, reference, results) -> list[list[float]]:
     """The reference engine's own top-1 minus top-2 logit at each of its greedy tokens (teacher-forced): where a
     candidate engine may part from it (checks.conformance.greedy_divergences_beyond_ties)."""
-    cell = Workload(study).cell(results[0].request_id.split("/")[0])
-    requests = Workload(study).requests(cell)
+    workload = Workload(study)
+    requests = workload.requests(workload.cell(results[0].request_id.split("/")[0]))
     return [reference.teacher_forced(r.prompt_token_ids, list(x.token_ids)).top1_minus_top2
             for r, x in zip(requests, results, strict=True)]
 

@@ -54,7 +54,7 @@ from rollout_lib.backends.compact_qwen3 import (  # noqa: E402
     SETTING_REQUIRES,
     check_engine_settings,
 )
-from tools.lab.probe_table import read_probe  # noqa: E402
+from tools.lab.probe_table import read_probe, source_of  # noqa: E402
 
 PREFILL_SETTINGS = ("PREFILL", "PREFILL_STEP")
 
@@ -65,9 +65,6 @@ def _suffixes() -> dict[str, tuple[str, Any]]:
     return SUFFIXES
 
 
-AGAIN_SUFFIXES = ("again", "again2")  # the same source compiled again (tools/lab/fast_path_probe.py)
-
-
 def over_compilations(probe: dict[str, Any]) -> dict[str, Any]:
     """The probe with each source's compilations (`X`, `X+again`, `X+again2`) as one variant `X` whose figures are
     their means per cell (a cell only where every compilation measured it); a source any of whose compilations
@@ -76,7 +73,7 @@ def over_compilations(probe: dict[str, Any]) -> dict[str, Any]:
     members: dict[str, list[dict[str, Any]]] = {}
     for name, entry in probe.items():
         if name != "cells":
-            members.setdefault("+".join(p for p in name.split("+") if p not in AGAIN_SUFFIXES), []).append(entry)
+            members.setdefault(source_of(name), []).append(entry)
     for source, entries in members.items():
         failed = [e for e in entries if "error" in e or not e.get("cells")]
         if failed:

@@ -185,6 +185,11 @@ def render_launches(rows: list[dict[str, Any]], top: int = 4) -> str:
 AGAIN_SUFFIXES = ("again", "again2")
 
 
+def source_of(variant: str) -> str:
+    """The variant without its `+again` / `+again2` suffixes: the source it compiled."""
+    return "+".join(part for part in variant.split("+") if part not in AGAIN_SUFFIXES)
+
+
 def compilations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per source (a variant with its `+again` / `+again2` suffixes taken off) and cell, where the probe compiled
     it more than once: the compilations' ms per step (mean, min, max), their mean against the baseline source's
@@ -194,12 +199,10 @@ def compilations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         if row.get("cell") is None:
             continue
-        source = "+".join(part for part in row["variant"].split("+") if part not in AGAIN_SUFFIXES)
-        groups.setdefault((source, row["cell"]), []).append(row)
+        groups.setdefault((source_of(row["variant"]), row["cell"]), []).append(row)
     if not any(len(members) > 1 for members in groups.values()):
         return []
-    base_source = "+".join(part for part in (rows[0].get("baseline") or rows[0]["variant"]).split("+")
-                           if part not in AGAIN_SUFFIXES)
+    base_source = source_of(rows[0].get("baseline") or rows[0]["variant"])
     out = []
     for (source, cell), members in groups.items():
         steps = [m["ms_per_decode_step"] for m in members]
