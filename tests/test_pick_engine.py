@@ -203,3 +203,34 @@ def test_a_probe_that_did_not_run_is_left_out_only_when_asked(folders, tmp_path,
     out, err = capsys.readouterr()
     assert json.loads(out) == {"LORA_EXPAND": "gemm", "LORA_SHRINK": "in_base_gemm", "PREFILL_STEP": "compiled_graph"}
     assert f"{tmp_path / 'decode-never'}: no probe.json, left out (--skip-missing)" in err
+
+
+def test_a_candidate_dropped_early_is_judged_again_where_a_later_probe_measured_it_on_the_kept_engine(tmp_path):
+    """Lease 32: the chunked sampler lost against the base in an early probe and gained on top of the engine kept
+    since (combo) in a later one; the later comparison decides, and its line names the first verdict. One
+    measured on top of the kept engine and losing there stays dropped; one never measured there keeps its
+    first verdict."""
+    early = _probe(tmp_path / "early", {
+        BASE: ((2.10, 2.40), (40.0, 60.0)),
+        f"{BASE}+combo": ((1.90, 2.20), (40.0, 60.0)),            # kept: +0.20 / +0.20
+        f"{BASE}+chunkedsampler": ((2.15, 2.30), (40.0, 60.0)),   # -0.05 / +0.10: dropped here
+        f"{BASE}+partsexpand": ((2.20, 2.50), (40.0, 60.0)),      # -0.10 / -0.10: dropped here
+        f"{BASE}+edges": ((2.20, 2.50), (40.0, 60.0))})           # dropped, never measured again
+    later = _probe(tmp_path / "later", {
+        BASE: ((2.10, 2.40), (40.0, 60.0)),
+        f"{BASE}+combo": ((1.90, 2.20), (40.0, 60.0)),
+        f"{BASE}+combo+chunkedsampler": ((1.80, 2.05), (40.0, 60.0)),  # +0.10 / +0.15 on the kept engine
+        f"{BASE}+combo+partsexpand": ((1.95, 2.10), (40.0, 60.0))})    # -0.05 / +0.10: still dropped
+    engine, lines = pick([early, later], 0.02)
+    assert engine == {"COMBO_KERNELS": "on", "LORA_SHRINK": "in_base_gemm", "SAMPLER": "chunked"}
+    (sampler,) = [line for line in lines if line.startswith("+chunkedsampler ")]
+    assert sampler.startswith("+chunkedsampler (SAMPLER chunked): kept, decode step gains (ms: "
+                              "inductor+shrinkgemm+combo+chunkedsampler vs inductor+shrinkgemm+combo: "
+                              "p128-r64-n1-greedy +0.100, p128-r64-n4-stochastic +0.150)")
+    assert sampler.endswith("(judged again on top of more kept settings; before: dropped, decode step gains not "
+                            "above 0.02 ms in every cell)")
+    (expand,) = [line for line in lines if line.startswith("+partsexpand ")]
+    assert "dropped" in expand and "inductor+shrinkgemm+combo+partsexpand vs inductor+shrinkgemm+combo" in expand
+    assert "judged again" in expand
+    (edges,) = [line for line in lines if line.startswith("+edges ")]
+    assert "dropped" in edges and "judged again" not in edges

@@ -32,6 +32,10 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   same rule, and only while none of its parts is kept (a kept part's partners are measured on top of it:
   `+combo+fa3+pipelined` against `+combo` is the bundle fa3+pipelined once combo is kept); a kept bundle sets
   all its settings, unless one of them is already chosen with another value.
+- Judged again: a candidate dropped where it was first judged, and measured later on top of more of what is kept
+  by then (lease 32: the chunked sampler and the per-part expand, dropped against the base in earlier probes,
+  measured on top of combo + fa3 + pipelined), is judged again there, its new verdict naming the old one.
+  A kept candidate is not judged again (its gain opened what came after it).
 - A failure is decisive only when it is the candidate's latest record (the folders in the order given): a
   variant that failed in an earlier probe and was measured in a later one (a fix between leases) is judged by
   its measurements, the failure named in its verdict.
@@ -193,24 +197,51 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
     undecided = [s for s in singles if s in setting_of]
     gains: dict[str, float] = {}
     kept_parts = set(bases)  # every suffix of the base and of the candidates kept so far (a bundle's too)
+    dropped_at: dict[str, tuple[int, int, tuple[str, str]]] = {}  # suffix -> (kept suffixes under it, line, setting)
+
+    def reachable(suffix: str) -> list[dict[str, Any]]:
+        return _where_it_runs([r for r in records if r["suffix"] == suffix and r["parent_suffixes"] <= kept_parts])
+
+    def keep(suffix: str, gain: float) -> None:
+        gains[suffix] = gain
+        kept_parts.update(suffix.split("+"))
 
     def judge(pending: list[str], settings_of: dict[str, tuple[str, str]]) -> bool:
         """Judge what has become reachable; True when something was judged."""
         judged = False
         while True:
-            reachable = {s: _where_it_runs([r for r in records if r["suffix"] == s
-                                            and r["parent_suffixes"] <= kept_parts]) for s in pending}
-            ready = [s for s in pending if reachable[s]]
+            ready = {s: found for s in pending if (found := reachable(s))}
             if not ready:
                 return judged
-            for suffix in ready:
-                gain, line = _verdict(suffix, *settings_of[suffix], reachable[suffix], min_gain_ms)
+            for suffix, mine in ready.items():
+                gain, line = _verdict(suffix, *settings_of[suffix], mine, min_gain_ms)
                 lines.append(line)
                 if gain is not None:
-                    gains[suffix] = gain
-                    kept_parts.update(suffix.split("+"))
+                    keep(suffix, gain)
+                else:
+                    dropped_at[suffix] = (len(mine[0]["parent_suffixes"]), len(lines) - 1, settings_of[suffix])
                 pending.remove(suffix)
                 judged = True
+
+    def judge_again() -> bool:
+        """A dropped candidate measured later on top of more of what is now kept (a later probe's variant on the
+        engine kept since) is judged again there, where the engine will run it: its new verdict replaces the
+        old line, which it names. True when one was kept."""
+        for suffix, (depth, at, setting) in sorted(dropped_at.items()):
+            if set(suffix.split("+")) <= kept_parts or ("+" in suffix and set(suffix.split("+")) & kept_parts):
+                continue  # kept since as part of a bundle; a bundle with a part kept since is no bundle any more
+            mine = reachable(suffix)
+            if not mine or len(mine[0]["parent_suffixes"]) <= depth:
+                continue
+            gain, line = _verdict(suffix, *setting, mine, min_gain_ms)
+            was = lines[at].split(": ", 1)[1].split(" (ms:")[0]
+            lines[at] = f"{line} (judged again on top of more kept settings; before: {was})"
+            dropped_at[suffix] = (len(mine[0]["parent_suffixes"]), at, setting)
+            if gain is not None:
+                del dropped_at[suffix]
+                keep(suffix, gain)
+                return True
+        return False
 
     bundle_of = {}
     for suffix in sorted({r["suffix"] for r in records if "+" in r["suffix"]}):
@@ -223,7 +254,7 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
         judge(undecided, setting_of)
         # a bundle with a part already kept is not one: its other parts are measured on top of that part
         bundles = [b for b in bundles if not set(b.split("+")) & kept_parts]
-        if not judge(bundles, bundle_of):
+        if not judge(bundles, bundle_of) and not judge_again():
             break
     for suffix in undecided:
         lines.append(f"+{suffix} ({' '.join(setting_of[suffix])}): dropped, measured only on top of "
