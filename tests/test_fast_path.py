@@ -482,6 +482,10 @@ def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_
      {"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}, {}),
     ({"ATTENTION_BACKEND": "flex", "READBACK": "pipelined"}, "float32",
      {"ATTENTION_BACKEND": "flex", "READBACK": "pipelined"}, {}),
+    ({"ATTENTION_BACKEND": "fa3", "ATTENTION_PLAN": "per_step", "SAMPLER": "chunked"}, "float32",
+     {"SAMPLER": "chunked"}, {"ATTENTION_BACKEND": "fa3: bfloat16 engines only (FA3's kernels take bf16 or fp16 "
+                                                    "only)",
+                              "ATTENTION_PLAN": "per_step: needs ATTENTION_BACKEND fa3, left out in float32"}),
 ])
 def test_an_engine_mapping_for_a_dtype_keeps_what_that_dtype_runs(engine, dtype, kept, left_out):
     from rollout_lib.backends.compact_qwen3 import settings_for_dtype
@@ -823,7 +827,8 @@ def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smok
     monkeypatch.setattr(compact_qwen3, "_check_fa3", lambda device, dtype: None)
     calls = []
 
-    def kernel(q, k, v, seqused_k, leftpad_k, scale):
+    def kernel(q, k, v, seqused_k, leftpad_k, scale, plan=None):
+        assert plan is None, "ATTENTION_PLAN per_call: each call plans for itself"
         calls.append((seqused_k.dtype, leftpad_k.dtype, k.is_contiguous(), k.stride(-1), q.shape))
         return _reference_fa3(q, k, v, seqused_k, leftpad_k, scale)
 
@@ -843,9 +848,9 @@ def test_the_fa3_decode_path_hands_the_kernel_the_cache_and_the_rows_ranges(smok
     assert {c[4][1:] for c in calls} == {(1, arch.num_attention_heads, arch.head_dim)}
 
 
-def _reference_fa3_with_lse(q, k, v, seqused_k, leftpad_k, scale):
+def _reference_fa3_with_lse(q, k, v, seqused_k, leftpad_k, scale, plan=None):
     """`_fa3_attention`'s semantics for T query positions per batch entry, none causal: (out [B, T, H, D],
-    log-sum-exp [B, H, T])."""
+    log-sum-exp [B, H, T]); `plan` (FA3's scheduler metadata) changes no output."""
     groups = q.shape[2] // k.shape[2]
     keys, values = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * scale
@@ -853,6 +858,84 @@ def _reference_fa3_with_lse(q, k, v, seqused_k, leftpad_k, scale):
     keep = (columns[None, :] >= leftpad_k[:, None].long()) & (columns[None, :] < seqused_k[:, None].long())
     scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), values), torch.logsumexp(scores, dim=-1)
+
+
+def test_the_fa3_plan_is_made_once_per_decode_step_and_read_by_every_layer(smoke_study, snapshot_cache, monkeypatch,
+                                                                            outputs):
+    """Issue 43 candidate (ATTENTION_PLAN "per_step"): FA3's scheduler metadata computed once per decode step from
+    the step's arguments (`_fa3_plan`) and handed to every layer's call, which then skips its own planning kernel
+    (on the H200 in test_gpu_fast_path.py: the same outputs bit for bit). On the CPU the plan is a stand-in tensor
+    per step: each step makes one, from the shapes and the rows' ranges its calls get, every layer of that step
+    reads that one, and the tokens are the default engine's. Without fa3 the setting is refused; with the shared
+    prefix's cascade (two calls of other shapes per layer) no plan is made."""
+    from rollout_lib.backends import compact_qwen3
+
+    monkeypatch.setattr(compact_qwen3, "_check_fa3", lambda device, dtype: None)
+    plans, calls = [], []
+
+    def plan_for(positions, heads, kv_heads, head_dim, columns, dtype, seqused_k, leftpad_k):
+        plans.append(((positions, heads, kv_heads, head_dim, columns, dtype), seqused_k.tolist(), leftpad_k.tolist()))
+        return torch.tensor([len(plans)], dtype=torch.int32)
+
+    def kernel(q, k, v, seqused_k, leftpad_k, scale, plan=None):
+        calls.append((int(plan), (q.shape[1], q.shape[2], k.shape[2], q.shape[3], k.shape[1], q.dtype),
+                      seqused_k.tolist(), leftpad_k.tolist()))
+        return _reference_fa3(q, k, v, seqused_k, leftpad_k, scale)
+
+    monkeypatch.setattr(compact_qwen3, "_fa3_plan", plan_for)
+    monkeypatch.setattr(compact_qwen3, "_fa3_decode", kernel)
+    workload = Workload(smoke_study)
+    want = {r.request_id: r for cell in CELLS for r in outputs[("float32", "graphs")]["runs"][cell]}
+    with synced_engine(smoke_study, snapshot_cache, outputs,
+                       engine={"ATTENTION_BACKEND": "fa3", "ATTENTION_PLAN": "per_step"}) as backend:
+        assert backend.environment()["attention_plan"] == "per_step"
+        layers = len(backend.engine.layers)
+        for cell in CELLS:
+            plans.clear()
+            calls.clear()
+            results = backend.generate(workload.requests(workload.cell(cell))).results
+            assert_same_results(results, [want[r.request_id] for r in results])
+            assert plans and len(calls) == layers * len(plans)
+            for step, (shapes, used, pad) in enumerate(plans, 1):
+                of_step = calls[(step - 1) * layers:step * layers]
+                assert {c[0] for c in of_step} == {step}, "every layer of a step reads that step's plan"
+                assert all(c[1:] == (shapes, used, pad) for c in of_step), (of_step[0], shapes, used, pad)
+    monkeypatch.setattr(compact_qwen3, "_fa3_attention", _reference_fa3_with_lse)  # the cascade's calls
+    plans.clear()
+    with synced_engine(smoke_study, snapshot_cache, outputs, engine={
+            "ATTENTION_BACKEND": "fa3", "ATTENTION_PLAN": "per_step", "DECODE_PREFIX": "shared"}) as backend:
+        results = backend.generate(workload.requests(workload.cell(CELLS[0]))).results  # blocks of 2: cascaded
+        assert_same_results(results, [want[r.request_id] for r in results])
+    assert plans == []
+    with pytest.raises(ValueError, match=r"ATTENTION_PLAN per_step needs ATTENTION_BACKEND fa3 "), \
+            synced_engine(smoke_study, snapshot_cache, outputs, engine={"ATTENTION_PLAN": "per_step"}):
+        pass
+
+
+def test_the_fa3_wrappers_hand_vllms_ops_their_arguments_in_place(monkeypatch):
+    """`_fa3_attention` and `_fa3_plan` call vLLM 0.26's FA3 ops positionally (`_vllm_fa3_C.fwd`,
+    `_vllm_fa3_C.get_scheduler_metadata`, as vllm_flash_attn's `flash_attn_varlen_func` and
+    `get_scheduler_metadata` call them): the plan goes where the forward reads `scheduler_metadata`, and the plan is
+    asked for the forward's own case (no causal mask, no window, no softcap, FA3's own splits and GQA packing)."""
+    from rollout_lib.backends import compact_qwen3
+
+    forward, planner = [], []
+    monkeypatch.setattr(compact_qwen3, "_fa3_op", lambda: lambda *args: forward.append(args) or ("out", "lse"))
+    monkeypatch.setattr(compact_qwen3, "_fa3_plan_op", lambda: lambda *args: planner.append(args) or "plan")
+    q, k, v = torch.zeros(3, 1, 4, 8), torch.zeros(3, 20, 2, 8), torch.zeros(3, 20, 2, 8)
+    used, pad = torch.tensor([9, 12, 20], dtype=torch.int32), torch.tensor([0, 3, 1], dtype=torch.int32)
+    plan = compact_qwen3._fa3_plan(1, 4, 2, 8, 20, torch.bfloat16, used, pad)
+    assert plan == "plan" and compact_qwen3._fa3_attention(q, k, v, used, pad, 0.25, plan) == ("out", "lse")
+    (args,) = forward
+    assert len(args) == 37 and args[:3] == (q, k, v) and args[11] is used and args[16] is pad
+    assert args[23:31] == (0.25, False, -1, -1, 0.0, True, "plan", 0)  # scale, causal, window, softcap, ..., plan
+    assert all(a is None for i, a in enumerate(args) if i in (3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 17, 18, 19,
+                                                                  20, 21, 22, 31, 33))
+    (asked,) = planner
+    assert asked[:8] == (3, 1, 20, 4, 2, 8, 8, torch.bfloat16) and asked[8] is used and asked[13] is pad
+    assert asked[14:] == (None, 0, False, -1, -1, False, 0, None, 0) and asked[9:13] == (None,) * 4
+    compact_qwen3._fa3_attention(q, k, v, used, pad, 0.25)
+    assert forward[1][29] is None, "without a plan the forward plans for itself"
 
 
 def test_two_attention_halves_merge_into_attention_over_both():
@@ -894,7 +977,8 @@ def test_the_shared_prefix_decode_cascades_per_block_and_keeps_the_tokens(smoke_
     monkeypatch.setattr(compact_qwen3, "_check_fa3", lambda device, dtype: None)
     calls = []
 
-    def kernel(q, k, v, seqused_k, leftpad_k, scale):
+    def kernel(q, k, v, seqused_k, leftpad_k, scale, plan=None):
+        assert plan is None, "the cascade's calls plan for themselves"
         calls.append((tuple(q.shape), k.shape[0], seqused_k.tolist(), leftpad_k.tolist()))
         return _reference_fa3_with_lse(q, k, v, seqused_k, leftpad_k, scale)
 

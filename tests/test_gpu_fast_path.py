@@ -224,7 +224,14 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
                                        "LORA_EXPAND": "triton"},
                                       # the engine tools/lab/pick_engine.py keeps after lease 31 (with the shrink)
                                       {"ATTENTION_BACKEND": "fa3", "READBACK": "pipelined", "COMBO_KERNELS": "on",
-                                       "PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"}])
+                                       "PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph"},
+                                      # after lease 32 (appended: the queues name the ones above by index)
+                                      {"ATTENTION_BACKEND": "fa3", "READBACK": "pipelined", "COMBO_KERNELS": "on",
+                                       "PREFILL": "shared_prompts", "PREFILL_STEP": "compiled_graph",
+                                       "LORA_EXPAND": "unrolled_parts", "SAMPLER": "chunked"},
+                                      {"ATTENTION_BACKEND": "fa3", "READBACK": "pipelined", "COMBO_KERNELS": "on",
+                                       "LORA_EXPAND": "unrolled_parts", "SAMPLER": "chunked",
+                                       "ATTENTION_PLAN": "per_step"}])
 def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, settings):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
     as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention, vLLM's
@@ -261,6 +268,54 @@ def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkey
         _parts_only_at_near_ties(study, expected[cells[0]], got[cells[0]], margins)
     finally:
         backend.teardown()
+
+
+def test_one_fa3_plan_per_step_gives_every_layer_the_outputs_it_would_plan_for_itself():
+    """ATTENTION_PLAN "per_step": FA3's scheduler metadata made once (`_fa3_plan`) and read by several calls over
+    different k/v (the layers of a step) gives each call the output and log-sum-exp of the same call without a
+    plan, bit for bit, at the decode shapes of the study (4 and 16 rows, rows of other lengths and paddings),
+    in a captured CUDA graph replayed with new lengths too."""
+    import importlib.util
+
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("ATTENTION_PLAN reads vLLM's FlashAttention-3 kernels: vLLM is not installed here")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FA3's kernels are Hopper's")
+    generator = torch.Generator(device="cuda").manual_seed(43)
+    for rows, columns in ((4, 192), (16, 576), (16, 1024)):
+        q = torch.randn(rows, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+        layers = [(torch.randn(rows, 8, columns, 128, device="cuda", dtype=torch.bfloat16, generator=generator),
+                   torch.randn(rows, 8, columns, 128, device="cuda", dtype=torch.bfloat16, generator=generator))
+                  for _ in range(3)]
+        pad = torch.randint(0, columns // 3, (rows,), device="cuda", generator=generator).to(torch.int32)
+        used = (pad + torch.randint(1, columns - columns // 3, (rows,), device="cuda", generator=generator)
+                ).to(torch.int32)
+
+        for (out, lse), (want_out, want_lse) in zip(_fa3_layers(q, layers, used, pad, planned=True),
+                                                    _fa3_layers(q, layers, used, pad, planned=False), strict=True):
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse), (rows, columns)
+        graph = torch.cuda.CUDAGraph()
+        _fa3_layers(q, layers, used, pad, planned=True)  # warmed up before capture
+        with torch.cuda.graph(graph):
+            captured = _fa3_layers(q, layers, used, pad, planned=True)
+        used.copy_(torch.minimum(used + 7, torch.full_like(used, columns)))  # the next step's lengths
+        graph.replay()
+        for (out, lse), (want_out, want_lse) in zip(captured, _fa3_layers(q, layers, used, pad, planned=False),
+                                                    strict=True):
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse), (rows, columns, "replayed")
+
+
+def _fa3_layers(q, layers, used, pad, planned: bool):
+    """One decode step's FA3 calls over `layers` (k, v [B, Hk, L, D] as the static cache holds them), with one plan
+    for all of them (`planned`) or each planning for itself."""
+    from rollout_lib.backends import compact_qwen3
+
+    columns = layers[0][0].shape[2]
+    plan = compact_qwen3._fa3_plan(1, q.shape[2], layers[0][0].shape[1], q.shape[3], columns, q.dtype, used,
+                                   pad) if planned else None
+    return [compact_qwen3._fa3_attention(q, k.transpose(1, 2), v.transpose(1, 2), used, pad, 0.088, plan)
+            for k, v in layers]
 
 
 def test_a_pipelined_readback_replays_the_same_graphs_to_the_same_results(study):

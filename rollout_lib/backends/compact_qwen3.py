@@ -323,6 +323,15 @@ def _fa3_op():
     return torch.ops._vllm_fa3_C.fwd
 
 
+def _fa3_plan_op():
+    """FA3's scheduler-metadata op (`torch.ops._vllm_fa3_C.get_scheduler_metadata`), from the library `_fa3_op`
+    loads."""
+    import torch
+
+    _fa3_op()
+    return torch.ops._vllm_fa3_C.get_scheduler_metadata
+
+
 def _check_fa3(device: torch.device, dtype: torch.dtype) -> None:
     """FA3's kernels are Hopper's (compute capability 9.x), in bf16 or fp16; refused elsewhere, by name."""
     import torch
@@ -335,24 +344,46 @@ def _check_fa3(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _fa3_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor,
-                leftpad_k: torch.Tensor, scale: float) -> torch.Tensor:
+                leftpad_k: torch.Tensor, scale: float, plan: torch.Tensor | None = None) -> torch.Tensor:
     """ATTENTION_BACKEND "fa3": one decode position per row. q [B, 1, H, D]; k, v [B, L, Hk, D] (views of the
     static cache, head-major in memory: FA3 takes any strides with a contiguous last dimension); row b attends
     to columns leftpad_k[b] <= j < seqused_k[b] (int32) -- FA3 counts seqused_k from column 0, padding
     included. Query head h reads kv head h // (H / Hk), as the grouped rows here. FA3 chooses split-KV and
-    packed GQA by its heuristics, from the static shapes, so a captured graph replays one kernel plan."""
-    return _fa3_attention(q, k, v, seqused_k, leftpad_k, scale)[0]
+    packed GQA by its heuristics, from the static shapes, so a captured graph replays one kernel plan. `plan`:
+    see `_fa3_attention`."""
+    return _fa3_attention(q, k, v, seqused_k, leftpad_k, scale, plan)[0]
 
 
 def _fa3_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor,
-                   leftpad_k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   leftpad_k: torch.Tensor, scale: float,
+                   plan: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FA3's forward as `_fa3_decode` calls it, for T >= 1 query positions per batch entry (q [B, T, H, D], not
     causal: every position sees the whole column range), with its log-sum-exp: (out [B, T, H, D],
-    lse [B, H, T] float32)."""
+    lse [B, H, T] float32). `plan` (ATTENTION_PLAN "per_step"): `_fa3_plan`'s scheduler metadata for these very
+    arguments, so the call launches the attention kernel alone (without it FA3 launches its
+    `prepare_varlen_num_blocks` kernel first, every call)."""
     out = _fa3_op()(q, k, v, None, None, None, None, None, None, None, None, seqused_k, None, None, None, None,
-                    leftpad_k, None, None, None, None, None, None, scale, False, -1, -1, 0.0, True, None, 0, None,
+                    leftpad_k, None, None, None, None, None, None, scale, False, -1, -1, 0.0, True, plan, 0, None,
                     0, None, 1, 0, None)
     return out[0], out[1]
+
+
+def _fa3_plan(positions: int, heads: int, kv_heads: int, head_dim: int, columns: int, dtype: torch.dtype,
+              seqused_k: torch.Tensor, leftpad_k: torch.Tensor) -> torch.Tensor:
+    """ATTENTION_PLAN "per_step": FA3's scheduler metadata (`torch.ops._vllm_fa3_C.get_scheduler_metadata`, what
+    vLLM's `get_scheduler_metadata` calls) for `_fa3_attention(q, k, v, seqused_k, leftpad_k, ...)` with q [B,
+    positions, heads, head_dim] and k, v [B, columns, kv_heads, head_dim] of `dtype` (B: seqused_k's length):
+    computed once per decode step by one launch of the same `prepare_varlen_num_blocks` kernel
+    FA3's forward launches itself when given none, from the same arguments (batch, lengths, heads, head size,
+    dtype, the rows' column ranges, no causal mask, no window, no softcap, FA3's own split and GQA-packing
+    heuristics), so every layer's call gets the plan it would have computed: the same kernel plan, the same
+    outputs, 27 fewer launches per 28-layer step. vLLM shares one such plan among all layers of a forward."""
+    # (batch, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, headdim_v, qkv_dtype, seqused_k,
+    #  cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, leftpad_k, page_size, max_seqlen_k_new, causal,
+    #  window_size_left, window_size_right, has_softcap, num_splits, pack_gqa, sm_margin): as `_fa3_attention`
+    return _fa3_plan_op()(
+        seqused_k.shape[0], positions, columns, heads, kv_heads, head_dim, head_dim, dtype, seqused_k,
+        None, None, None, None, leftpad_k, None, 0, False, -1, -1, False, 0, None, 0)
 
 
 def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -550,6 +581,12 @@ class Layer:
 #   a group's LoRA terms, the k/v cache writes) launched as one kernel, for this engine's compilations only.
 #   Lease 30 (H100): -0.19 to -0.23 ms per decode step in every probed cell, the norms' kernels 0.34 -> 0.08 ms.
 #   The probe's `+combo` (an inductor option there; this setting lets the picker and `engine=` choose it).
+# - ATTENTION_PLAN "per_call" (the default; with ATTENTION_BACKEND "fa3"): each layer's FA3 call computes its own
+#   scheduler metadata, a `prepare_varlen_num_blocks` kernel before each attention kernel (lease 32's traces: 1.8-1.9
+#   us a call, 28 a step, ~0.05 ms of a 4-row step with their gaps); "per_step" (issue 43 candidate): a decode step
+#   computes it once (`_fa3_plan`) and every layer's call reads it, as vLLM's FlashAttention backend does. Not with
+#   DECODE_PREFIX "shared" (its two calls per layer differ in shape: each computes its own). The probe's
+#   `+fa3plan`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -581,6 +618,8 @@ AUTOTUNE_ROWS = "first_bucket"
 AUTOTUNE_ROWS_ALLOWED = ("first_bucket", "largest")
 COMBO_KERNELS = "off"
 COMBO_KERNELS_ALLOWED = ("off", "on")
+ATTENTION_PLAN = "per_call"
+ATTENTION_PLAN_ALLOWED = ("per_call", "per_step")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -592,7 +631,9 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
 
 # a setting's value that runs only with another setting's value (the engine refuses it otherwise)
 SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
-                                                  "its kernel returns the log-sum-exp the two halves merge by")}
+                                                  "its kernel returns the log-sum-exp the two halves merge by"),
+                    ("ATTENTION_PLAN", "per_step"): ("ATTENTION_BACKEND", "fa3", "the plan is FA3's scheduler "
+                                                     "metadata")}
 
 
 # a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
@@ -624,7 +665,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "PREFILL_STEP": PREFILL_STEP_ALLOWED, "STEP_PIECES": STEP_PIECES_ALLOWED,
                    "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED, "READBACK": READBACK_ALLOWED,
                    "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED,
-                   "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED}
+                   "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
+                   "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -767,6 +809,7 @@ class CompactQwen3:
         self.gemm_split_k = setting("GEMM_SPLIT_K")
         self.autotune_rows = setting("AUTOTUNE_ROWS")  # read by the backend's cold start (the capture order)
         self.combo_kernels = setting("COMBO_KERNELS")
+        self.attention_plan = setting("ATTENTION_PLAN")
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)
         for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():
@@ -1145,6 +1188,10 @@ class CompactQwen3:
             seqused_k = (write + 1).to(torch.int32).expand(batch).contiguous()
             leftpad_k = pad.to(torch.int32)
             cascade = group > 1 and prefix_end is not None
+            plan = None
+            if self.attention_plan == "per_step" and not cascade:  # one plan for the step's 28 calls
+                plan = _fa3_plan(1, self.heads, self.kv_heads, self.head_dim, cache.k[0].shape[2], self.dtype,
+                                 seqused_k, leftpad_k)
             if cascade:  # the block's prompt [pad, prefix_end) once per block; each row's own [prefix_end, write]
                 blocks = batch // group
                 prefix_used = prefix_end.to(torch.int32).expand(blocks).contiguous()
@@ -1190,7 +1237,7 @@ class CompactQwen3:
             elif fa3:  # grouped rows [B, kv, G, D] are the query heads h = kv * G + g: [B, 1, H, D] and back
                 attn = _fa3_decode(q.reshape(batch, 1, self.heads, self.head_dim),
                                    cache.k[index].transpose(1, 2), cache.v[index].transpose(1, 2), seqused_k,
-                                   leftpad_k, scale).reshape(q.shape)
+                                   leftpad_k, scale, plan).reshape(q.shape)
             else:
                 with _attention_kernel(self.attention_backend):
                     attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],

@@ -84,6 +84,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "sdpacudnn": ("ATTENTION_BACKEND", "cudnn"),
             "flex": ("ATTENTION_BACKEND", "flex"),
             "fa3": ("ATTENTION_BACKEND", "fa3"),
+            # with +fa3: FA3's scheduler metadata once per step for all 28 layers (lease 32: a 1.9 us
+            # prepare_varlen_num_blocks kernel before each attention kernel)
+            "fa3plan": ("ATTENTION_PLAN", "per_step"),
             "sharedprefill": ("PREFILL", "shared_prompts"),
             "prefillgraph": ("PREFILL_STEP", "compiled_graph"),
             "acrosslayers": ("STEP_PIECES", "across_layers"),
