@@ -1035,6 +1035,11 @@ def test_the_shared_prefix_merge_compiles_with_the_step(smoke_study, snapshot_ca
     ({"DECODE_PREFIX": "shared"}, "float32",
      r"DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 .*; this engine: ATTENTION_BACKEND auto"),
     ({"LORA_EXPAND": "triton"}, "float32", r"LORA_EXPAND triton needs a CUDA GPU and Triton; this engine: cpu"),
+    ({"GEMM_KERNEL": "triton_skinny"}, "float32", r"GEMM_KERNEL triton_skinny needs a bfloat16 engine, not "),
+    ({"GEMM_KERNEL": "triton_skinny", "GEMM_SPLIT_K": "4"}, "bfloat16",
+     r"GEMM_KERNEL triton_skinny splits K itself; this engine: GEMM_SPLIT_K 4 \(allowed with it: off\)"),
+    ({"GEMM_KERNEL": "triton_skinny"}, "bfloat16", r"GEMM_KERNEL triton_skinny needs a CUDA GPU and Triton; this "
+                                                   r"engine: cpu"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):

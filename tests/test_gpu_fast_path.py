@@ -231,7 +231,10 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
                                        "LORA_EXPAND": "unrolled_parts", "SAMPLER": "chunked"},
                                       {"ATTENTION_BACKEND": "fa3", "READBACK": "pipelined", "COMBO_KERNELS": "on",
                                        "LORA_EXPAND": "unrolled_parts", "SAMPLER": "chunked",
-                                       "ATTENTION_PLAN": "per_step"}])
+                                       "ATTENTION_PLAN": "per_step"},
+                                      {"ATTENTION_BACKEND": "fa3", "READBACK": "pipelined", "COMBO_KERNELS": "on",
+                                       "LORA_EXPAND": "unrolled_parts", "SAMPLER": "chunked",
+                                       "GEMM_KERNEL": "triton_skinny"}])
 def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, settings):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
     as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention, vLLM's

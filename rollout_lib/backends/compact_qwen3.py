@@ -71,7 +71,7 @@ def lora_add_mode(value: str | None) -> str:
 def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
                   scaling: float, lora_as_reductions: bool = False, lora_add: str = "float32_once",
                   expand: str = "reductions", split_k: int = 1,
-                  part_out: tuple[int, ...] | None = None) -> torch.Tensor:
+                  part_out: tuple[int, ...] | None = None, gemm: str = "cublas") -> torch.Tensor:
     """x @ W^T, plus the float32 low-rank term added in float32 and rounded once (what peft's plain
     `lora.Linear` does over the bf16 mirror: the eager path). The NF4 oracle's `lora.Linear4bit` rounds
     the low-rank term to bf16 first and adds in bf16 (two roundings): a bf16-only difference that the
@@ -90,10 +90,16 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     same per fused part (`part_out`: each part's output features), only that part's own rank terms; "triton",
     `lora_expand_add`: one hand-written Triton kernel with one fixed launch configuration (CUDA only).
     `split_k` > 1 (GEMM_SPLIT_K, issue 43 candidate): the base GEMM as `_split_k_product`, rounded once to the
-    compute dtype as `linear` rounds its float32 accumulation."""
+    compute dtype as `linear` rounds its float32 accumulation. `gemm` "triton_skinny" (GEMM_KERNEL, issue 43
+    candidate; decode steps): the GEMM as `skinny_gemm.skinny_mm_float32`, rounded likewise."""
     import torch
 
     def base_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if gemm == "triton_skinny":
+            from rollout_lib.backends.skinny_gemm import skinny_mm_float32
+
+            rows = skinny_mm_float32(x.reshape(-1, x.shape[-1]), weight)
+            return rows.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
         if split_k > 1:
             return _split_k_product(x, weight, split_k).to(x.dtype)
         return torch.nn.functional.linear(x, weight)
@@ -101,7 +107,7 @@ def _fused_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | 
     if lora_a is None:
         return base_product(x, weight)
     if weight.shape[0] > lora_b.shape[0]:  # LORA_SHRINK "in_base_gemm": A's rows after W (static shapes)
-        base, xa = _base_and_shrink_in_one_gemm(x, weight, lora_a.shape[0], lora_b.shape[0], split_k)
+        base, xa = _base_and_shrink_in_one_gemm(x, weight, lora_a.shape[0], lora_b.shape[0], split_k, gemm)
     else:
         base = base_product(x, weight)
         xa = (x.float()[..., None, :] * lora_a).sum(-1) if lora_as_reductions else torch.nn.functional.linear(
@@ -401,18 +407,25 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
 
 
 def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_rows: int,
-                                 out_rows: int, split_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                                 out_rows: int, split_k: int = 1,
+                                 gemm: str = "cublas") -> tuple[torch.Tensor, torch.Tensor]:
     """LORA_SHRINK "in_base_gemm" (issue 43 candidate): `weight_cat` is [W; A_hi; A_mid; A_lo], the float32
     A split exactly into three bf16 matrices (`CompactQwen3._write_shrink_rows` checks the split), so one
     bf16 GEMM with float32 output gives the base projection (rounded to bf16 as `linear` rounds it) and
     the three partial products x A_k, each a float32 sum of exact products; x A is their float32 sum: the
     float32 contract in another summation order, on tensor cores, with no kernel of its own. Returns
     (base, x A); the B product and the add are `_fused_linear`'s. `split_k` > 1: the GEMM as
-    `_split_k_product` (the same float32 sums of exact products, in another order)."""
+    `_split_k_product` (the same float32 sums of exact products, in another order); `gemm` "triton_skinny":
+    `skinny_gemm.skinny_mm_float32` (the same, in its order)."""
     from rollout_lib.models.actor import mm_float32
 
     rows = x.reshape(-1, x.shape[-1])
-    both = _split_k_product(rows, weight_cat, split_k) if split_k > 1 else mm_float32(rows, weight_cat.t())
+    if gemm == "triton_skinny":
+        from rollout_lib.backends.skinny_gemm import skinny_mm_float32
+
+        both = skinny_mm_float32(rows, weight_cat)
+    else:
+        both = _split_k_product(rows, weight_cat, split_k) if split_k > 1 else mm_float32(rows, weight_cat.t())
     base = both[:, :out_rows].to(x.dtype).reshape(*x.shape[:-1], out_rows)
     parts = both[:, out_rows:].reshape(-1, 3, low_rows)
     return base, _sum_in_order([parts[:, 0], parts[:, 1], parts[:, 2]]).reshape(*x.shape[:-1], low_rows)
@@ -587,6 +600,11 @@ class Layer:
 #   computes it once (`_fa3_plan`) and every layer's call reads it, as vLLM's FlashAttention backend does. Not with
 #   DECODE_PREFIX "shared" (its two calls per layer differ in shape: each computes its own). The probe's
 #   `+fa3plan`.
+# - GEMM_KERNEL "cublas" (the default): each projection's GEMM is cuBLAS's (lease 32's traces at 4 rows: one kernel
+#   shape, 64 output features per thread block, ~6 us per GEMM whatever its size; the o projection at 0.78 TB/s on
+#   17 thread blocks); "triton_skinny" (issue 43 candidate; bf16 engines, decode steps, CUDA): `skinny_gemm`'s
+#   Triton kernel, its slices of K chosen to fill the SMs and added inside the kernel in a fixed order (no reduction
+#   kernel after it); a prefill keeps cuBLAS. Not with GEMM_SPLIT_K. The probe's `+skinnygemm`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -620,6 +638,8 @@ COMBO_KERNELS = "off"
 COMBO_KERNELS_ALLOWED = ("off", "on")
 ATTENTION_PLAN = "per_call"
 ATTENTION_PLAN_ALLOWED = ("per_call", "per_step")
+GEMM_KERNEL = "cublas"
+GEMM_KERNEL_ALLOWED = ("cublas", "triton_skinny")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -638,7 +658,8 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
 
 # a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
 BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf16 base weight as three bf16 parts",
-                      ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only"}
+                      ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
+                      ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands"}
 
 
 def settings_for_dtype(settings: dict[str, str], dtype: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -666,7 +687,7 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED, "READBACK": READBACK_ALLOWED,
                    "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED,
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
-                   "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED}
+                   "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -810,6 +831,17 @@ class CompactQwen3:
         self.autotune_rows = setting("AUTOTUNE_ROWS")  # read by the backend's cold start (the capture order)
         self.combo_kernels = setting("COMBO_KERNELS")
         self.attention_plan = setting("ATTENTION_PLAN")
+        self.gemm_kernel = setting("GEMM_KERNEL")
+        if self.gemm_kernel == "triton_skinny":
+            from rollout_lib.backends import skinny_gemm
+
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"GEMM_KERNEL triton_skinny needs a bfloat16 engine, not {self.dtype}")
+            if self.gemm_split_k != "off":
+                raise ValueError(f"GEMM_KERNEL triton_skinny splits K itself; this engine: GEMM_SPLIT_K "
+                                 f"{self.gemm_split_k} (allowed with it: off)")
+            skinny_gemm.check_runs_here(self.device)
+            skinny_gemm.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)
         for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():
@@ -1084,6 +1116,10 @@ class CompactQwen3:
             return 1
         return gemm_splits(weight.shape[0], weight.shape[1], self.gemm_split_k, self.multiprocessors)
 
+    def _gemm(self, length: int) -> str:
+        """GEMM_KERNEL for one projection's GEMM: decode steps only (one position per row); a prefill keeps cuBLAS."""
+        return self.gemm_kernel if length == 1 else "cublas"
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] in the compute dtype for integer positions [B, T] (as transformers)."""
         return _rotary(positions, self.inv_freq, self.rope_scaling, self.dtype)
@@ -1101,7 +1137,8 @@ class CompactQwen3:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused,
                             self.lora_add, expand=self.lora_expand,
-                            split_k=self._splits(weight, length), part_out=(q_size, kv_size, kv_size))
+                            split_k=self._splits(weight, length), part_out=(q_size, kv_size, kv_size),
+                            gemm=self._gemm(length))
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = _rms(q.view(batch, length, self.heads, self.head_dim), q_norm, self.eps).transpose(1, 2)
         k = _rms(k.view(batch, length, self.kv_heads, self.head_dim), k_norm, self.eps).transpose(1, 2)
@@ -1132,13 +1169,13 @@ class CompactQwen3:
         attn = attn.reshape(batch, self.heads, length, self.head_dim).transpose(1, 2)
         add, expand = self.lora_add, self.lora_expand
         h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add,
-                              expand=expand, split_k=self._splits(o[0], length))
+                              expand=expand, split_k=self._splits(o[0], length), gemm=self._gemm(length))
         gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused, add,
                                  expand=expand, split_k=self._splits(gate_up[0], length),
                                  part_out=None if gate_up[2] is None else (gate_up[2].shape[0] // 2,) * 2,
-                                 ).chunk(2, dim=-1)
+                                 gemm=self._gemm(length)).chunk(2, dim=-1)
         return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add,
-                                 expand=expand, split_k=self._splits(down[0], length))
+                                 expand=expand, split_k=self._splits(down[0], length), gemm=self._gemm(length))
 
     def _between_layers(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor, o: tuple,
                         gate_up: tuple, down: tuple, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,

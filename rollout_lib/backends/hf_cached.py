@@ -208,7 +208,8 @@ class HFCachedBackend(HFBackendBase):
                           ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"),
                           ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"),
                           ("step_edges", "eager"), ("gemm_split_k", "off"), ("autotune_rows", "first_bucket"),
-                          ("combo_kernels", "off"), ("attention_plan", "per_call"))
+                          ("combo_kernels", "off"), ("attention_plan", "per_call"),
+                          ("gemm_kernel", "cublas"))
                          if getattr(self.engine, key) != default},
                       **({"gemm_splits": self.engine.gemm_split_plan()} if self.engine.gemm_split_k != "off" else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
