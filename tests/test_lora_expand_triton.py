@@ -8,25 +8,12 @@ there a bf16 result is the reference's or its neighbour toward zero, and bit for
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif importlib.util.find_spec("triton") is not None:
-    DEVICE = "cpu"
-else:
-    pytestmark = pytest.mark.skip(reason="needs a CUDA GPU, or Triton for its CPU interpreter (not installed here)")
-    DEVICE = "cpu"
+from tests.triton_here import DEVICE, MARKS, interpreter_on_a_cpu  # noqa: F401 (an autouse fixture)
 
-
-@pytest.fixture(autouse=True)
-def _interpreter_on_a_cpu(monkeypatch):
-    """On a CPU, Triton's interpreter (read when the kernel is first defined, on first use), for these tests only."""
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+pytestmark = MARKS
 
 
 def _exact(shape, generator, scale):
