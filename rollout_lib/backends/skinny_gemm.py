@@ -86,7 +86,7 @@ def _op():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x_ptr, w_ptr, part_ptr, out_ptr, lock_ptr, rows, features, inner, x_row, w_row, out_row,
+    def skinny_gemm_kernel(x_ptr, w_ptr, part_ptr, out_ptr, lock_ptr, rows, features, inner, x_row, w_row, out_row,
                K_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
         tile = tl.program_id(0)
@@ -138,7 +138,7 @@ def _op():
         out = torch.empty((rows, features), dtype=torch.float32, device=x.device)
         parts = (torch.empty(splits * tiles * BLOCK_N * MAX_ROWS, dtype=torch.float32, device=x.device)
                  if splits > 1 else out)
-        kernel[(tiles, splits)](x, weight, parts, out, _LOCKS[key], rows, features, inner, x.stride(0),
+        skinny_gemm_kernel[(tiles, splits)](x, weight, parts, out, _LOCKS[key], rows, features, inner, x.stride(0),
                                 weight.stride(0), out.stride(0), K_PER_SPLIT=per_split, SPLITS=splits, BLOCK_M=MAX_ROWS,
                                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, INTERPRETED=x.device.type == "cpu",
                                 num_warps=WARPS, num_stages=STAGES)
