@@ -85,7 +85,9 @@ def _op():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # one compilation per projection (its K_PER_SPLIT), whatever the rows: not specialized on the row count (Triton
+    # would compile 16 rows apart from 4, at the first step of that many rows, maybe inside a graph's capture)
+    @triton.jit(do_not_specialize=["rows"])
     def skinny_gemm_kernel(x_ptr, w_ptr, part_ptr, out_ptr, lock_ptr, rows, features, inner, x_row, w_row, out_row,
                K_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
