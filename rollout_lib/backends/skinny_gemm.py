@@ -88,9 +88,9 @@ def _op():
     # one compilation per projection (its K_PER_SPLIT), whatever the rows: not specialized on the row count (Triton
     # would compile 16 rows apart from 4, at the first step of that many rows, maybe inside a graph's capture)
     @triton.jit(do_not_specialize=["rows"])
-    def skinny_gemm_kernel(x_ptr, w_ptr, part_ptr, out_ptr, lock_ptr, rows, features, inner, x_row, w_row, out_row,
-               K_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    def skinny_gemm_kernel(x_ptr, w_ptr, part_ptr, out_ptr, lock_ptr, rows, features, inner, x_row, w_row,
+                           out_row, K_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
         tile = tl.program_id(0)
         split = tl.program_id(1)
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -140,10 +140,10 @@ def _op():
         out = torch.empty((rows, features), dtype=torch.float32, device=x.device)
         parts = (torch.empty(splits * tiles * BLOCK_N * MAX_ROWS, dtype=torch.float32, device=x.device)
                  if splits > 1 else out)
-        skinny_gemm_kernel[(tiles, splits)](x, weight, parts, out, _LOCKS[key], rows, features, inner, x.stride(0),
-                                weight.stride(0), out.stride(0), K_PER_SPLIT=per_split, SPLITS=splits, BLOCK_M=MAX_ROWS,
-                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, INTERPRETED=x.device.type == "cpu",
-                                num_warps=WARPS, num_stages=STAGES)
+        skinny_gemm_kernel[(tiles, splits)](
+            x, weight, parts, out, _LOCKS[key], rows, features, inner, x.stride(0), weight.stride(0), out.stride(0),
+            K_PER_SPLIT=per_split, SPLITS=splits, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            INTERPRETED=x.device.type == "cpu", num_warps=WARPS, num_stages=STAGES)
         return out
 
     # types, not strings (this module's `from __future__ import annotations`): the op's schema is read from them
