@@ -1,0 +1,52 @@
+"""tools/lab/gemm_bench.py (issue 43: cuBLAS against the skinny Triton GEMM, GPU only): its shapes are the engine's
+GEMMs with the shrink's rows, and it refuses bad input in one line before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tools.lab.gemm_bench import main, projection_shapes
+
+
+def test_its_shapes_are_the_engines_gemms_with_the_shrinks_rows(smoke_study, snapshot_cache):
+    from rollout_lib.backends import create_backend
+    from rollout_lib.study.workload import Workload
+
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="bfloat16", decode="graphs",
+                             cache_dir=snapshot_cache, engine={"LORA_SHRINK": "in_base_gemm"})
+    backend.cold_start()
+    try:
+        layer = backend.engine.layers[0]
+        engine = {name: tuple(layer.proj[name].weight_cat.shape) for name in ("qkv", "o", "gate_up", "down")}
+    finally:
+        backend.teardown()
+    assert projection_shapes(Workload(smoke_study).arch, smoke_study.actor.lora.rank) == engine
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--out", "x.json", "--rows", "4", "17"], "--rows: [4, 17] is not allowed; allowed: row counts from 1 to 16"),
+    (["--out", "x.json", "--calls", "0"], "--calls/--repeats: 0/20 is not allowed; allowed: integers >= 1"),
+    (["--out", "x.json", "--params", "nowhere.yaml"], "--params: nowhere.yaml is not allowed; allowed: a "
+                                                      "preregistration file that exists"),
+])
+def test_bad_input_is_refused_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the tool runs instead of refusing")
+def test_without_a_gpu_it_says_so(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x.json")])
+    assert "a CUDA GPU is needed" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_help_names_what_it_measures(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "cuBLAS against GEMM_KERNEL" in out and "--rows" in out

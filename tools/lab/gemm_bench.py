@@ -1,0 +1,136 @@
+"""The decode step's projection GEMMs alone, cuBLAS against GEMM_KERNEL "triton_skinny" (issue 43): for each of a
+layer's four projections of the study's actor, with the shrink's rows appended as LORA_SHRINK "in_base_gemm"
+appends them (three bf16 parts of A), at the decode step's row counts, the time per GEMM inside a CUDA graph of
+back-to-back calls (as a decode step's graph replays them: no launch from the host between them), and the bytes
+read per second against the GPU's nominal bandwidth (`rollout_lib/measure/floor.py`).
+
+    python tools/lab/gemm_bench.py --out outputs/perf/decode-pick/gemm-bench.json [--rows 4 16] [--calls 50]
+
+Each GEMM's graph is warmed up, captured, replayed `--repeats` times; the median replay over `--calls` is the
+time per call. The two kernels' results are compared too (`max_abs_diff`: float32 sums in two orders). Writes one
+JSON file atomically; prints one line per (projection, rows). A GPU only; bad input is refused in one line before
+anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rollout_lib.core import write_json_atomic  # noqa: E402
+
+DEFAULT_PARAMS = ROOT / "params" / "rollout-runtime-v2.yaml"
+
+
+def projection_shapes(arch: Any, rank: int) -> dict[str, tuple[int, int]]:
+    """(outputs with the shrink's three bf16 parts of A appended, inner) per projection group of one layer."""
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    hidden, inner = arch.hidden_size, arch.intermediate_size
+    return {"qkv": (q + 2 * kv + 3 * 3 * rank, hidden), "o": (hidden + 3 * rank, q),
+            "gate_up": (2 * inner + 3 * 2 * rank, hidden), "down": (hidden + 3 * rank, inner)}
+
+
+def time_in_graph(fn, calls: int, repeats: int) -> float:
+    """Median seconds per call of `fn` captured `calls` times back to back in one CUDA graph."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / calls)
+    return statistics.median(times)
+
+
+def run(params: Path, rows_list: list[int], calls: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from rollout_lib.backends import skinny_gemm
+    from rollout_lib.measure.floor import HBM_BYTES_PER_S
+    from rollout_lib.models.actor import mm_float32
+    from rollout_lib.study.prereg import load
+    from rollout_lib.study.workload import Workload
+
+    study = load(params)
+    arch = Workload(study).arch
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    bandwidth = HBM_BYTES_PER_S.get(gpu)
+    skinny_gemm.prepare(device)
+    generator = torch.Generator(device=device).manual_seed(43)
+    rows_out = []
+    for name, (features, inner) in projection_shapes(arch, study.actor.lora.rank).items():
+        weight = (torch.randn(features, inner, device=device, generator=generator) * 0.02).bfloat16()
+        for rows in rows_list:
+            x = torch.randn(rows, inner, device=device, generator=generator).bfloat16()
+            cublas_s = time_in_graph(lambda x=x, weight=weight: mm_float32(x, weight.t()), calls, repeats)
+            skinny_s = time_in_graph(lambda x=x, weight=weight: skinny_gemm.skinny_mm_float32(x, weight), calls,
+                                     repeats)
+            diff = float((mm_float32(x, weight.t()) - skinny_gemm.skinny_mm_float32(x, weight)).abs().max())
+            weight_bytes = features * inner * 2
+            row = {"projection": name, "rows": rows, "features": features, "inner": inner,
+                   "splits": skinny_gemm.splits_for(features, inner, torch.cuda.get_device_properties(
+                       device).multi_processor_count),
+                   "weight_bytes": weight_bytes, "cublas_us": cublas_s * 1e6, "skinny_us": skinny_s * 1e6,
+                   "cublas_bytes_per_s": weight_bytes / cublas_s, "skinny_bytes_per_s": weight_bytes / skinny_s,
+                   "floor_us": weight_bytes / bandwidth * 1e6 if bandwidth else "not_measured",
+                   "max_abs_diff": diff}
+            rows_out.append(row)
+            print(f"{name} x{rows}: cuBLAS {row['cublas_us']:.2f} us ({row['cublas_bytes_per_s'] / 1e12:.2f} TB/s), "
+                  f"skinny {row['skinny_us']:.2f} us ({row['skinny_bytes_per_s'] / 1e12:.2f} TB/s, {row['splits']} "
+                  f"slices), floor {row['floor_us'] if isinstance(row['floor_us'], str) else round(row['floor_us'], 2)}"
+                  f" us; max |diff| {diff:.2e}")
+    return {"gpu": gpu, "bandwidth_bytes_per_s": bandwidth or "not_measured", "calls_per_graph": calls,
+            "repeats": repeats, "torch": torch.__version__, "rows": rows_out}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    parser.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="the preregistration (its actor)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[4, 16], help="decode rows (1-16; default 4 16)")
+    parser.add_argument("--calls", type=int, default=50, help="GEMMs per captured graph (default 50)")
+    parser.add_argument("--repeats", type=int, default=20, help="graph replays timed (default 20)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any(not 1 <= rows <= 16 for rows in args.rows):
+        parser.error(f"--rows: {args.rows} is not allowed; allowed: row counts from 1 to 16 (the kernel's rows)")
+    if args.calls < 1 or args.repeats < 1:
+        parser.error(f"--calls/--repeats: {args.calls}/{args.repeats} is not allowed; allowed: integers >= 1")
+    if not args.params.is_file():
+        parser.error(f"--params: {args.params} is not allowed; allowed: a preregistration file that exists")
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error("a CUDA GPU is needed: torch.cuda.is_available() is False here")
+    write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
