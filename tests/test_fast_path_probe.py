@@ -7,6 +7,7 @@ import json
 import sys
 
 from tools.lab import fast_path_probe
+from tools.lab.fast_path_probe import greedy_agreement
 
 from .conftest import SMOKE
 
@@ -29,6 +30,9 @@ def test_a_failing_variant_is_recorded_and_the_next_one_runs(tmp_path, monkeypat
     assert report["inductor+perrows"] == {"error": "RuntimeError: compile option refused (simulated)"}
     cell = report["off"]["cells"]["p16-r8-n1-greedy"]
     assert cell["generated_tokens"] > 0 and cell["ms_per_decode_step"] > 0
+    agreement = cell["greedy_against_first_variant"]  # the first measured variant, against itself
+    assert agreement["rows"] > 0 and agreement["identical_rows"] == agreement["rows"]
+    assert agreement["mean_first_difference"] == cell["generated_tokens"] / agreement["rows"]
 
 
 def test_option_suffixes_merge_and_are_restored_after_their_variant(tmp_path, monkeypatch, snapshot_cache):
@@ -70,3 +74,13 @@ def test_every_inductor_option_a_suffix_sets_is_one_this_torch_knows():
         with inductor_config.patch(settings):  # raises on a key inductor does not have
             for key, value in settings.items():
                 assert inductor_config.get_config_copy()[key] == value, (suffix, key)
+
+
+def test_rows_are_compared_by_request_and_part_where_their_tokens_first_differ():
+    reference = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9, 9, 2], "d": [1, 1, 1, 1]}
+    got = {"a": [1, 2, 3, 4],  # identical: its length counts
+           "b": [5, 6, 0, 8],  # parts at token 2
+           "c": [9, 9],        # stopped early, the same so far: the shorter length
+           "d": [2, 1, 1, 1]}  # parts at once
+    assert greedy_agreement(reference, got) == {"rows": 4, "identical_rows": 1, "mean_first_difference": 2.0}
+    assert greedy_agreement(reference, {}) == {"rows": 4, "identical_rows": 0, "mean_first_difference": 0.0}

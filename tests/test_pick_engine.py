@@ -234,3 +234,31 @@ def test_a_candidate_dropped_early_is_judged_again_where_a_later_probe_measured_
     assert "judged again" in expand
     (edges,) = [line for line in lines if line.startswith("+edges ")]
     assert "dropped" in edges and "judged again" not in edges
+
+
+def test_a_variant_whose_greedy_tokens_part_at_once_is_not_picked_for_its_speed(tmp_path):
+    """A broken kernel is fast and wrong: its greedy rows all part from the probe's first variant's within the first
+    tokens (`greedy_against_first_variant`), where bf16 candidates part at near-ties, tens of tokens in. It is
+    dropped as failed; one compilation parting at once fails its source; a candidate parting late is judged by its
+    speed."""
+    def agreement(identical, first):
+        return {"rows": 4, "identical_rows": identical, "mean_first_difference": first}
+
+    folder = _probe(tmp_path / "p", {
+        BASE: ((2.10, 2.40), (40.0, 60.0)),
+        f"{BASE}+skinnygemm": ((1.50, 1.80), (40.0, 60.0)),
+        f"{BASE}+skinnygemm+again": ((1.55, 1.85), (40.0, 60.0)),
+        f"{BASE}+fa3plan": ((2.00, 2.30), (40.0, 60.0)),
+        f"{BASE}+combo": ((2.00, 2.30), (40.0, 60.0))})
+    probe = json.loads((folder / "probe.json").read_text())
+    probe[f"{BASE}+skinnygemm"]["cells"][CELLS[0]]["greedy_against_first_variant"] = agreement(1, 40.0)
+    probe[f"{BASE}+skinnygemm+again"]["cells"][CELLS[0]]["greedy_against_first_variant"] = agreement(0, 0.25)
+    probe[f"{BASE}+combo"]["cells"][CELLS[0]]["greedy_against_first_variant"] = agreement(0, 23.5)
+    (folder / "probe.json").write_text(json.dumps(probe))
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"COMBO_KERNELS": "on", "LORA_SHRINK": "in_base_gemm"}  # fa3plan: needs fa3, not chosen
+    (skinny,) = [line for line in lines if line.startswith("+skinnygemm ")]
+    assert skinny == ("+skinnygemm (GEMM_KERNEL triton_skinny): dropped, inductor+shrinkgemm+skinnygemm failed: its "
+                      "greedy tokens part at once (p128-r64-n1-greedy: 0 of 4 rows identical to the first variant's, "
+                      "the first difference at token 0.2 on average)")
+    assert any(line.startswith("+combo (COMBO_KERNELS on): kept") for line in lines)

@@ -162,7 +162,11 @@ def profile(backend, workload, cell_id, directory, label):
                             for e in top]}
 
 
-def measure(backend, workload, cell_ids, repetitions):
+def measure(backend, workload, cell_ids, repetitions, reference=None):
+    """Per cell: wall, tokens/s, ms per decode step and prefill (medians over `repetitions`, after one warm-up);
+    for a greedy cell also how its tokens compare with `reference` (the probe's first variant's greedy tokens per
+    request, collected into `reference` when it is empty), so a variant that computes something else (a broken
+    kernel parting from the first step) shows beside its timings (`tools/lab/pick_engine.py` drops it)."""
     rows = {}
     for cell_id in cell_ids:
         requests = workload.requests(workload.cell(cell_id))
@@ -178,8 +182,27 @@ def measure(backend, workload, cell_ids, repetitions):
                          "ms_per_decode_step": 1000 * statistics.median(decode) / max(steps, 1),
                          "ms_prefill": 1000 * statistics.median(prefill),
                          "decode_steps": steps, "generated_tokens": tokens}
+        if reference is not None and all(request.greedy for request in requests):
+            got = {r.request_id: list(r.token_ids) for r in batch.results}
+            if cell_id not in reference:
+                reference[cell_id] = got
+            rows[cell_id]["greedy_against_first_variant"] = greedy_agreement(reference[cell_id], got)
         print(cell_id, json.dumps(rows[cell_id]), flush=True)
     return rows
+
+
+def greedy_agreement(reference: dict[str, list[int]], got: dict[str, list[int]]) -> dict[str, float | int]:
+    """How one variant's greedy tokens follow the first variant's, request by request: rows identical, and the
+    mean position of the first token that differs (a row's length where none does). bf16 variants part at
+    near-ties, tens of tokens in; a variant computing something else parts at once."""
+    firsts = []
+    for request_id, want in reference.items():
+        mine = got.get(request_id, [])
+        shared = min(len(want), len(mine))  # the shorter row's length (a stop token ends a row early)
+        firsts.append(next((i for i in range(shared) if want[i] != mine[i]), shared))
+    identical = sum(1 for request_id, want in reference.items() if got.get(request_id) == want)
+    return {"rows": len(reference), "identical_rows": identical,
+            "mean_first_difference": statistics.mean(firsts) if firsts else 0.0}
 
 
 def main() -> int:
@@ -198,6 +221,7 @@ def main() -> int:
     policy = policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest, 1)[-1]
     cells = args.cells.split(",")
     report = {"cells": cells}
+    greedy_reference: dict[str, dict[str, list[int]]] = {}  # the first measured variant's greedy tokens
     for variant in args.variants.split(","):
         # `X+suffix+...`: variant X with one engine setting changed per suffix (module attributes of
         # compact_qwen3 read when the engine is built, restored after the variant)
@@ -247,7 +271,7 @@ def main() -> int:
                                                        for (r, n), b in (backend.buckets.buckets.items()
                                                                          if backend.buckets else [])}}
             write(args.out, report)  # each step lands as it comes (a killed probe keeps what it measured)
-            report[variant]["cells"] = measure(backend, workload, cells, args.repetitions)
+            report[variant]["cells"] = measure(backend, workload, cells, args.repetitions, greedy_reference)
             shared = getattr(backend.buckets, "shared_prefix_buckets", None) or {}
             if shared:  # DECODE_PREFIX "shared": captured at a cell's first (warm-up) call
                 report[variant]["capture_s_by_shared_prefix_bucket"] = {

@@ -36,6 +36,9 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   by then (lease 32: the chunked sampler and the per-part expand, dropped against the base in earlier probes,
   measured on top of combo + fa3 + pipelined), is judged again there, its new verdict naming the old one.
   A kept candidate is not judged again (its gain opened what came after it).
+- A variant whose greedy tokens all part from the probe's first variant's within the first two tokens
+  (`greedy_against_first_variant`, the worst of its compilations) computes something else: it counts as failed,
+  however fast (a broken kernel must not be picked by its speed).
 - A failure is decisive only when it is the candidate's latest record (the folders in the order given): a
   variant that failed in an earlier probe and was measured in a later one (a fix between leases) is judged by
   its measurements, the failure named in its verdict.
@@ -85,9 +88,35 @@ def over_compilations(probe: dict[str, Any]) -> dict[str, Any]:
             continue
         cells = set.intersection(*(set(e["cells"]) for e in entries))
         merged[source] = {"compilations": len(entries), "cells": {
-            c: {key: statistics.mean(e["cells"][c][key] for e in entries) for key in entries[0]["cells"][c]
+            c: {key: _over(key, [e["cells"][c][key] for e in entries]) for key in entries[0]["cells"][c]
                 if all(key in e["cells"][c] for e in entries)} for c in sorted(cells)}}
     return merged
+
+
+def _over(key: str, values: list[Any]) -> Any:
+    """One figure over a source's compilations: the mean of a number; of the greedy tokens' agreement with the
+    probe's first variant, the compilation that parted soonest (a broken compilation is not averaged away)."""
+    if key == AGREEMENT:
+        return min(values, key=lambda v: (v["identical_rows"], v["mean_first_difference"]))
+    return statistics.mean(values)
+
+
+AGREEMENT = "greedy_against_first_variant"  # tools/lab/fast_path_probe.py: a greedy cell's tokens vs its 1st variant
+# a variant whose greedy rows all part from the probe's first variant's this soon computes something else (bf16
+# candidates part at near-ties, tens of tokens in): dropped whatever its speed
+PARTS_AT_ONCE_TOKENS = 2.0
+
+
+def parts_at_once(cells: dict[str, Any]) -> str | None:
+    """The first greedy cell where every row's tokens parted from the first variant's within PARTS_AT_ONCE_TOKENS
+    (the cell and its figures), or None."""
+    for cell, figures in sorted(cells.items()):
+        agreement = figures.get(AGREEMENT)
+        if agreement and agreement["rows"] and agreement["identical_rows"] == 0 \
+                and agreement["mean_first_difference"] < PARTS_AT_ONCE_TOKENS:
+            return (f"{cell}: 0 of {agreement['rows']} rows identical to the first variant's, the first "
+                    f"difference at token {agreement['mean_first_difference']:.1f} on average")
+    return None
 
 
 def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dict[str, Any]]]:
@@ -113,6 +142,8 @@ def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dic
                       "parent_suffixes": set(parts[parent][1:])}
             if "error" in child or "error" in before or not child.get("cells") or not before.get("cells"):
                 record["failed"] = child.get("error") or before.get("error") or "not measured"
+            elif parts_at_once(child["cells"]):
+                record["failed"] = f"its greedy tokens part at once ({parts_at_once(child['cells'])})"
             else:
                 cells = [c for c in child["cells"] if c in before["cells"]]
                 record["step_gain_ms"] = {c: before["cells"][c]["ms_per_decode_step"]
@@ -153,7 +184,7 @@ def _verdict(suffix: str, name: str, value: str, mine: list[dict[str, Any]], min
     failed = [r for r in mine if "failed" in r]
     if failed and "failed" in mine[-1]:
         return None, (f"+{suffix} ({name} {value}): dropped, {failed[-1]['variant']} failed: "
-                      f"{' '.join(str(failed[-1]['failed']).split())[:100]}")
+                      f"{' '.join(str(failed[-1]['failed']).split())[:160]}")
     if failed:
         mine = [r for r in mine if "failed" not in r]
         earlier = f"; it failed in {failed[0]['folder']} before ({' '.join(str(failed[0]['failed']).split())[:60]})"
