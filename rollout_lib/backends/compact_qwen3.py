@@ -208,19 +208,6 @@ def lora_expand_add(base: torch.Tensor, xa: torch.Tensor, lora_b: torch.Tensor, 
     return out.view(*base.shape[:-1], features) if base.dim() != 2 else out
 
 
-def _check_lora_expand_triton(device: torch.device) -> None:
-    """LORA_EXPAND "triton" runs on a CUDA GPU with Triton installed (or, for tests, on a CPU in Triton's
-    interpreter: TRITON_INTERPRET=1); refused elsewhere, by name."""
-    import importlib.util
-    import os
-
-    triton = importlib.util.find_spec("triton") is not None
-    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    if not triton or (device.type != "cuda" and not interpreted):
-        raise ValueError(f"LORA_EXPAND triton needs a CUDA GPU and Triton; this engine: {device}, Triton "
-                         f"{'installed' if triton else 'not installed'}")
-
-
 def _unrolled_expand(xa: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
     """xa @ B^T for B [out, rank] as sum_r xa[..., r] * B[:, r], added in the order r = 0, 1, ..., rank - 1: float32
     products and adds, the same terms as the reduction's in an order fixed here (the reduction's summation order
@@ -815,7 +802,9 @@ class CompactQwen3:
             raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
         self.lora_expand = setting("LORA_EXPAND")
         if self.lora_expand == "triton":
-            _check_lora_expand_triton(self.device)
+            from rollout_lib.backends.skinny_gemm import check_triton_runs_here
+
+            check_triton_runs_here(self.device, "LORA_EXPAND triton")
             _lora_expand_triton_op()  # the op registered now, outside any compiled trace
         self.attention_backend = setting("ATTENTION_BACKEND")
         if self.attention_backend == "fa3":
@@ -840,7 +829,7 @@ class CompactQwen3:
             if self.gemm_split_k != "off":
                 raise ValueError(f"GEMM_KERNEL triton_skinny splits K itself; this engine: GEMM_SPLIT_K "
                                  f"{self.gemm_split_k} (allowed with it: off)")
-            skinny_gemm.check_runs_here(self.device)
+            skinny_gemm.check_triton_runs_here(self.device, "GEMM_KERNEL triton_skinny")
             skinny_gemm.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)

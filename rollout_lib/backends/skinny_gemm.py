@@ -178,9 +178,10 @@ def skinny_mm_float32(x, weight):
     return (_OP or _op())(x, weight)
 
 
-def check_runs_here(device) -> None:
-    """GEMM_KERNEL "triton_skinny" runs on a CUDA GPU with Triton installed (or, for tests, on a CPU in Triton's
-    interpreter: TRITON_INTERPRET=1); refused elsewhere, by name."""
+def check_triton_runs_here(device, setting: str) -> None:
+    """A setting whose kernel is hand-written Triton (`setting`: its name and value, e.g. "GEMM_KERNEL
+    triton_skinny", "LORA_EXPAND triton") runs on a CUDA GPU with Triton installed (or, for tests, on a CPU in
+    Triton's interpreter: TRITON_INTERPRET=1); refused elsewhere, by name."""
     import importlib.util
     import os
 
@@ -190,5 +191,5 @@ def check_runs_here(device) -> None:
     triton = importlib.util.find_spec("triton") is not None
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     if not triton or (device.type != "cuda" and not interpreted):
-        raise ValueError(f"GEMM_KERNEL triton_skinny needs a CUDA GPU and Triton; this engine: {device}, Triton "
+        raise ValueError(f"{setting} needs a CUDA GPU and Triton; this engine: {device}, Triton "
                          f"{'installed' if triton else 'not installed'}")

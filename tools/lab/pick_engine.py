@@ -142,8 +142,8 @@ def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dic
                       "parent_suffixes": set(parts[parent][1:])}
             if "error" in child or "error" in before or not child.get("cells") or not before.get("cells"):
                 record["failed"] = child.get("error") or before.get("error") or "not measured"
-            elif parts_at_once(child["cells"]):
-                record["failed"] = f"its greedy tokens part at once ({parts_at_once(child['cells'])})"
+            elif parted := parts_at_once(child["cells"]):
+                record["failed"] = f"its greedy tokens part at once ({parted})"
             else:
                 cells = [c for c in child["cells"] if c in before["cells"]]
                 record["step_gain_ms"] = {c: before["cells"][c]["ms_per_decode_step"]
