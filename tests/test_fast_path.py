@@ -1028,6 +1028,27 @@ def test_the_shared_prefix_merge_compiles_with_the_step(smoke_study, snapshot_ca
                             outputs[("float32", "graphs")]["runs"][cell])
 
 
+def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(smoke_study, snapshot_cache, outputs):
+    """REDUCTION_LAUNCH "fewest_programs": every compiled piece runs under the rule (a CPU's C++ kernels have no
+    launch configuration to pick: the hook is inert here, the GPU test picks), with inductor's autotune cache off
+    for these compilations, and the float32 tokens stay the default engine's."""
+    from rollout_lib.backends import reduction_launch
+
+    torch._dynamo.reset()
+    workload = Workload(smoke_study)
+    cell = "p16-r24-n2-stochastic"
+    with synced_engine(smoke_study, snapshot_cache, outputs, step_compile="inductor",
+                       engine={"REDUCTION_LAUNCH": "fewest_programs"}) as backend:
+        engine = backend.engine
+        assert engine.inductor_options == {"autotune_local_cache": False, "autotune_remote_cache": False}
+        for piece in (engine.before_attention, engine.after_attention, engine.sample):
+            assert piece.__wrapped__ is not None and piece.__name__ == piece.__wrapped__.__name__
+        assert backend.environment()["reduction_launch"] == "fewest_programs"
+        assert_same_results(backend.generate(workload.requests(workload.cell(cell))).results,
+                            outputs[("float32", "graphs")]["runs"][cell])
+    assert reduction_launch.PICKS == {}, "no Triton kernel on a CPU"
+
+
 @pytest.mark.parametrize(("settings", "dtype", "message"), [
     ({"LORA_SHRINK": "in_base_gemm"}, "float32",
      r"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not torch\.float32"),

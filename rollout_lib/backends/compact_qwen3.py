@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout_lib.backends import counter_noise
+from rollout_lib.backends import counter_noise, reduction_launch
 
 if TYPE_CHECKING:
     import torch
@@ -592,6 +592,11 @@ class Layer:
 #   17 thread blocks); "triton_skinny" (issue 43 candidate; bf16 engines, decode steps, CUDA): `skinny_gemm`'s
 #   Triton kernel, its slices of K chosen to fill the SMs and added inside the kernel in a fixed order (no reduction
 #   kernel after it); a prefill keeps cuBLAS. Not with GEMM_SPLIT_K. The probe's `+skinnygemm`.
+# - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
+#   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
+#   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
+#   (issue 43 candidate): the largest XBLOCK, without benchmarking, the same in every compilation
+#   (`reduction_launch`). The probe's `+fewest`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -627,6 +632,8 @@ ATTENTION_PLAN = "per_call"
 ATTENTION_PLAN_ALLOWED = ("per_call", "per_step")
 GEMM_KERNEL = "cublas"
 GEMM_KERNEL_ALLOWED = ("cublas", "triton_skinny")
+REDUCTION_LAUNCH = "benchmarked"
+REDUCTION_LAUNCH_ALLOWED = reduction_launch.REDUCTION_LAUNCH_ALLOWED
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -674,7 +681,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "SAMPLER": SAMPLER_ALLOWED, "DECODE_PREFIX": DECODE_PREFIX_ALLOWED, "READBACK": READBACK_ALLOWED,
                    "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED,
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
-                   "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED}
+                   "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
+                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -821,6 +829,9 @@ class CompactQwen3:
         self.combo_kernels = setting("COMBO_KERNELS")
         self.attention_plan = setting("ATTENTION_PLAN")
         self.gemm_kernel = setting("GEMM_KERNEL")
+        self.reduction_launch = setting("REDUCTION_LAUNCH")
+        if self.reduction_launch != "benchmarked":
+            reduction_launch.install()  # refuses a torch without the hooked method, before any compilation
         if self.gemm_kernel == "triton_skinny":
             from rollout_lib.backends import skinny_gemm
 
@@ -872,9 +883,14 @@ class CompactQwen3:
             setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
         # dynamic shapes (the cache length varies by bucket); "per_rows" marks the row dimension of every
         # per-row input static at each call (`mark_rows`), so a new row count is a new compilation
-        self.inductor_options = dict(INDUCTOR_OPTIONS) | ({"combo_kernels": True} if self.combo_kernels == "on" else {})
-        compile = functools.partial(torch.compile, dynamic=True, fullgraph=True,
-                                    options=self.inductor_options or None)
+        combo = {"combo_kernels": True} if self.combo_kernels == "on" else {}
+        self.inductor_options = (dict(INDUCTOR_OPTIONS) | combo
+                                 | reduction_launch.compile_options(self.reduction_launch))
+
+        def compile(fn: Any) -> Any:  # each piece compiled with this engine's options, run under its launch rule
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=self.inductor_options or None)
+            return reduction_launch.with_rule(compiled, self.reduction_launch)
+
         if self.compiled:  # only rows and lengths vary: the weights' shapes are constants of the kernels
             for layer in self.layers:
                 for tensor in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,

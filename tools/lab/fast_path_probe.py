@@ -97,11 +97,14 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "pipelined": ("READBACK", "pipelined"),
             # the step's work outside its layers (inputs, final norm, bookkeeping) as three compiled pieces
             "edges": ("STEP_EDGES", "compiled"),
-            # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
-            # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             # each projection's decode GEMM as one Triton kernel that splits K to fill the SMs and adds the slices
             # itself in a fixed order (lease 32: cuBLAS's one kernel shape, ~6 us a GEMM, 17 blocks for o_proj)
             "skinnygemm": ("GEMM_KERNEL", "triton_skinny"),
+            # persistent reductions (the LoRA expand's) launched with the largest XBLOCK inductor generated, not
+            # its first-run benchmark's pick (leases 32-33: that pick moved one source's step by up to 2.8 ms)
+            "fewest": ("REDUCTION_LAUNCH", "fewest_programs"),
+            # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
+            # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),
             "splitk2": ("GEMM_SPLIT_K", "2"),
             "splitk4": ("GEMM_SPLIT_K", "4"),

@@ -1,0 +1,99 @@
+"""REDUCTION_LAUNCH (issue 43 candidate): how inductor picks the launch configuration of a persistent reduction
+that one of this engine's compiled pieces runs for the first time.
+
+Why (leases 28-33, `tools/lab/probe_table.py <folder> --launches`): inductor compiles a persistent reduction (a
+reduction whose whole extent fits one program: the LoRA expand's sum over the rank, 16) with up to four launch
+configurations, XBLOCK 1, 8, 32 and 128 (elements of the kept dimension per program), benchmarks them when the
+kernel first runs and keeps the fastest for every later call, whatever its row count. The same source drew
+differently in each compilation: one LoRA expand reduction took 1.5 us at XBLOCK 32 and 40 us at XBLOCK 1 (65,536
+programs of 64 threads) at 16 rows, and the picked engine's step read 1.96 to 2.63 ms (4 rows) and 2.27 to 5.02 ms
+(16 rows) over three compilations of one source (lease 32, H100). The fewest, fattest programs were the fastest
+or within 0.3 us of it in every trace read (perf-notes, "Decode step").
+
+"benchmarked" (the default): inductor's own pick. "fewest_programs": the largest XBLOCK among the configurations
+inductor generated (so within its limit of 4,096 elements per program), without benchmarking: the same pick in
+every compilation, at any row count. Only persistent reductions; pointwise kernels and looped reductions (the
+sampler's, the norms') keep inductor's choice. A configuration's warps may add a row's terms in another order
+than another's (float32 sums of the same exact products: the LoRA contract), so a benchmarked pick can also move the
+last bit of a sum from one compilation to the next; this rule's order is the same in every compilation.
+
+The rule applies while one of the engine's compiled pieces runs (`with_rule` wraps each): inductor benchmarks a
+kernel on its first call, inside that call. The engine's compilations also switch off inductor's autotune cache
+(`compile_options`), so a pick another engine benchmarked and saved for the same kernel is not read back, and
+this rule's pick is not saved for another. The hook replaces `CachingAutotuner.autotune_to_one_config` of torch's
+inductor runtime (torch 2.11 and later) once per process; without that method the setting is refused by name."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any
+
+REDUCTION_LAUNCH_ALLOWED = ("benchmarked", "fewest_programs")
+
+_RULE: contextvars.ContextVar[str] = contextvars.ContextVar("reduction_launch", default="benchmarked")
+_INSTALLED_MARK = "_rollout_reduction_launch"
+# the picks this process made under the rule: kernel name -> (XBLOCK picked, the XBLOCKs it was picked from)
+PICKS: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+
+def fewest_programs(configs: list[Any]) -> Any:
+    """The configuration with the largest XBLOCK (the fewest programs); among equal XBLOCKs, the first."""
+    return max(configs, key=lambda config: config.kwargs.get("XBLOCK", 1))
+
+
+def install() -> None:
+    """Hook inductor's first-run pick once per process (idempotent); a torch without the hooked method refuses
+    the setting in one line."""
+    try:
+        from torch._inductor.runtime.hints import HeuristicType
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError as error:
+        raise ValueError(f"REDUCTION_LAUNCH fewest_programs needs torch's inductor runtime ({error}); "
+                         f"allowed here: benchmarked") from error
+    benchmark = getattr(CachingAutotuner, "autotune_to_one_config", None)
+    if benchmark is None:
+        raise ValueError("REDUCTION_LAUNCH fewest_programs needs CachingAutotuner.autotune_to_one_config (torch "
+                         ">= 2.11); allowed here: benchmarked")
+    if getattr(benchmark, _INSTALLED_MARK, False):
+        return
+
+    @functools.wraps(benchmark)
+    def autotune_to_one_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _RULE.get() == "fewest_programs" and self.heuristic_type == HeuristicType.PERSISTENT_REDUCTION:
+            configs = [launcher.config for launcher in self.launchers]
+            picked = fewest_programs(configs)
+            self.launchers = [launcher for launcher in self.launchers if launcher.config is picked][:1]
+            PICKS[getattr(self.fn, "__name__", "?")] = (picked.kwargs.get("XBLOCK", 1),
+                                                       tuple(config.kwargs.get("XBLOCK", 1) for config in configs))
+            return None
+        return benchmark(self, *args, **kwargs)
+
+    setattr(autotune_to_one_config, _INSTALLED_MARK, True)
+    CachingAutotuner.autotune_to_one_config = autotune_to_one_config
+
+
+def compile_options(rule: str) -> dict[str, bool]:
+    """Inductor options a compilation under `rule` adds: no autotune cache read or written (see the module)."""
+    if rule not in REDUCTION_LAUNCH_ALLOWED:
+        raise ValueError(f"REDUCTION_LAUNCH {rule!r} is not allowed; allowed: {', '.join(REDUCTION_LAUNCH_ALLOWED)}")
+    return {} if rule == "benchmarked" else {"autotune_local_cache": False, "autotune_remote_cache": False}
+
+
+def with_rule(compiled: Callable[..., Any], rule: str) -> Callable[..., Any]:
+    """`compiled` (a compiled piece), calling it under `rule`; "benchmarked" returns it unchanged."""
+    compile_options(rule)  # refuses an unknown rule
+    if rule == "benchmarked":
+        return compiled
+    install()
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        token = _RULE.set(rule)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            _RULE.reset(token)
+
+    return call
