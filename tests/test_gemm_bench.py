@@ -50,3 +50,48 @@ def test_help_names_what_it_measures(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "cuBLAS against GEMM_KERNEL" in out and "--rows" in out
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"block_n": 48}, r"^block_n 48 is not allowed; allowed: a power of two >= 16"),
+    ({"block_k": 8}, r"^block_k 8 is not allowed; allowed: a power of two >= 16"),
+    ({"warps": 3}, r"^warps/stages 3/4 is not allowed; allowed: warps 1, 2, 4 or 8, stages 1-8$"),
+    ({"splits": 16}, r"^splits 16 is not allowed; allowed: 1-8 or None"),
+])
+def test_a_launch_configuration_the_kernel_cannot_take_is_refused_by_name(config, message):
+    from rollout_lib.backends import skinny_gemm
+
+    with pytest.raises(ValueError, match=message):
+        skinny_gemm.Launch(**config)
+
+
+
+
+def test_the_sweep_covers_each_projections_configurations_once_with_whole_slices():
+    """`--sweep`'s configurations per projection of the study's actor: every one a configuration the kernel
+    takes, no repeats, each slice of K at least one iteration long, the engine's own (DEFAULT, splits_for's
+    slices) among them, and a doubled slice count where splits_for leaves room for one."""
+    from rollout_lib.backends import skinny_gemm
+    from rollout_lib.study.prereg import load
+    from rollout_lib.study.workload import Workload
+    from tools.lab.gemm_bench import DEFAULT_PARAMS, sweep_configs
+
+    study = load(DEFAULT_PARAMS)
+    for name, (features, inner) in projection_shapes(Workload(study).arch, study.actor.lora.rank).items():
+        configs = sweep_configs(features, inner, 132)
+        assert len(configs) == len(set(configs)) and 27 <= len(configs) <= 54, (name, len(configs))
+        assert all(config.splits * config.block_k <= inner for config in configs)
+        engine = skinny_gemm.Launch(splits=skinny_gemm.splits_for(features, inner, 132))
+        assert engine in configs, name
+        doubled = min(2 * engine.splits, skinny_gemm.MAX_SPLITS)
+        assert (doubled == engine.splits or doubled * engine.block_k > inner
+                or skinny_gemm.Launch(splits=doubled) in configs), name
+
+
+def test_more_distinct_weights_than_calls_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", "x.json", "--calls", "8", "--weights", "28"])
+    assert exit_info.value.code == 2
+    assert "--weights: 28 is not allowed; allowed: 1 to --calls (8)" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -48,6 +48,22 @@ def test_the_kernel_sums_every_slice_once_in_order(rows, features, inner, splits
     assert torch.equal(skinny_gemm.skinny_mm_float32(x, weight), got), "a second launch: the same sums"
 
 
+@pytest.mark.parametrize("config", [
+    {"block_n": 32, "block_k": 64, "splits": 4}, {"block_n": 128, "block_k": 256, "warps": 8, "stages": 3},
+    {"block_n": 16, "block_k": 128, "splits": 8, "warps": 2}, {"block_n": 64, "block_k": 32, "splits": 1}])
+def test_every_launch_configuration_the_bench_sweeps_sums_exactly(config):
+    """`launch` under other configurations than the engine's (the GEMM bench's sweep): the same exact sums, on
+    shapes off every block (features, K and rows), the counters back at zero."""
+    from rollout_lib.backends import skinny_gemm
+
+    skinny_gemm.prepare(DEVICE)
+    generator = torch.Generator().manual_seed(7)
+    x, weight = _exact((5, 320), generator, 0.125), _exact((200, 320), generator, 0.25)
+    got = skinny_gemm.launch(x, weight, skinny_gemm.Launch(**config))
+    assert torch.equal(got.double(), _reference(x, weight))
+    assert int(skinny_gemm._LOCKS[skinny_gemm._key(DEVICE)].abs().sum()) == 0
+
+
 def test_on_any_values_the_kernel_is_within_float32_rounding_and_repeats_itself():
     """Random operands: the kernel's float32 sums in its own order, within float32 rounding of the exact sums
     (|error| <= K * eps * sum |products|), and the same bits on every launch: the last program to arrive adds the

@@ -24,6 +24,7 @@ in Triton's interpreter (TRITON_INTERPRET=1, tests)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 MAX_ROWS = 16  # the rows one program holds (the MMA's width); more rows: cuBLAS
@@ -35,16 +36,45 @@ STAGES = 4     # loads in flight per program (Triton's software pipeline over th
 LOCK_SLOTS = 4096  # counters per device: one per tile of the widest projection (4096 x 64 outputs)
 
 _OP = None
+_KERNEL = None
 _LOCKS: dict[str, Any] = {}
 _SMS: dict[str, int] = {}
 
 
-def splits_for(features: int, inner: int, multiprocessors: int) -> int:
+@dataclass(frozen=True)
+class Launch:
+    """One launch configuration of the kernel: output features per program, inner elements per loop iteration,
+    warps, software-pipeline stages, and slices of K (None: `splits_for`'s). The engine uses DEFAULT; the GEMM
+    bench (`tools/lab/gemm_bench.py --sweep`) times others."""
+
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    warps: int = WARPS
+    stages: int = STAGES
+    splits: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} {value} is not allowed; allowed: a power of two >= 16 (tl.dot's tiles)")
+        if self.warps not in (1, 2, 4, 8) or not 1 <= self.stages <= 8:
+            raise ValueError(f"warps/stages {self.warps}/{self.stages} is not allowed; allowed: warps 1, 2, 4 or 8, "
+                             f"stages 1-8")
+        if self.splits is not None and not 1 <= self.splits <= MAX_SPLITS:
+            raise ValueError(f"splits {self.splits} is not allowed; allowed: 1-{MAX_SPLITS} or None (splits_for)")
+
+
+DEFAULT = Launch()
+
+
+def splits_for(features: int, inner: int, multiprocessors: int, block_n: int = BLOCK_N,
+               block_k: int = BLOCK_K) -> int:
     """Slices of K for a GEMM of `features` outputs over `inner`: doubled (up to MAX_SPLITS) while the tiles times
-    the slices leave SMs idle and each slice keeps at least one BLOCK_K iteration per program; 1 when the tiles
+    the slices leave SMs idle and each slice keeps at least one `block_k` iteration per program; 1 when the tiles
     alone fill the GPU."""
-    tiles = -(-features // BLOCK_N)
-    iterations = -(-inner // BLOCK_K)
+    tiles = -(-features // block_n)
+    iterations = -(-inner // block_k)
     splits = 1
     while splits < MAX_SPLITS and tiles * splits < multiprocessors and iterations >= 2 * splits:
         splits *= 2
@@ -62,6 +92,7 @@ def prepare(device) -> None:
         _SMS[key] = (torch.cuda.get_device_properties(device).multi_processor_count
                      if torch.device(device).type == "cuda" else 132)
     _op()
+    _kernel()  # defined now, outside any compiled trace or capture
 
 
 def _key(device) -> str:
@@ -74,14 +105,11 @@ def _key(device) -> str:
     return str(device)
 
 
-def _op():
-    """The custom op `rollout::skinny_mm_float32`, registered once per process: the kernel behind an opaque op
-    with a shape-only fake, so a compiled piece calls it as it calls cuBLAS and inductor chooses nothing for it.
-    The op changes no input: the counters it uses are zero before and after every launch."""
-    global _OP
-    if _OP is not None:
-        return _OP
-    import torch
+def _kernel():
+    """The Triton kernel, defined once per process (Triton imported only where the kernel runs)."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
     import triton
     import triton.language as tl
 
@@ -126,25 +154,48 @@ def _op():
                 tl.store(out, total, mask=keep)
                 tl.atomic_xchg(lock_ptr + tile, 0)  # zero again for the next launch (or graph replay)
 
+    _KERNEL = skinny_gemm_kernel
+    return _KERNEL
+
+
+def launch(x, weight, config: Launch = DEFAULT):
+    """The kernel on x [rows <= MAX_ROWS, K] and weight [N, K] (bf16, last dimension contiguous) under `config`:
+    float32 [rows, N]. `prepare(device)` first. The engine calls it through the op (`skinny_mm_float32`)."""
+    import torch
+
+    rows, inner = x.shape
+    features = weight.shape[0]
+    key = _key(x.device)
+    if key not in _LOCKS:
+        raise RuntimeError(f"GEMM_KERNEL triton_skinny: skinny_gemm.prepare({x.device}) was not called before use")
+    splits = config.splits or splits_for(features, inner, _SMS[key], config.block_n, config.block_k)
+    slice_k = -(-inner // splits)
+    per_split = -(-slice_k // config.block_k) * config.block_k  # whole block_k iterations per slice
+    tiles = -(-features // config.block_n)
+    if tiles > LOCK_SLOTS:
+        raise ValueError(f"GEMM_KERNEL triton_skinny: {features} output features need {tiles} counters, more "
+                         f"than {LOCK_SLOTS}")
+    out = torch.empty((rows, features), dtype=torch.float32, device=x.device)
+    parts = (torch.empty(splits * tiles * config.block_n * MAX_ROWS, dtype=torch.float32, device=x.device)
+             if splits > 1 else out)
+    _kernel()[(tiles, splits)](
+        x, weight, parts, out, _LOCKS[key], rows, features, inner, x.stride(0), weight.stride(0), out.stride(0),
+        K_PER_SPLIT=per_split, SPLITS=splits, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        INTERPRETED=x.device.type == "cpu", num_warps=config.warps, num_stages=config.stages)
+    return out
+
+
+def _op():
+    """The custom op `rollout::skinny_mm_float32`, registered once per process: the kernel (DEFAULT launch) behind
+    an opaque op with a shape-only fake, so a compiled piece calls it as it calls cuBLAS and inductor chooses nothing
+    for it. The op changes no input: the counters it uses are zero before and after every launch."""
+    global _OP
+    if _OP is not None:
+        return _OP
+    import torch
+
     def skinny_mm(x, weight):
-        rows, inner = x.shape
-        features = weight.shape[0]
-        key = _key(x.device)
-        splits = splits_for(features, inner, _SMS[key])
-        slice_k = -(-inner // splits)
-        per_split = -(-slice_k // BLOCK_K) * BLOCK_K  # whole BLOCK_K iterations per slice
-        tiles = -(-features // BLOCK_N)
-        if tiles > LOCK_SLOTS:
-            raise ValueError(f"GEMM_KERNEL triton_skinny: {features} output features need {tiles} counters, more "
-                             f"than {LOCK_SLOTS}")
-        out = torch.empty((rows, features), dtype=torch.float32, device=x.device)
-        parts = (torch.empty(splits * tiles * BLOCK_N * MAX_ROWS, dtype=torch.float32, device=x.device)
-                 if splits > 1 else out)
-        skinny_gemm_kernel[(tiles, splits)](
-            x, weight, parts, out, _LOCKS[key], rows, features, inner, x.stride(0), weight.stride(0), out.stride(0),
-            K_PER_SPLIT=per_split, SPLITS=splits, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            INTERPRETED=x.device.type == "cpu", num_warps=WARPS, num_stages=STAGES)
-        return out
+        return launch(x, weight)
 
     # types, not strings (this module's `from __future__ import annotations`): the op's schema is read from them
     skinny_mm.__annotations__ = {"x": torch.Tensor, "weight": torch.Tensor, "return": torch.Tensor}

@@ -4,12 +4,18 @@ appends them (three bf16 parts of A), at the decode step's row counts, the time 
 back-to-back calls (as a decode step's graph replays them: no launch from the host between them), and the bytes
 read per second against the GPU's nominal bandwidth (`rollout_lib/measure/floor.py`).
 
-    python tools/lab/gemm_bench.py --out outputs/perf/decode-pick/gemm-bench.json [--rows 4 16] [--calls 50]
+    python tools/lab/gemm_bench.py --out outputs/perf/decode-fewest/gemm-sweep.json [--rows 4 16] [--calls 56] \
+        [--weights 28] [--sweep]
 
 Each GEMM's graph is warmed up, captured, replayed `--repeats` times; the median replay over `--calls` is the
-time per call. The two kernels' results are compared too (`max_abs_diff`: float32 sums in two orders). Writes one
-JSON file atomically; prints one line per (projection, rows). A GPU only; bad input is refused in one line before
-anything runs."""
+time per call. The calls cycle through `--weights` distinct weight matrices (default 28, a decode step's layers:
+~240 MB for qkv, more than the GPU's L2, so each call reads its weight from memory as a step does; with 1, lease
+33's bench, every call after the first read it from L2). The two kernels' results are compared too
+(`max_abs_diff`: float32 sums in two orders). `--sweep`: the skinny kernel under each launch configuration of
+SWEEP too (`skinny_gemm.Launch`: features per program, K per iteration, warps, stages, slices of K), the fastest
+named per (projection, rows), the file rewritten after each projection (a job cut short keeps what it measured).
+Writes JSON atomically; prints one line per (projection, rows). A GPU only; bad input is refused in one line
+before anything runs."""
 
 from __future__ import annotations
 
@@ -35,20 +41,49 @@ def projection_shapes(arch: Any, rank: int) -> dict[str, tuple[int, int]]:
             "gate_up": (2 * inner + 3 * 2 * rank, hidden), "down": (hidden + 3 * rank, inner)}
 
 
+# the launch configurations `--sweep` times (features per program, K per iteration, (warps, stages), slices of K:
+# None is splits_for's choice, "double" twice that): 3 x 3 x 3 x 2 = 54 per projection, one Triton compilation each
+SWEEP_BLOCK_N = (32, 64, 128)
+SWEEP_BLOCK_K = (64, 128, 256)
+SWEEP_WARPS_STAGES = ((4, 3), (4, 4), (8, 4))
+SWEEP_SPLITS = (None, "double")
+
+
+def sweep_configs(features: int, inner: int, multiprocessors: int) -> list[Any]:
+    """SWEEP's launch configurations for one projection, its slices resolved (doubled up to MAX_SPLITS, and only
+    while each slice keeps a whole iteration), without repeats."""
+    from rollout_lib.backends import skinny_gemm
+
+    configs = []
+    for block_n in SWEEP_BLOCK_N:
+        for block_k in SWEEP_BLOCK_K:
+            auto = skinny_gemm.splits_for(features, inner, multiprocessors, block_n, block_k)
+            for warps, stages in SWEEP_WARPS_STAGES:
+                for choice in SWEEP_SPLITS:
+                    splits = auto if choice is None else min(2 * auto, skinny_gemm.MAX_SPLITS)
+                    if splits * block_k > inner:
+                        continue
+                    config = skinny_gemm.Launch(block_n, block_k, warps, stages, splits)
+                    if config not in configs:
+                        configs.append(config)
+    return configs
+
+
 def time_in_graph(fn, calls: int, repeats: int) -> float:
-    """Median seconds per call of `fn` captured `calls` times back to back in one CUDA graph."""
+    """Median seconds per call of `fn` (called with the call's index) captured `calls` times back to back in one
+    CUDA graph."""
     import torch
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for index in range(3):
+            fn(index)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for index in range(calls):
+            fn(index)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -62,7 +97,10 @@ def time_in_graph(fn, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(params: Path, rows_list: list[int], calls: int, repeats: int) -> dict[str, Any]:
+def run(params: Path, rows_list: list[int], calls: int, repeats: int, weights: int = 28, sweep: bool = False,
+        out: Path | None = None) -> dict[str, Any]:
+    import dataclasses
+
     import torch
 
     from rollout_lib.backends import skinny_gemm
@@ -75,33 +113,50 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int) -> dict[st
     arch = Workload(study).arch
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
     bandwidth = HBM_BYTES_PER_S.get(gpu)
     skinny_gemm.prepare(device)
     generator = torch.Generator(device=device).manual_seed(43)
-    rows_out = []
+    report: dict[str, Any] = {"gpu": gpu, "bandwidth_bytes_per_s": bandwidth or "not_measured",
+                              "calls_per_graph": calls, "repeats": repeats, "distinct_weights": weights,
+                              "torch": torch.__version__, "rows": [], "sweep": [] if sweep else "not_measured"}
     for name, (features, inner) in projection_shapes(arch, study.actor.lora.rank).items():
-        weight = (torch.randn(features, inner, device=device, generator=generator) * 0.02).bfloat16()
+        stack = [(torch.randn(features, inner, device=device, generator=generator) * 0.02).bfloat16()
+                 for _ in range(weights)]
+        weight_bytes = features * inner * 2
+        floor_us = weight_bytes / bandwidth * 1e6 if bandwidth else "not_measured"
+        configs = sweep_configs(features, inner, multiprocessors) if sweep else []
         for rows in rows_list:
             x = torch.randn(rows, inner, device=device, generator=generator).bfloat16()
-            cublas_s = time_in_graph(lambda x=x, weight=weight: mm_float32(x, weight.t()), calls, repeats)
-            skinny_s = time_in_graph(lambda x=x, weight=weight: skinny_gemm.skinny_mm_float32(x, weight), calls,
-                                     repeats)
-            diff = float((mm_float32(x, weight.t()) - skinny_gemm.skinny_mm_float32(x, weight)).abs().max())
-            weight_bytes = features * inner * 2
+            cublas_s = time_in_graph(lambda i, x=x, w=stack: mm_float32(x, w[i % weights].t()), calls, repeats)
+            skinny_s = time_in_graph(lambda i, x=x, w=stack: skinny_gemm.skinny_mm_float32(x, w[i % weights]),
+                                     calls, repeats)
+            diff = float((mm_float32(x, stack[0].t()) - skinny_gemm.skinny_mm_float32(x, stack[0])).abs().max())
             row = {"projection": name, "rows": rows, "features": features, "inner": inner,
-                   "splits": skinny_gemm.splits_for(features, inner, torch.cuda.get_device_properties(
-                       device).multi_processor_count),
+                   "splits": skinny_gemm.splits_for(features, inner, multiprocessors),
                    "weight_bytes": weight_bytes, "cublas_us": cublas_s * 1e6, "skinny_us": skinny_s * 1e6,
                    "cublas_bytes_per_s": weight_bytes / cublas_s, "skinny_bytes_per_s": weight_bytes / skinny_s,
-                   "floor_us": weight_bytes / bandwidth * 1e6 if bandwidth else "not_measured",
-                   "max_abs_diff": diff}
-            rows_out.append(row)
+                   "floor_us": floor_us, "max_abs_diff": diff}
+            timed = []
+            for config in configs:
+                seconds = time_in_graph(lambda i, x=x, w=stack, c=config: skinny_gemm.launch(x, w[i % weights], c),
+                                        calls, repeats)
+                timed.append({**dataclasses.asdict(config), "us": seconds * 1e6})
+            if sweep:
+                best = min(timed, key=lambda entry: entry["us"])
+                row["sweep_best"] = best
+                report["sweep"].append({"projection": name, "rows": rows, "configs": timed})
+            report["rows"].append(row)
+            best_text = (f"; sweep best {best['us']:.2f} us (block_n {best['block_n']}, block_k {best['block_k']}, "
+                         f"{best['warps']} warps, {best['stages']} stages, {best['splits']} slices) of "
+                         f"{len(timed)}" if sweep else "")
             print(f"{name} x{rows}: cuBLAS {row['cublas_us']:.2f} us ({row['cublas_bytes_per_s'] / 1e12:.2f} TB/s), "
                   f"skinny {row['skinny_us']:.2f} us ({row['skinny_bytes_per_s'] / 1e12:.2f} TB/s, {row['splits']} "
-                  f"slices), floor {row['floor_us'] if isinstance(row['floor_us'], str) else round(row['floor_us'], 2)}"
-                  f" us; max |diff| {diff:.2e}")
-    return {"gpu": gpu, "bandwidth_bytes_per_s": bandwidth or "not_measured", "calls_per_graph": calls,
-            "repeats": repeats, "torch": torch.__version__, "rows": rows_out}
+                  f"slices), floor {floor_us if isinstance(floor_us, str) else round(floor_us, 2)}"
+                  f" us; max |diff| {diff:.2e}{best_text}", flush=True)
+        if out is not None:  # what is measured so far survives a job cut short
+            write_json_atomic(out, report)
+    return report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,8 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="the preregistration (its actor)")
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 16], help="decode rows (1-16; default 4 16)")
-    parser.add_argument("--calls", type=int, default=50, help="GEMMs per captured graph (default 50)")
+    parser.add_argument("--calls", type=int, default=56, help="GEMMs per captured graph (default 56)")
     parser.add_argument("--repeats", type=int, default=20, help="graph replays timed (default 20)")
+    parser.add_argument("--weights", type=int, default=28,
+                        help="distinct weights the calls cycle through (default 28: a step's layers, past L2)")
+    parser.add_argument("--sweep", action="store_true", help="time the skinny kernel's launch configurations too")
     return parser
 
 
@@ -121,13 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rows: {args.rows} is not allowed; allowed: row counts from 1 to 16 (the kernel's rows)")
     if args.calls < 1 or args.repeats < 1:
         parser.error(f"--calls/--repeats: {args.calls}/{args.repeats} is not allowed; allowed: integers >= 1")
+    if not 1 <= args.weights <= args.calls:
+        parser.error(f"--weights: {args.weights} is not allowed; allowed: 1 to --calls ({args.calls})")
     if not args.params.is_file():
         parser.error(f"--params: {args.params} is not allowed; allowed: a preregistration file that exists")
     import torch
 
     if not torch.cuda.is_available():
         parser.error("a CUDA GPU is needed: torch.cuda.is_available() is False here")
-    write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats))
+    write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats, args.weights, args.sweep,
+                                    args.out))
     print(f"wrote {args.out}")
     return 0
 
