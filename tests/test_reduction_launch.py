@@ -59,12 +59,15 @@ def test_the_rule_picks_inside_a_compiled_pieces_call_only_and_only_persistent_r
             pick(autotuner)
         return "out"
 
-    assert reduction_launch.with_rule(piece, "fewest_programs")(persistent, looped) == "out"
+    combo = _autotuner(HeuristicType.PERSISTENT_REDUCTION, [1, 8], name="triton_per_fused_combo_3")
+    for launcher, block in zip(combo.launchers, (1, 8), strict=True):  # blocks per sub-kernel: no one XBLOCK
+        launcher.config.kwargs = {"XBLOCK_0": block, "XBLOCK_1": 8}
+    assert reduction_launch.with_rule(piece, "fewest_programs")(persistent, looped, combo) == "out"
     pick(outside)  # after the call: inductor's own benchmark again
     assert [launcher.config.kwargs["XBLOCK"] for launcher in persistent.launchers] == [128]
     assert [launcher.config.kwargs["XBLOCK"] for launcher in looped.launchers] == [1]
     assert [launcher.config.kwargs["XBLOCK"] for launcher in outside.launchers] == [1]
-    assert benchmarked == ["triton_red_fused_log_softmax_1", "triton_per_fused_other_2"]
+    assert benchmarked == ["triton_red_fused_log_softmax_1", "triton_per_fused_combo_3", "triton_per_fused_other_2"]
     assert reduction_launch.PICKS == {"triton_per_fused_sum_0": (128, (1, 8, 32, 128))}
 
 

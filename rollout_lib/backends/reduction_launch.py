@@ -12,8 +12,8 @@ or within 0.3 us of it in every trace read (perf-notes, "Decode step").
 
 "benchmarked" (the default): inductor's own pick. "fewest_programs": the largest XBLOCK among the configurations
 inductor generated (so within its limit of 4,096 elements per program), without benchmarking: the same pick in
-every compilation, at any row count. Only persistent reductions; pointwise kernels and looped reductions (the
-sampler's, the norms') keep inductor's choice. A configuration's warps may add a row's terms in another order
+every compilation, at any row count. Only persistent reductions with one XBLOCK; pointwise kernels, looped
+reductions (the sampler's, the norms') and combo kernels with a block per sub-kernel keep inductor's choice. A configuration's warps may add a row's terms in another order
 than another's (float32 sums of the same exact products: the LoRA contract), so a benchmarked pick can also move the
 last bit of a sum from one compilation to the next; this rule's order is the same in every compilation.
 
@@ -61,8 +61,10 @@ def install() -> None:
 
     @functools.wraps(benchmark)
     def autotune_to_one_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _RULE.get() == "fewest_programs" and self.heuristic_type == HeuristicType.PERSISTENT_REDUCTION:
-            configs = [launcher.config for launcher in self.launchers]
+        configs = [launcher.config for launcher in self.launchers]
+        # a combo kernel's configurations name a block per sub-kernel (XBLOCK_0, ...), not one XBLOCK: benchmarked
+        if (_RULE.get() == "fewest_programs" and self.heuristic_type == HeuristicType.PERSISTENT_REDUCTION
+                and all("XBLOCK" in config.kwargs for config in configs)):
             picked = fewest_programs(configs)
             self.launchers = [launcher for launcher in self.launchers if launcher.config is picked][:1]
             PICKS[getattr(self.fn, "__name__", "?")] = (picked.kwargs.get("XBLOCK", 1),
