@@ -13,9 +13,10 @@ or within 0.3 us of it in every trace read (perf-notes, "Decode step").
 "benchmarked" (the default): inductor's own pick. "fewest_programs": the largest XBLOCK among the configurations
 inductor generated (so within its limit of 4,096 elements per program), without benchmarking: the same pick in
 every compilation, at any row count. Only persistent reductions with one XBLOCK; pointwise kernels, looped
-reductions (the sampler's, the norms') and combo kernels with a block per sub-kernel keep inductor's choice. A configuration's warps may add a row's terms in another order
-than another's (float32 sums of the same exact products: the LoRA contract), so a benchmarked pick can also move the
-last bit of a sum from one compilation to the next; this rule's order is the same in every compilation.
+reductions (the sampler's, the norms') and combo kernels with a block per sub-kernel keep inductor's choice. A
+configuration's warps may add a row's terms in another order than another's (float32 sums of the same exact
+products: the LoRA contract), so a benchmarked pick can also move the last bit of a sum from one compilation to the
+next; this rule's order is the same in every compilation.
 
 The rule applies while one of the engine's compiled pieces runs (`with_rule` wraps each): inductor benchmarks a
 kernel on its first call, inside that call. The engine's compilations also switch off inductor's autotune cache

@@ -1,0 +1,153 @@
+"""GATE_UP_EPILOGUE "triton" (issue 43 candidate): everything between the gate_up GEMM and the down GEMM of a layer
+as one hand-written Triton kernel, with the LoRA shrink in the base GEMM (LORA_SHRINK "in_base_gemm").
+
+Why (lease 33's trace of the picked engine, one layer at 4 rows on the H200): between the gate_up GEMM and the
+down GEMM inductor launches two kernels, the gate_up expand reduction (1.9 us) and the SiLU product (1.2 us), each
+with ~0.5 us of gap before it. Both sit between two opaque cuBLAS GEMMs, so one kernel in their place takes no
+fusion from inductor (the Triton expand of lease 32 did: it sat between inductor's kernels). This is the first of
+the four epilogues the step's gaps between GEMMs could each be (docs/perf-notes.md, "Open candidates").
+
+The kernel reads the gate_up GEMM's float32 output `both` [rows, 2 I + 3 x 2 r] (W_gate; W_up; then A's three bf16
+parts for gate's and up's ranks, as `_write_shrink_rows` appends them) and B [2 I, 2 r] (block-diagonal: gate's
+rows use columns 0..r-1, up's r..2r-1). Per output feature n of the intermediate (I) and row m, as `_fused_linear`
+and `_after_attention` compute it:
+    base_g = bf16(both[m, n]), base_u = bf16(both[m, I + n])        (the base GEMM rounded as `linear` rounds it)
+    xa[m, k] = (part0 + part1) + part2                              (the shrink's three parts, in order, float32)
+    low_g = sum_k xa[m, k] B[n, k]        (k < r: gate's own terms, in order k = 0, 1, ...; float32)
+    low_u = sum_k xa[m, r + k] B[I + n, r + k]
+    gate = bf16(float32(base_g) + scaling low_g), up likewise      (lora_add "float32_once"; or the oracle's
+                                                                     rounding: bf16(base + bf16(scaling low)))
+    out = bf16(bf16(silu(gate)) * up)                               (torch's bf16 SiLU, then the bf16 product)
+The same float32 products as the engine's, summed in another order (the reduction's order is inductor's; the
+other part's exact zeros are skipped, which adds nothing), and SiLU's float32 sigmoid computed by Triton: the
+values are within a rounding or two of the default engine's, and its greedy tokens part only at near-ties (the
+GPU test). One program per BLOCK_N features of BLOCK_M rows (any row count: a prefill's too), one launch
+configuration, nothing drawn. CUDA, or a CPU in Triton's interpreter (tests)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+BLOCK_M = 16  # rows per program
+BLOCK_N = 64  # intermediate features per program
+WARPS = 4
+
+_OP = None
+_KERNEL = None
+
+
+def _kernel():
+    """The Triton kernel, defined once per process."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["rows"])
+    def gate_up_epilogue_kernel(both_ptr, b_ptr, out_ptr, rows, inter, both_row, b_row, b_col, out_row, scaling,
+                                RANK: tl.constexpr, LOW: tl.constexpr, ACTIVATION: tl.constexpr,
+                                ORACLE_ROUNDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        keep_n, keep_m = n < inter, m < rows
+        keep = keep_m[:, None] & keep_n[None, :]
+        row = both_ptr + m * both_row
+        base_g = tl.load(row[:, None] + n[None, :], mask=keep, other=0.0).to(tl.bfloat16)
+        base_u = tl.load(row[:, None] + (inter + n)[None, :], mask=keep, other=0.0).to(tl.bfloat16)
+        shrink = row + 2 * inter  # A's parts after the base rows: part p, rank column j at p * LOW + j
+        low_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        low_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.static_range(RANK):  # gate's own rank terms, then up's, each in order k = 0, 1, ...
+            xa_g = (tl.load(shrink + k, mask=keep_m, other=0.0) + tl.load(shrink + LOW + k, mask=keep_m, other=0.0)) \
+                + tl.load(shrink + 2 * LOW + k, mask=keep_m, other=0.0)
+            xa_u = (tl.load(shrink + RANK + k, mask=keep_m, other=0.0)
+                    + tl.load(shrink + LOW + RANK + k, mask=keep_m, other=0.0)) \
+                + tl.load(shrink + 2 * LOW + RANK + k, mask=keep_m, other=0.0)
+            b_g = tl.load(b_ptr + n * b_row + k * b_col, mask=keep_n, other=0.0)
+            b_u = tl.load(b_ptr + (inter + n) * b_row + (RANK + k) * b_col, mask=keep_n, other=0.0)
+            low_g += xa_g[:, None] * b_g[None, :]
+            low_u += xa_u[:, None] * b_u[None, :]
+        if ORACLE_ROUNDING:  # lora_add "bf16_like_nf4_oracle": the term rounded first, added as two bf16 tensors
+            gate = (base_g.to(tl.float32) + (low_g * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+            up = (base_u.to(tl.float32) + (low_u * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        else:  # "float32_once": added in float32, rounded once
+            gate = (base_g.to(tl.float32) + low_g * scaling).to(tl.bfloat16)
+            up = (base_u.to(tl.float32) + low_u * scaling).to(tl.bfloat16)
+        if ACTIVATION:
+            g = gate.to(tl.float32)
+            silu = (g * tl.sigmoid(g)).to(tl.bfloat16)
+            out = (silu.to(tl.float32) * up.to(tl.float32)).to(tl.bfloat16)
+            tl.store(out_ptr + m[:, None] * out_row + n[None, :], out, mask=keep)
+        else:  # gate and up as `_fused_linear` returns them (tests: the roundings before SiLU)
+            tl.store(out_ptr + m[:, None] * out_row + n[None, :], gate, mask=keep)
+            tl.store(out_ptr + m[:, None] * out_row + (inter + n)[None, :], up, mask=keep)
+
+    _KERNEL = gate_up_epilogue_kernel
+    return _KERNEL
+
+
+def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int, oracle_rounding: bool = False,
+           activation: bool = True) -> torch.Tensor:
+    """The kernel on `both` [rows, 2 inter + 3 x 2 rank] float32 (last dimension contiguous) and B [2 inter,
+    2 rank] float32 (any strides): bf16 [rows, inter] (the SiLU product), or [rows, 2 inter] (gate and up, with
+    `activation` False)."""
+    import torch
+    import triton
+
+    rows, width = both.shape
+    low = lora_b.shape[1]  # both parts' ranks: 2 r
+    if lora_b.shape[0] != 2 * inter or low % 2 or width != 2 * inter + 3 * low:
+        raise ValueError(f"GATE_UP_EPILOGUE triton: the GEMM output {tuple(both.shape)} and B {tuple(lora_b.shape)} "
+                         f"are not a gate_up projection of {inter} features with its shrink's rows")
+    out = torch.empty((rows, inter if activation else 2 * inter), dtype=torch.bfloat16, device=both.device)
+    _kernel()[(triton.cdiv(inter, BLOCK_N), triton.cdiv(rows, BLOCK_M))](
+        both, lora_b, out, rows, inter, both.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        float(scaling), RANK=low // 2, LOW=low, ACTIVATION=activation, ORACLE_ROUNDING=oracle_rounding,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=WARPS)
+    return out
+
+
+def _op():
+    """The custom op `rollout::gate_up_epilogue`, registered once per process: the kernel behind an opaque op with
+    a shape-only fake, so a compiled piece calls it as it calls a cuBLAS GEMM and inductor chooses nothing for it."""
+    global _OP
+    if _OP is not None:
+        return _OP
+    import torch
+
+    def gate_up_epilogue(both, lora_b, scaling, inter, oracle_rounding):
+        return launch(both, lora_b, scaling, inter, oracle_rounding)
+
+    # types, not strings (this module's `from __future__ import annotations`): the op's schema is read from them
+    gate_up_epilogue.__annotations__ = {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
+                                        "oracle_rounding": bool, "return": torch.Tensor}
+    op = torch.library.custom_op("rollout::gate_up_epilogue", mutates_args=())(gate_up_epilogue)
+
+    def shape_only(both, lora_b, scaling, inter, oracle_rounding):
+        return both.new_empty((both.shape[0], inter), dtype=torch.bfloat16)
+
+    shape_only.__annotations__ = dict(gate_up_epilogue.__annotations__)
+    op.register_fake(shape_only)
+    _OP = op
+    return _OP
+
+
+def prepare() -> None:
+    """The op registered and the kernel defined now, outside any compiled trace or capture (engine construction)."""
+    _op()
+    _kernel()
+
+
+def gate_up_activation(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int,
+                       oracle_rounding: bool = False) -> torch.Tensor:
+    """The SiLU product of the gate_up projection from its GEMM's float32 output (see the module): `both` [...,
+    2 inter + 3 x 2 rank] -> bf16 [..., inter], through the op."""
+    rows = both.reshape(-1, both.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = (_OP or _op())(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding))
+    return out.reshape(*both.shape[:-1], inter)
