@@ -99,3 +99,52 @@ def test_a_gemm_output_that_is_not_a_gate_up_with_its_shrink_is_refused_by_name(
     with pytest.raises(ValueError, match=r"^GATE_UP_EPILOGUE triton: the GEMM output \(4, 216\) and B \(192, 4\) "
                                          r"are not a gate_up projection of 96 features"):
         mlp_epilogue.launch(both, torch.zeros(192, 4, device=DEVICE), 1.0, 96)
+
+
+def test_a_bf16_engine_with_the_epilogue_serves_the_policy_and_its_tokens(smoke_study, snapshot_cache):
+    """The kernel inside the engine's compiled pieces (an opaque op between the gate_up and down GEMMs), with the
+    shrink in the base GEMM: the synced policy's identity is the default engine's; every layer's MLP went through it
+    (on a CPU: the op's calls; on a GPU: its kernel's launches, which CUDA graphs replay without calling the op);
+    and the bf16 tokens and log-probabilities are those of the same engine with inductor's expand and SiLU: the
+    same float32 products summed in another order, SiLU's sigmoid by another formula, whose bf16 roundings part
+    now and then and carry through the layers: log-probabilities within 0.05 and tokens apart only after that."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    from rollout_lib.backends import create_backend
+    from rollout_lib.models.policy import policy_versions
+    from rollout_lib.study.workload import Workload
+
+    workload = Workload(smoke_study)
+    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
+    cells = ("p48-r24-n2-greedy", "p16-r24-n2-stochastic")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE != "cpu" else [])
+    runs = {}
+    for engine in ({"LORA_SHRINK": "in_base_gemm"}, {"LORA_SHRINK": "in_base_gemm", "GATE_UP_EPILOGUE": "triton"}):
+        torch._dynamo.reset()
+        backend = create_backend("hf_cached", smoke_study, device=DEVICE, compute_dtype="bfloat16", decode="graphs",
+                                 step_compile="inductor", cache_dir=snapshot_cache, engine=engine)
+        backend.cold_start()
+        try:
+            identity = backend.sync_policy(policy)
+            with torch.profiler.profile(activities=activities) as prof:
+                results = {c: backend.generate(workload.requests(workload.cell(c))).results for c in cells}
+            if DEVICE == "cpu":
+                calls = [event for event in prof.events() if event.name == "rollout::gate_up_epilogue"]
+            else:
+                calls = [event for event in prof.events() if event.device_type == DeviceType.CUDA
+                         and event.name.startswith("gate_up_epilogue_kernel")]
+            runs[backend.environment().get("gate_up_epilogue", "inductor")] = identity, results, len(calls)
+        finally:
+            backend.teardown()
+    (default_identity, default, none), (identity, got, used) = runs["inductor"], runs["triton"]
+    assert identity == default_identity == policy.identity
+    assert none == 0 and used >= workload.arch.num_hidden_layers
+    for cell in cells:
+        for a, b in zip(default[cell], got[cell], strict=True):
+            same = 0
+            while same < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[same] == b.token_ids[same]:
+                same += 1
+            assert max(abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True)) < 0.05
+            if same < len(a.token_ids):  # apart only where the two orders' sums put two tokens near a tie
+                assert same > 0 and a.request_id == b.request_id

@@ -393,6 +393,19 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     return (out_a.float() * share_a + out_b.float() * share_b).to(out_a.dtype)
 
 
+def _gemm_float32(rows: torch.Tensor, weight: torch.Tensor, split_k: int = 1, gemm: str = "cublas") -> torch.Tensor:
+    """rows [N, K] @ W^T as float32 [N, out]: float32 sums of the exact products of bf16 operands, by cuBLAS
+    (`mm_float32`), over `split_k` slices of K (`_split_k_product`) or by the skinny Triton GEMM (GEMM_KERNEL
+    "triton_skinny")."""
+    from rollout_lib.models.actor import mm_float32
+
+    if gemm == "triton_skinny":
+        from rollout_lib.backends.skinny_gemm import skinny_mm_float32
+
+        return skinny_mm_float32(rows, weight)
+    return _split_k_product(rows, weight, split_k) if split_k > 1 else mm_float32(rows, weight.t())
+
+
 def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_rows: int,
                                  out_rows: int, split_k: int = 1,
                                  gemm: str = "cublas") -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,15 +417,8 @@ def _base_and_shrink_in_one_gemm(x: torch.Tensor, weight_cat: torch.Tensor, low_
     (base, x A); the B product and the add are `_fused_linear`'s. `split_k` > 1: the GEMM as
     `_split_k_product` (the same float32 sums of exact products, in another order); `gemm` "triton_skinny":
     `skinny_gemm.skinny_mm_float32` (the same, in its order)."""
-    from rollout_lib.models.actor import mm_float32
-
     rows = x.reshape(-1, x.shape[-1])
-    if gemm == "triton_skinny":
-        from rollout_lib.backends.skinny_gemm import skinny_mm_float32
-
-        both = skinny_mm_float32(rows, weight_cat)
-    else:
-        both = _split_k_product(rows, weight_cat, split_k) if split_k > 1 else mm_float32(rows, weight_cat.t())
+    both = _gemm_float32(rows, weight_cat, split_k, gemm)
     base = both[:, :out_rows].to(x.dtype).reshape(*x.shape[:-1], out_rows)
     parts = both[:, out_rows:].reshape(-1, 3, low_rows)
     return base, _sum_in_order([parts[:, 0], parts[:, 1], parts[:, 2]]).reshape(*x.shape[:-1], low_rows)
@@ -592,6 +598,10 @@ class Layer:
 #   17 thread blocks); "triton_skinny" (issue 43 candidate; bf16 engines, decode steps, CUDA): `skinny_gemm`'s
 #   Triton kernel, its slices of K chosen to fill the SMs and added inside the kernel in a fixed order (no reduction
 #   kernel after it); a prefill keeps cuBLAS. Not with GEMM_SPLIT_K. The probe's `+skinnygemm`.
+# - GATE_UP_EPILOGUE "inductor" (the default): between the gate_up GEMM and the down GEMM, inductor's kernels (the
+#   LoRA expand reduction, the SiLU product: 2 kernels, ~3.1 us + 2 gaps a layer at 4 rows, lease 33); "triton"
+#   (issue 43 candidate; with LORA_SHRINK "in_base_gemm", bf16, CUDA): one hand-written kernel from the GEMM's
+#   float32 output to the SiLU product (`mlp_epilogue`). The probe's `+mlpepilogue`.
 # - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
@@ -634,6 +644,8 @@ GEMM_KERNEL = "cublas"
 GEMM_KERNEL_ALLOWED = ("cublas", "triton_skinny")
 REDUCTION_LAUNCH = "benchmarked"
 REDUCTION_LAUNCH_ALLOWED = reduction_launch.REDUCTION_LAUNCH_ALLOWED
+GATE_UP_EPILOGUE = "inductor"
+GATE_UP_EPILOGUE_ALLOWED = ("inductor", "triton")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -647,11 +659,14 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
 SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                                                   "its kernel returns the log-sum-exp the two halves merge by"),
                     ("ATTENTION_PLAN", "per_step"): ("ATTENTION_BACKEND", "fa3", "the plan is FA3's scheduler "
-                                                     "metadata")}
+                                                     "metadata"),
+                    ("GATE_UP_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
+                                                     "rows from the gate_up GEMM's output")}
 
 
 # a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
 BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf16 base weight as three bf16 parts",
+                      ("GATE_UP_EPILOGUE", "triton"): "its kernel rounds to bf16",
                       ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
                       ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands"}
 
@@ -682,7 +697,7 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED,
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
-                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED}
+                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, "GATE_UP_EPILOGUE": GATE_UP_EPILOGUE_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -829,6 +844,7 @@ class CompactQwen3:
         self.combo_kernels = setting("COMBO_KERNELS")
         self.attention_plan = setting("ATTENTION_PLAN")
         self.gemm_kernel = setting("GEMM_KERNEL")
+        self.gate_up_epilogue = setting("GATE_UP_EPILOGUE")
         self.reduction_launch = setting("REDUCTION_LAUNCH")
         if self.reduction_launch != "benchmarked":
             reduction_launch.install()  # refuses a torch without the hooked method, before any compilation
@@ -848,6 +864,12 @@ class CompactQwen3:
             if setting(name) == value and setting(needs) != needed:
                 raise ValueError(f"{name} {value} needs {needs} {needed} ({why}); this engine: {needs} "
                                  f"{setting(needs)}")
+        if self.gate_up_epilogue == "triton":
+            from rollout_lib.backends import mlp_epilogue
+            from rollout_lib.backends.skinny_gemm import check_triton_runs_here
+
+            check_triton_runs_here(self.device, "GATE_UP_EPILOGUE triton")
+            mlp_epilogue.prepare()  # the op registered now, outside any compiled trace
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -1175,11 +1197,21 @@ class CompactQwen3:
         add, expand = self.lora_add, self.lora_expand
         h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add,
                               expand=expand, split_k=self._splits(o[0], length), gemm=self._gemm(length))
-        gate, up = _fused_linear(_rms(h, post_norm, self.eps), *gate_up, self.scaling, fused, add,
-                                 expand=expand, split_k=self._splits(gate_up[0], length),
-                                 part_out=None if gate_up[2] is None else (gate_up[2].shape[0] // 2,) * 2,
-                                 gemm=self._gemm(length)).chunk(2, dim=-1)
-        return h + _fused_linear(torch.nn.functional.silu(gate) * up, *down, self.scaling, fused, add,
+        x = _rms(h, post_norm, self.eps)
+        if self.gate_up_epilogue == "triton" and gate_up[2] is not None:  # GATE_UP_EPILOGUE: one kernel after the GEMM
+            from rollout_lib.backends.mlp_epilogue import gate_up_activation
+
+            both = _gemm_float32(x.reshape(-1, x.shape[-1]), gate_up[0], self._splits(gate_up[0], length),
+                                 self._gemm(length))
+            act = gate_up_activation(both, gate_up[2], self.scaling, gate_up[2].shape[0] // 2,
+                                     add == "bf16_like_nf4_oracle").reshape(batch, length, -1)
+        else:
+            gate, up = _fused_linear(x, *gate_up, self.scaling, fused, add, expand=expand,
+                                     split_k=self._splits(gate_up[0], length),
+                                     part_out=None if gate_up[2] is None else (gate_up[2].shape[0] // 2,) * 2,
+                                     gemm=self._gemm(length)).chunk(2, dim=-1)
+            act = torch.nn.functional.silu(gate) * up
+        return h + _fused_linear(act, *down, self.scaling, fused, add,
                                  expand=expand, split_k=self._splits(down[0], length), gemm=self._gemm(length))
 
     def _between_layers(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor, o: tuple,

@@ -209,7 +209,8 @@ class HFCachedBackend(HFBackendBase):
                           ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"),
                           ("step_edges", "eager"), ("gemm_split_k", "off"), ("autotune_rows", "first_bucket"),
                           ("combo_kernels", "off"), ("attention_plan", "per_call"),
-                          ("gemm_kernel", "cublas"), ("reduction_launch", "benchmarked"))
+                          ("gemm_kernel", "cublas"), ("reduction_launch", "benchmarked"),
+                          ("gate_up_epilogue", "inductor"))
                          if getattr(self.engine, key) != default},
                       **({"gemm_splits": self.engine.gemm_split_plan()} if self.engine.gemm_split_k != "off" else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],

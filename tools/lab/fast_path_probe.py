@@ -103,6 +103,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # persistent reductions (the LoRA expand's) launched with the largest XBLOCK inductor generated, not
             # its first-run benchmark's pick (leases 32-33: that pick moved one source's step by up to 2.8 ms)
             "fewest": ("REDUCTION_LAUNCH", "fewest_programs"),
+            # the gate_up GEMM's float32 output to the SiLU product as one Triton kernel (lease 33: two inductor
+            # kernels and their gaps, ~4 us a layer, between the two opaque GEMMs)
+            "mlpepilogue": ("GATE_UP_EPILOGUE", "triton"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),
