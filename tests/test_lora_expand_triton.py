@@ -11,19 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_here import DEVICE, MARKS, interpreter_on_a_cpu  # noqa: F401 (an autouse fixture)
+from tests.triton_here import (  # noqa: F401 (an autouse fixture)
+    DEVICE,
+    MARKS,
+    exact_values,
+    interpreter_on_a_cpu,
+    truncated_or_equal,
+)
 
 pytestmark = MARKS
-
-
-def _exact(shape, generator, scale):
-    return torch.randint(-3, 4, shape, generator=generator).float() * scale
-
-
-def _truncated_or_equal(got, want) -> bool:
-    step = torch.finfo(torch.bfloat16).eps * want.float().abs()
-    apart = got.float() - want.float()
-    return bool(((apart == 0) | ((apart.abs() <= step) & (got.float().abs() < want.float().abs()))).all())
 
 
 def _reference(base, xa, lora_b, scaling, oracle_rounding):
@@ -45,8 +41,8 @@ def test_the_kernel_adds_and_rounds_as_the_other_expands_do(dtype, rows, feature
     generator = torch.Generator().manual_seed(rows + features)
     wide = (torch.randn(rows, features + 3 * rank, generator=generator) * 4).to(dtype).to(DEVICE)
     base = wide[:, :features]  # a strided view, as the shrink in the base GEMM returns it
-    xa = _exact((rows, rank), generator, 1.0).to(DEVICE)
-    lora_b = _exact((features, rank), generator, 0.125)
+    xa = exact_values((rows, rank), generator, 1.0).to(DEVICE)
+    lora_b = exact_values((features, rank), generator, 0.125)
     lora_b[: features // 2, rank // 2:] = 0.0  # a block of exact zeros, as a fused projection's B has
     lora_b = lora_b.to(DEVICE)
     got = lora_expand_add(base, xa, lora_b, 2.0, oracle_rounding)
@@ -55,7 +51,7 @@ def test_the_kernel_adds_and_rounds_as_the_other_expands_do(dtype, rows, feature
     if DEVICE == "cuda" or dtype == torch.float32:
         assert torch.equal(got, want)
     else:  # the interpreter's truncating conversion: the reference, or one bf16 step toward zero from the sum
-        assert _truncated_or_equal(got, want)
+        assert truncated_or_equal(got, want)
     # any shape [..., features], as the engine's [batch, length, features]
     got3 = lora_expand_add(base.reshape(rows, 1, features), xa.reshape(rows, 1, rank), lora_b, 2.0, oracle_rounding)
     assert got3.shape == (rows, 1, features) and torch.equal(got3.reshape(rows, features), got)

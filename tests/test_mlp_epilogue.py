@@ -10,21 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_here import DEVICE, MARKS, interpreter_on_a_cpu  # noqa: F401 (an autouse fixture)
+from tests.triton_here import (  # noqa: F401 (an autouse fixture)
+    DEVICE,
+    MARKS,
+    assert_parts_only_after_close_logprobs,
+    exact_values,
+    interpreter_on_a_cpu,
+    run_engines,
+    truncated_or_equal,
+)
 
 pytestmark = MARKS
-
-
-def _exact(shape, generator, scale):
-    return torch.randint(-3, 4, shape, generator=generator).float() * scale
 
 
 def _gemm_output(rows, inter, rank, generator):
     """`both` as the gate_up GEMM with the shrink's rows returns it: base columns exact in bf16, then A's three
     parts for gate's and up's ranks; and its block-diagonal B."""
-    base = _exact((rows, 2 * inter), generator, 0.5)
-    parts = _exact((rows, 3 * 2 * rank), generator, 0.25)
-    lora_b = _exact((2 * inter, 2 * rank), generator, 0.125)
+    base = exact_values((rows, 2 * inter), generator, 0.5)
+    parts = exact_values((rows, 3 * 2 * rank), generator, 0.25)
+    lora_b = exact_values((2 * inter, 2 * rank), generator, 0.125)
     lora_b[:inter, rank:] = 0.0
     lora_b[inter:, :rank] = 0.0
     return torch.cat([base, parts], dim=1), lora_b
@@ -46,10 +50,6 @@ def _reference(both, lora_b, scaling, inter, oracle_rounding, activation):
     return torch.nn.functional.silu(gate) * up
 
 
-def _truncated_or_equal(got, want) -> bool:
-    step = torch.finfo(torch.bfloat16).eps * want.float().abs()
-    apart = got.float() - want.float()
-    return bool(((apart == 0) | ((apart.abs() <= step) & (got.float().abs() < want.float().abs()))).all())
 
 
 @pytest.mark.parametrize("oracle_rounding", [False, True])
@@ -70,7 +70,7 @@ def test_gate_and_up_are_added_and_rounded_as_the_engine_does(rows, inter, rank,
     if DEVICE == "cuda":
         assert torch.equal(got, want)
     else:
-        assert _truncated_or_equal(got.cpu(), want.cpu())
+        assert truncated_or_equal(got.cpu(), want.cpu())
 
 
 def test_the_silu_product_is_within_two_roundings_of_torchs_and_any_shape_goes_through_the_op():
@@ -108,43 +108,12 @@ def test_a_bf16_engine_with_the_epilogue_serves_the_policy_and_its_tokens(smoke_
     and the bf16 tokens and log-probabilities are those of the same engine with inductor's expand and SiLU: the
     same float32 products summed in another order, SiLU's sigmoid by another formula, whose bf16 roundings part
     now and then and carry through the layers: log-probabilities within 0.05 and tokens apart only after that."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-
-    from rollout_lib.backends import create_backend
-    from rollout_lib.models.policy import policy_versions
     from rollout_lib.study.workload import Workload
 
-    workload = Workload(smoke_study)
-    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
-    cells = ("p48-r24-n2-greedy", "p16-r24-n2-stochastic")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE != "cpu" else [])
-    runs = {}
-    for engine in ({"LORA_SHRINK": "in_base_gemm"}, {"LORA_SHRINK": "in_base_gemm", "GATE_UP_EPILOGUE": "triton"}):
-        torch._dynamo.reset()
-        backend = create_backend("hf_cached", smoke_study, device=DEVICE, compute_dtype="bfloat16", decode="graphs",
-                                 step_compile="inductor", cache_dir=snapshot_cache, engine=engine)
-        backend.cold_start()
-        try:
-            identity = backend.sync_policy(policy)
-            with torch.profiler.profile(activities=activities) as prof:
-                results = {c: backend.generate(workload.requests(workload.cell(c))).results for c in cells}
-            if DEVICE == "cpu":
-                calls = [event for event in prof.events() if event.name == "rollout::gate_up_epilogue"]
-            else:
-                calls = [event for event in prof.events() if event.device_type == DeviceType.CUDA
-                         and event.name.startswith("gate_up_epilogue_kernel")]
-            runs[backend.environment().get("gate_up_epilogue", "inductor")] = identity, results, len(calls)
-        finally:
-            backend.teardown()
-    (default_identity, default, none), (identity, got, used) = runs["inductor"], runs["triton"]
+    policy, runs = run_engines(smoke_study, snapshot_cache, ({"LORA_SHRINK": "in_base_gemm"}, {
+        "LORA_SHRINK": "in_base_gemm", "GATE_UP_EPILOGUE": "triton"}), "rollout::gate_up_epilogue",
+        "gate_up_epilogue_kernel")
+    (default_identity, default, none), (identity, got, used) = runs
     assert identity == default_identity == policy.identity
-    assert none == 0 and used >= workload.arch.num_hidden_layers
-    for cell in cells:
-        for a, b in zip(default[cell], got[cell], strict=True):
-            same = 0
-            while same < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[same] == b.token_ids[same]:
-                same += 1
-            assert max(abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True)) < 0.05
-            if same < len(a.token_ids):  # apart only where the two orders' sums put two tokens near a tie
-                assert same > 0 and a.request_id == b.request_id
+    assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers
+    assert_parts_only_after_close_logprobs(default, got)

@@ -11,13 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_here import DEVICE, MARKS, interpreter_on_a_cpu  # noqa: F401 (an autouse fixture)
+from tests.triton_here import (  # noqa: F401 (an autouse fixture)
+    DEVICE,
+    MARKS,
+    assert_parts_only_after_close_logprobs,
+    exact_values,
+    interpreter_on_a_cpu,
+    run_engines,
+)
 
 pytestmark = MARKS
 
 
 def _exact(shape, generator, scale):
-    return (torch.randint(-3, 4, shape, generator=generator).float() * scale).to(torch.bfloat16).to(DEVICE)
+    return exact_values(shape, generator, scale).to(torch.bfloat16).to(DEVICE)
 
 
 def _reference(x, weight):
@@ -102,49 +109,18 @@ def test_a_bf16_engine_with_the_skinny_gemm_serves_the_policy_and_its_tokens(smo
     and log-probabilities are those of the same engine on cuBLAS's GEMM (`mm_float32`): the same float32 sums of
     exact products, in another order, whose bf16 roundings part now and then and carry through the layers: log-
     probabilities within 0.05 (the Triton expand's bf16 smoke run: 0.039) and tokens apart only after that."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
+    from rollout_lib.backends import skinny_gemm
 
-    from rollout_lib.backends import create_backend, skinny_gemm
-    from rollout_lib.models.policy import policy_versions
-    from rollout_lib.study.workload import Workload
-
-    workload = Workload(smoke_study)
-    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 2)[-1]
-    cells = ("p48-r24-n2-greedy", "p16-r24-n2-stochastic")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE != "cpu" else [])
-    runs = {}
-    for engine in ({"LORA_SHRINK": "in_base_gemm"}, {"LORA_SHRINK": "in_base_gemm", "GEMM_KERNEL": "triton_skinny"}):
-        torch._dynamo.reset()
-        backend = create_backend("hf_cached", smoke_study, device=DEVICE, compute_dtype="bfloat16", decode="graphs",
-                                 step_compile="inductor", cache_dir=snapshot_cache, engine=engine)
-        backend.cold_start()
-        try:
-            identity = backend.sync_policy(policy)
-            with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-                results = {c: backend.generate(workload.requests(workload.cell(c))).results for c in cells}
-            if DEVICE == "cpu":  # the op's calls, with their rows (the interpreter runs each call as it comes)
-                calls = [event.input_shapes[0][0] for event in prof.events() if event.input_shapes
-                         and event.name == "rollout::skinny_mm_float32" and event.input_shapes[0]]
-            else:  # the kernel's launches, replayed from the decode steps' CUDA graphs (no op call per replay)
-                calls = [event.name for event in prof.events() if event.device_type == DeviceType.CUDA
-                         and event.name.startswith("skinny_gemm_kernel")]
-            runs[backend.environment().get("gemm_kernel", "cublas")] = identity, results, calls
-        finally:
-            backend.teardown()
-    (default_identity, default, none), (identity, got, used) = runs["cublas"], runs["triton_skinny"]
+    policy, runs = run_engines(smoke_study, snapshot_cache, ({"LORA_SHRINK": "in_base_gemm"}, {
+        "LORA_SHRINK": "in_base_gemm", "GEMM_KERNEL": "triton_skinny"}), "rollout::skinny_mm_float32",
+        "skinny_gemm_kernel")
+    (default_identity, default, none), (identity, got, used) = runs
     assert identity == default_identity == policy.identity
     assert none == [] and used
     if DEVICE == "cpu":  # a prefill's rows went to cuBLAS's GEMM (on a GPU: the unit test above)
-        assert set(used) <= set(range(1, skinny_gemm.MAX_ROWS + 1))
-    for cell in cells:
-        for a, b in zip(default[cell], got[cell], strict=True):
-            same = 0
-            while same < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[same] == b.token_ids[same]:
-                same += 1
-            assert max(abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True)) < 0.05
-            if same < len(a.token_ids):  # apart only where the two orders' sums put two tokens near a tie
-                assert same > 0 and a.request_id == b.request_id
+        rows = [event.input_shapes[0][0] for event in used if event.input_shapes and event.input_shapes[0]]
+        assert rows and set(rows) <= set(range(1, skinny_gemm.MAX_ROWS + 1))
+    assert_parts_only_after_close_logprobs(default, got)
 
 
 def test_a_captured_graph_replays_the_kernel_with_new_rows():
