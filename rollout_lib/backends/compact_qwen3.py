@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout_lib.backends import counter_noise, reduction_launch
+from rollout_lib.backends import counter_noise, reduction_launch, triton_ops
 
 if TYPE_CHECKING:
     import torch
@@ -170,17 +170,12 @@ def _lora_expand_triton_op():
             num_warps=LORA_EXPAND_WARPS)
         return out
 
-    # types, not strings (this module's `from __future__ import annotations`): the op's schema is read from them
-    lora_expand_rows.__annotations__ = {"base": torch.Tensor, "xa": torch.Tensor, "lora_b": torch.Tensor,
-                                        "scaling": float, "oracle_rounding": bool, "return": torch.Tensor}
-    op = torch.library.custom_op("rollout::lora_expand_add", mutates_args=())(lora_expand_rows)
+    from rollout_lib.backends.triton_ops import opaque_op
 
-    def shape_only(base, xa, lora_b, scaling, oracle_rounding):
-        return base.new_empty(base.shape)
-
-    shape_only.__annotations__ = dict(lora_expand_rows.__annotations__)
-    op.register_fake(shape_only)
-    _LORA_EXPAND_OP = op
+    _LORA_EXPAND_OP = opaque_op("rollout::lora_expand_add", lora_expand_rows,
+                                lambda base, xa, lora_b, scaling, oracle_rounding: base.new_empty(base.shape),
+                                {"base": torch.Tensor, "xa": torch.Tensor, "lora_b": torch.Tensor, "scaling": float,
+                                 "oracle_rounding": bool})
     return _LORA_EXPAND_OP
 
 
@@ -825,9 +820,7 @@ class CompactQwen3:
             raise ValueError(f"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not {self.dtype}")
         self.lora_expand = setting("LORA_EXPAND")
         if self.lora_expand == "triton":
-            from rollout_lib.backends.skinny_gemm import check_triton_runs_here
-
-            check_triton_runs_here(self.device, "LORA_EXPAND triton")
+            triton_ops.check_triton_runs_here(self.device, "LORA_EXPAND triton")
             _lora_expand_triton_op()  # the op registered now, outside any compiled trace
         self.attention_backend = setting("ATTENTION_BACKEND")
         if self.attention_backend == "fa3":
@@ -856,7 +849,7 @@ class CompactQwen3:
             if self.gemm_split_k != "off":
                 raise ValueError(f"GEMM_KERNEL triton_skinny splits K itself; this engine: GEMM_SPLIT_K "
                                  f"{self.gemm_split_k} (allowed with it: off)")
-            skinny_gemm.check_triton_runs_here(self.device, "GEMM_KERNEL triton_skinny")
+            triton_ops.check_triton_runs_here(self.device, "GEMM_KERNEL triton_skinny")
             skinny_gemm.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)
@@ -866,9 +859,8 @@ class CompactQwen3:
                                  f"{setting(needs)}")
         if self.gate_up_epilogue == "triton":
             from rollout_lib.backends import mlp_epilogue
-            from rollout_lib.backends.skinny_gemm import check_triton_runs_here
 
-            check_triton_runs_here(self.device, "GATE_UP_EPILOGUE triton")
+            triton_ops.check_triton_runs_here(self.device, "GATE_UP_EPILOGUE triton")
             mlp_epilogue.prepare()  # the op registered now, outside any compiled trace
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)

@@ -115,24 +115,16 @@ def _op():
     """The custom op `rollout::gate_up_epilogue`, registered once per process: the kernel behind an opaque op with
     a shape-only fake, so a compiled piece calls it as it calls a cuBLAS GEMM and inductor chooses nothing for it."""
     global _OP
-    if _OP is not None:
-        return _OP
-    import torch
+    if _OP is None:
+        import torch
 
-    def gate_up_epilogue(both, lora_b, scaling, inter, oracle_rounding):
-        return launch(both, lora_b, scaling, inter, oracle_rounding)
+        from rollout_lib.backends.triton_ops import opaque_op
 
-    # types, not strings (this module's `from __future__ import annotations`): the op's schema is read from them
-    gate_up_epilogue.__annotations__ = {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
-                                        "oracle_rounding": bool, "return": torch.Tensor}
-    op = torch.library.custom_op("rollout::gate_up_epilogue", mutates_args=())(gate_up_epilogue)
-
-    def shape_only(both, lora_b, scaling, inter, oracle_rounding):
-        return both.new_empty((both.shape[0], inter), dtype=torch.bfloat16)
-
-    shape_only.__annotations__ = dict(gate_up_epilogue.__annotations__)
-    op.register_fake(shape_only)
-    _OP = op
+        _OP = opaque_op("rollout::gate_up_epilogue", launch,
+                        lambda both, lora_b, scaling, inter, oracle_rounding: both.new_empty(
+                            (both.shape[0], inter), dtype=torch.bfloat16),
+                        {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
+                         "oracle_rounding": bool})
     return _OP
 
 

@@ -190,23 +190,14 @@ def _op():
     an opaque op with a shape-only fake, so a compiled piece calls it as it calls cuBLAS and inductor chooses nothing
     for it. The op changes no input: the counters it uses are zero before and after every launch."""
     global _OP
-    if _OP is not None:
-        return _OP
-    import torch
+    if _OP is None:
+        import torch
 
-    def skinny_mm(x, weight):
-        return launch(x, weight)
+        from rollout_lib.backends.triton_ops import opaque_op
 
-    # types, not strings (this module's `from __future__ import annotations`): the op's schema is read from them
-    skinny_mm.__annotations__ = {"x": torch.Tensor, "weight": torch.Tensor, "return": torch.Tensor}
-    op = torch.library.custom_op("rollout::skinny_mm_float32", mutates_args=())(skinny_mm)
-
-    def shape_only(x, weight):
-        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-
-    shape_only.__annotations__ = dict(skinny_mm.__annotations__)
-    op.register_fake(shape_only)
-    _OP = op
+        _OP = opaque_op("rollout::skinny_mm_float32", lambda x, weight: launch(x, weight),
+                        lambda x, weight: x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32),
+                        {"x": torch.Tensor, "weight": torch.Tensor})
     return _OP
 
 
@@ -227,20 +218,3 @@ def skinny_mm_float32(x, weight):
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     return (_OP or _op())(x, weight)
-
-
-def check_triton_runs_here(device, setting: str) -> None:
-    """A setting whose kernel is hand-written Triton (`setting`: its name and value, e.g. "GEMM_KERNEL
-    triton_skinny", "LORA_EXPAND triton") runs on a CUDA GPU with Triton installed (or, for tests, on a CPU in
-    Triton's interpreter: TRITON_INTERPRET=1); refused elsewhere, by name."""
-    import importlib.util
-    import os
-
-    import torch
-
-    device = torch.device(device)
-    triton = importlib.util.find_spec("triton") is not None
-    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    if not triton or (device.type != "cuda" and not interpreted):
-        raise ValueError(f"{setting} needs a CUDA GPU and Triton; this engine: {device}, Triton "
-                         f"{'installed' if triton else 'not installed'}")
