@@ -1066,6 +1066,11 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
      r"GEMM's output\); this engine: LORA_SHRINK reductions"),
     ({"GATE_UP_EPILOGUE": "triton", "LORA_SHRINK": "in_base_gemm"}, "bfloat16",
      r"GATE_UP_EPILOGUE triton needs a CUDA GPU and Triton; this engine: cpu"),
+    ({"O_EPILOGUE": "triton"}, "bfloat16",
+     r"O_EPILOGUE triton needs LORA_SHRINK in_base_gemm \(its kernel reads the shrink's rows from the o GEMM's "
+     r"output\); this engine: LORA_SHRINK reductions"),
+    ({"O_EPILOGUE": "triton", "LORA_SHRINK": "in_base_gemm"}, "bfloat16",
+     r"O_EPILOGUE triton needs a CUDA GPU and Triton; this engine: cpu"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):

@@ -50,8 +50,9 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("gemm", r"nvjet|gemm|cublas|cutlass|xmma|splitkreduce"),
     ("rmsnorm", r"rsqrt"),
     ("sampling", r"exponential|argmax|topk|sort|multinomial|softmax|philox"),
-    # GATE_UP_EPILOGUE's kernel is the gate_up LoRA expand with the SiLU product it carries
-    ("low_rank_reductions", r"mul_(\w+_)?sum|sum_mul|gate_up_epilogue"),
+    # GATE_UP_EPILOGUE's and O_EPILOGUE's kernels are a LoRA expand with what they carry (the SiLU product; the
+    # residual add and the norm)
+    ("low_rank_reductions", r"mul_(\w+_)?sum|sum_mul|gate_up_epilogue|residual_norm_epilogue"),
     ("kv_cache_write", r"index_elementwise|index_put|index_copy|scatter"),
     ("activation", r"silu|gelu"),
 )

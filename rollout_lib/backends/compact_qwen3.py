@@ -597,6 +597,10 @@ class Layer:
 #   LoRA expand reduction, the SiLU product: 2 kernels, ~3.1 us + 2 gaps a layer at 4 rows, lease 33); "triton"
 #   (issue 43 candidate; with LORA_SHRINK "in_base_gemm", bf16, CUDA): one hand-written kernel from the GEMM's
 #   float32 output to the SiLU product (`mlp_epilogue`). The probe's `+mlpepilogue`.
+# - O_EPILOGUE "inductor" (the default): between the o GEMM and the gate_up GEMM, inductor's kernels (the LoRA
+#   expand reduction, the residual add with the post-attention norm: 2 kernels, ~2.5 us + 2 gaps a layer at 4 rows,
+#   lease 33); "triton" (issue 43 candidate; with LORA_SHRINK "in_base_gemm", bf16, CUDA): one hand-written kernel
+#   from the GEMM's float32 output to the residual stream and its norm (`norm_epilogue`). The probe's `+oepilogue`.
 # - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
@@ -641,6 +645,8 @@ REDUCTION_LAUNCH = "benchmarked"
 REDUCTION_LAUNCH_ALLOWED = reduction_launch.REDUCTION_LAUNCH_ALLOWED
 GATE_UP_EPILOGUE = "inductor"
 GATE_UP_EPILOGUE_ALLOWED = ("inductor", "triton")
+O_EPILOGUE = "inductor"
+O_EPILOGUE_ALLOWED = ("inductor", "triton")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -656,12 +662,15 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                     ("ATTENTION_PLAN", "per_step"): ("ATTENTION_BACKEND", "fa3", "the plan is FA3's scheduler "
                                                      "metadata"),
                     ("GATE_UP_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
-                                                     "rows from the gate_up GEMM's output")}
+                                                     "rows from the gate_up GEMM's output"),
+                    ("O_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's rows "
+                                               "from the o GEMM's output")}
 
 
 # a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
 BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf16 base weight as three bf16 parts",
                       ("GATE_UP_EPILOGUE", "triton"): "its kernel rounds to bf16",
+                      ("O_EPILOGUE", "triton"): "its kernel rounds to bf16",
                       ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
                       ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands"}
 
@@ -692,7 +701,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED,
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
-                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, "GATE_UP_EPILOGUE": GATE_UP_EPILOGUE_ALLOWED}
+                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, "GATE_UP_EPILOGUE": GATE_UP_EPILOGUE_ALLOWED,
+                   "O_EPILOGUE": O_EPILOGUE_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -838,6 +848,7 @@ class CompactQwen3:
         self.attention_plan = setting("ATTENTION_PLAN")
         self.gemm_kernel = setting("GEMM_KERNEL")
         self.gate_up_epilogue = setting("GATE_UP_EPILOGUE")
+        self.o_epilogue = setting("O_EPILOGUE")
         self.reduction_launch = setting("REDUCTION_LAUNCH")
         if self.reduction_launch != "benchmarked":
             reduction_launch.install()  # refuses a torch without the hooked method, before any compilation
@@ -862,6 +873,11 @@ class CompactQwen3:
 
             triton_ops.check_triton_runs_here(self.device, "GATE_UP_EPILOGUE triton")
             mlp_epilogue.prepare()  # the op registered now, outside any compiled trace
+        if self.o_epilogue == "triton":
+            from rollout_lib.backends import norm_epilogue
+
+            triton_ops.check_triton_runs_here(self.device, "O_EPILOGUE triton")
+            norm_epilogue.prepare()
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -1187,9 +1203,17 @@ class CompactQwen3:
         # which cannot be viewed as the query heads (a copy, fused by inductor; a view when contiguous)
         attn = attn.reshape(batch, self.heads, length, self.head_dim).transpose(1, 2)
         add, expand = self.lora_add, self.lora_expand
-        h = h + _fused_linear(attn.reshape(batch, length, self.heads * self.head_dim), *o, self.scaling, fused, add,
-                              expand=expand, split_k=self._splits(o[0], length), gemm=self._gemm(length))
-        x = _rms(h, post_norm, self.eps)
+        attn = attn.reshape(batch, length, self.heads * self.head_dim)
+        if self.o_epilogue == "triton" and o[2] is not None:  # O_EPILOGUE: one kernel after the GEMM
+            from rollout_lib.backends.norm_epilogue import residual_and_norm
+
+            both = _gemm_float32(attn.reshape(batch * length, -1), o[0], self._splits(o[0], length),
+                                 self._gemm(length))
+            h, x = residual_and_norm(both, o[2], h, post_norm, self.scaling, self.eps, add == "bf16_like_nf4_oracle")
+        else:
+            h = h + _fused_linear(attn, *o, self.scaling, fused, add, expand=expand,
+                                  split_k=self._splits(o[0], length), gemm=self._gemm(length))
+            x = _rms(h, post_norm, self.eps)
         if self.gate_up_epilogue == "triton" and gate_up[2] is not None:  # GATE_UP_EPILOGUE: one kernel after the GEMM
             from rollout_lib.backends.mlp_epilogue import gate_up_activation
 

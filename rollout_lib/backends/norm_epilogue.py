@@ -1,0 +1,135 @@
+"""O_EPILOGUE "triton" (issue 43 candidate): everything between the o GEMM and the gate_up GEMM of a layer as one
+hand-written Triton kernel, with the LoRA shrink in the base GEMM (LORA_SHRINK "in_base_gemm").
+
+Why (lease 33's trace of the picked engine, one layer at 4 rows on the H200): between the o GEMM and the gate_up
+GEMM inductor launches two kernels, the o expand reduction (1.2 us, 0.9 us of gap before it) and the residual add
+with the post-attention norm (1.3 us, 0.5 us of gap): two reductions of different shapes (the rank's terms per
+feature, the norm's sum per row), which inductor does not merge. Between two opaque cuBLAS GEMMs one kernel in
+their place takes no fusion from inductor. The second of the epilogues between GEMMs (GATE_UP_EPILOGUE is the
+first; docs/perf-notes.md, "Open candidates").
+
+The kernel reads the o GEMM's float32 output `both` [rows, H + 3 r] (W_o's H features, then A's three bf16 parts,
+as `_write_shrink_rows` appends them), B [H, r], the residual stream h [rows, H] (bf16) and the norm's weight [H].
+Per row m and feature n, as `_fused_linear`, `_after_attention` and `_rms` compute them:
+    base = bf16(both[m, n])                                        (the base GEMM rounded as `linear` rounds it)
+    xa[m, k] = (part0 + part1) + part2                             (the shrink's three parts, in order, float32)
+    low = sum_k xa[m, k] B[n, k]                                   (in order k = 0, 1, ..., float32)
+    o = bf16(float32(base) + scaling low)                          (lora_add "float32_once"; or the oracle's
+                                                                    rounding: bf16(base + bf16(scaling low)))
+    h' = bf16(h + o)                                               (the residual, as torch adds two bf16 tensors)
+    x = bf16(w * bf16(h' rsqrt(mean_n h'^2 + eps)))                (Qwen3's RMSNorm: float32 statistics)
+It returns h' and x stacked, [2, rows, H]. The same float32 products and sums as the engine's in another order
+(the rank's and the norm's reductions are inductor's there), rsqrt by Triton: within a rounding of the default
+engine's values, its greedy tokens parting only at near-ties (the GPU test). One program per row (the norm reads
+the whole row), one launch configuration, nothing drawn. CUDA, or a CPU in Triton's interpreter (tests)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+WARPS = 4
+
+_OP = None
+_KERNEL = None
+
+
+def _kernel():
+    """The Triton kernel, defined once per process."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def residual_norm_epilogue_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, hidden, both_row, b_row, b_col, h_row,
+                                      out_rows, out_row, scaling, eps, RANK: tl.constexpr,
+                                      ORACLE_ROUNDING: tl.constexpr, BLOCK_H: tl.constexpr):
+        m = tl.program_id(0)
+        n = tl.arange(0, BLOCK_H)
+        keep = n < hidden
+        row = both_ptr + m * both_row
+        base = tl.load(row + n, mask=keep, other=0.0).to(tl.bfloat16)
+        shrink = row + hidden  # A's parts after the base features: part p, rank column j at p * RANK + j
+        low = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k in tl.static_range(RANK):
+            xa = (tl.load(shrink + k) + tl.load(shrink + RANK + k)) + tl.load(shrink + 2 * RANK + k)
+            low += xa * tl.load(b_ptr + n * b_row + k * b_col, mask=keep, other=0.0)
+        if ORACLE_ROUNDING:  # lora_add "bf16_like_nf4_oracle": the term rounded first, added as two bf16 tensors
+            o = (base.to(tl.float32) + (low * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        else:  # "float32_once": added in float32, rounded once
+            o = (base.to(tl.float32) + low * scaling).to(tl.bfloat16)
+        h = tl.load(h_ptr + m * h_row + n, mask=keep, other=0.0)
+        after = (h.to(tl.float32) + o.to(tl.float32)).to(tl.bfloat16)
+        tl.store(out_ptr + m * out_row + n, after, mask=keep)
+        stream = after.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(stream * stream, axis=0) / hidden + eps)
+        normed = (stream * scale).to(tl.bfloat16)
+        weight = tl.load(w_ptr + n, mask=keep, other=0.0)
+        x = (weight.to(tl.float32) * normed.to(tl.float32)).to(tl.bfloat16)
+        tl.store(out_ptr + out_rows * out_row + m * out_row + n, x, mask=keep)
+
+    _KERNEL = residual_norm_epilogue_kernel
+    return _KERNEL
+
+
+def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scaling: float,
+           eps: float, oracle_rounding: bool = False) -> torch.Tensor:
+    """The kernel on `both` [rows, H + 3 rank] float32, B [H, rank] float32 (any strides), h [rows, H] bf16 and
+    the norm's weight [H] bf16 (last dimensions contiguous): bf16 [2, rows, H], the residual stream after the
+    projection and its norm."""
+    import torch
+    import triton
+
+    rows, width = both.shape
+    hidden, rank = lora_b.shape
+    if width != hidden + 3 * rank or tuple(h.shape) != (rows, hidden) or tuple(weight.shape) != (hidden,):
+        raise ValueError(f"O_EPILOGUE triton: the GEMM output {tuple(both.shape)}, B {tuple(lora_b.shape)}, the "
+                         f"residual {tuple(h.shape)} and the norm's weight {tuple(weight.shape)} are not one "
+                         f"projection of {hidden} features with its shrink's rows")
+    out = torch.empty((2, rows, hidden), dtype=torch.bfloat16, device=both.device)
+    if rows:
+        _kernel()[(rows,)](both, lora_b, h, weight, out, hidden, both.stride(0), lora_b.stride(0), lora_b.stride(1),
+                           h.stride(0), rows, out.stride(1), float(scaling), float(eps), RANK=rank,
+                           ORACLE_ROUNDING=oracle_rounding, BLOCK_H=triton.next_power_of_2(hidden), num_warps=WARPS)
+    return out
+
+
+def _op():
+    """The custom op `rollout::residual_norm_epilogue`, registered once per process: the kernel behind an opaque op
+    with a shape-only fake, so a compiled piece calls it as it calls a cuBLAS GEMM and inductor chooses nothing."""
+    global _OP
+    if _OP is None:
+        import torch
+
+        from rollout_lib.backends.triton_ops import opaque_op
+
+        _OP = opaque_op("rollout::residual_norm_epilogue", launch,
+                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding: both.new_empty(
+                            (2, both.shape[0], lora_b.shape[0]), dtype=torch.bfloat16),
+                        {"both": torch.Tensor, "lora_b": torch.Tensor, "h": torch.Tensor, "weight": torch.Tensor,
+                         "scaling": float, "eps": float, "oracle_rounding": bool})
+    return _OP
+
+
+def prepare() -> None:
+    """The op registered and the kernel defined now, outside any compiled trace or capture (engine construction)."""
+    _op()
+    _kernel()
+
+
+def residual_and_norm(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                      scaling: float, eps: float, oracle_rounding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h', x) from the o GEMM's float32 output (see the module): `both` [rows, H + 3 rank], h [..., H] ->
+    two bf16 [..., H], through the op."""
+    shape = h.shape
+    rows, stream = both.reshape(-1, both.shape[-1]), h.reshape(-1, shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if stream.stride(-1) != 1:
+        stream = stream.contiguous()
+    out = (_OP or _op())(rows, lora_b, stream, weight.contiguous(), float(scaling), float(eps), bool(oracle_rounding))
+    return out[0].reshape(shape), out[1].reshape(shape)

@@ -1,0 +1,120 @@
+"""O_EPILOGUE "triton" (`rollout_lib/backends/norm_epilogue.py`): the o GEMM's float32 output to the residual stream
+and its norm in one kernel, as `_fused_linear`, `_after_attention` and `_rms` compute them. On a CUDA GPU it runs
+there; on a CPU in Triton's interpreter where Triton is installed (the CPU CI has no Triton: skipped there, saying
+so). The projection's sums are order-free on the exact values below (small integers times powers of two), so a
+wrong part, rank column or row cannot hide: the residual stream bit for bit on a GPU; the interpreter truncates
+float32 -> bf16 conversions (the GPU rounds to nearest even), so there a bf16 result is the reference's or its
+neighbour toward zero. The norm's sum of squares is a float32 sum in another order: within a rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_here import (  # noqa: F401 (an autouse fixture)
+    DEVICE,
+    MARKS,
+    assert_parts_only_after_close_logprobs,
+    exact_values,
+    interpreter_on_a_cpu,
+    run_engines,
+    truncated_or_equal,
+)
+
+pytestmark = MARKS
+EPS = 1e-6
+
+
+def _operands(rows, hidden, rank, generator):
+    """`both` as the o GEMM with the shrink's rows returns it (base columns exact in bf16, then A's three parts),
+    B, the residual stream and the norm's weight."""
+    both = torch.cat([exact_values((rows, hidden), generator, 0.5), exact_values((rows, 3 * rank), generator, 0.25)],
+                     dim=1)
+    lora_b = exact_values((hidden, rank), generator, 0.125)
+    h = exact_values((rows, hidden), generator, 1.0).to(torch.bfloat16)
+    weight = (1 + exact_values((hidden,), generator, 0.0625)).to(torch.bfloat16)
+    return both, lora_b, h, weight
+
+
+def _reference(both, lora_b, h, weight, scaling, oracle_rounding):
+    """The engine's own arithmetic: `_fused_linear`'s add and rounding, the residual, `_rms`."""
+    from rollout_lib.backends.compact_qwen3 import _rms
+
+    hidden, rank = lora_b.shape
+    base = both[:, :hidden].to(torch.bfloat16)
+    parts = both[:, hidden:].reshape(-1, 3, rank)
+    xa = (parts[:, 0] + parts[:, 1]) + parts[:, 2]
+    low = (xa[:, None, :] * lora_b).sum(-1)
+    o = base + (low * scaling).to(torch.bfloat16) if oracle_rounding else (base.float() + low * scaling).to(
+        torch.bfloat16)
+    after = h + o
+    return after, _rms(after, weight, EPS)
+
+
+@pytest.mark.parametrize("oracle_rounding", [False, True])
+@pytest.mark.parametrize(("rows", "hidden", "rank"), [
+    (4, 1024, 16),   # Qwen3-0.6B's o projection at 4 rows
+    (16, 200, 8),    # a hidden size off a power of two
+    (37, 64, 4),     # a prefill's rows
+])
+def test_the_residual_stream_and_its_norm_are_the_engines(rows, hidden, rank, oracle_rounding):
+    from rollout_lib.backends import norm_epilogue
+
+    generator = torch.Generator().manual_seed(rows + hidden)
+    both, lora_b, h, weight = (t.to(DEVICE) for t in _operands(rows, hidden, rank, generator))
+    got = norm_epilogue.launch(both, lora_b, h, weight, 2.0, EPS, oracle_rounding)
+    want_h, want_x = _reference(both, lora_b, h, weight, 2.0, oracle_rounding)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, rows, hidden)
+    if DEVICE == "cuda":
+        assert torch.equal(got[0], want_h)
+    else:
+        assert truncated_or_equal(got[0].cpu(), want_h.cpu())
+    # the norm: its float32 sum of squares in another order, then two bf16 roundings (the normalized value, the
+    # weight's product): within two bf16 steps of the engine's, on a GPU most of it bit for bit
+    step = 2 * torch.finfo(torch.bfloat16).eps
+    x, want_x = got[1].float().cpu(), want_x.float().cpu()
+    assert bool(((x - want_x).abs() <= step * want_x.abs() + 1e-30).all())
+    if DEVICE == "cuda":
+        assert float((x == want_x).float().mean()) > 0.9
+
+
+def test_any_shape_goes_through_the_op():
+    """[batch, length, H] in, two [batch, length, H] out, the op's values the kernel's."""
+    from rollout_lib.backends import norm_epilogue
+
+    generator = torch.Generator().manual_seed(7)
+    both, lora_b, h, weight = (t.to(DEVICE) for t in _operands(16, 256, 8, generator))
+    after, x = norm_epilogue.residual_and_norm(both.reshape(4, 4, -1), lora_b, h.reshape(4, 4, -1), weight, 2.0, EPS)
+    assert after.shape == x.shape == (4, 4, 256) and after.dtype == x.dtype == torch.bfloat16
+    direct = norm_epilogue.launch(both, lora_b, h, weight, 2.0, EPS)
+    assert torch.equal(after.reshape(16, 256), direct[0]) and torch.equal(x.reshape(16, 256), direct[1])
+
+
+def test_operands_that_are_not_one_projection_with_its_shrink_are_refused_by_name():
+    from rollout_lib.backends import norm_epilogue
+
+    both = torch.zeros(4, 96 + 3 * 8, device=DEVICE)
+    h = torch.zeros(4, 96, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^O_EPILOGUE triton: the GEMM output \(4, 120\), B \(96, 4\), the "
+                                         r"residual \(4, 96\) and the norm's weight \(96,\) are not one projection "
+                                         r"of 96 features"):
+        norm_epilogue.launch(both, torch.zeros(96, 4, device=DEVICE), h, torch.ones(96, dtype=torch.bfloat16,
+                                                                                     device=DEVICE), 1.0, EPS)
+
+
+def test_a_bf16_engine_with_the_epilogue_serves_the_policy_and_its_tokens(smoke_study, snapshot_cache):
+    """The kernel inside the engine's compiled pieces (an opaque op between the o and gate_up GEMMs), with the
+    shrink in the base GEMM: the synced policy's identity is the default engine's; every layer's o projection went
+    through it (on a CPU: the op's calls; on a GPU: its kernel's launches, which CUDA graphs replay without calling
+    the op); and the bf16 tokens and log-probabilities are those of the same engine with inductor's expand, residual
+    and norm: the same float32 products summed in another order, whose bf16 roundings part now and then and carry
+    through the layers: log-probabilities within 0.05 and tokens apart only after that."""
+    from rollout_lib.study.workload import Workload
+
+    policy, runs = run_engines(smoke_study, snapshot_cache, ({"LORA_SHRINK": "in_base_gemm"}, {
+        "LORA_SHRINK": "in_base_gemm", "O_EPILOGUE": "triton"}), "rollout::residual_norm_epilogue",
+        "residual_norm_epilogue_kernel")
+    (default_identity, default, none), (identity, got, used) = runs
+    assert identity == default_identity == policy.identity
+    assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers
+    assert_parts_only_after_close_logprobs(default, got)
