@@ -601,6 +601,11 @@ class Layer:
 #   expand reduction, the residual add with the post-attention norm: 2 kernels, ~2.5 us + 2 gaps a layer at 4 rows,
 #   lease 33); "triton" (issue 43 candidate; with LORA_SHRINK "in_base_gemm", bf16, CUDA): one hand-written kernel
 #   from the GEMM's float32 output to the residual stream and its norm (`norm_epilogue`). The probe's `+oepilogue`.
+# - DOWN_EPILOGUE "inductor" (the default): between the down GEMM and the next layer's qkv GEMM, inductor's kernels
+#   (the LoRA expand with the residual add, then in the next piece the next layer's input norm: 2 kernels, ~2.8 us
+#   + 2 gaps a layer at 4 rows, lease 33); "triton" (issue 43 candidate; likewise): `norm_epilogue`'s kernel with
+#   the next layer's norm, whose output the next piece takes as its normed input (the last layer keeps inductor's:
+#   the final norm is the step's). The probe's `+downepilogue`.
 # - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
@@ -647,6 +652,8 @@ GATE_UP_EPILOGUE = "inductor"
 GATE_UP_EPILOGUE_ALLOWED = ("inductor", "triton")
 O_EPILOGUE = "inductor"
 O_EPILOGUE_ALLOWED = ("inductor", "triton")
+DOWN_EPILOGUE = "inductor"
+DOWN_EPILOGUE_ALLOWED = ("inductor", "triton")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -664,13 +671,16 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                     ("GATE_UP_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
                                                      "rows from the gate_up GEMM's output"),
                     ("O_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's rows "
-                                               "from the o GEMM's output")}
+                                               "from the o GEMM's output"),
+                    ("DOWN_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
+                                                  "rows from the down GEMM's output")}
 
 
 # a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
 BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf16 base weight as three bf16 parts",
                       ("GATE_UP_EPILOGUE", "triton"): "its kernel rounds to bf16",
                       ("O_EPILOGUE", "triton"): "its kernel rounds to bf16",
+                      ("DOWN_EPILOGUE", "triton"): "its kernel rounds to bf16",
                       ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
                       ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands"}
 
@@ -702,7 +712,7 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
                    "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, "GATE_UP_EPILOGUE": GATE_UP_EPILOGUE_ALLOWED,
-                   "O_EPILOGUE": O_EPILOGUE_ALLOWED}
+                   "O_EPILOGUE": O_EPILOGUE_ALLOWED, "DOWN_EPILOGUE": DOWN_EPILOGUE_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -849,6 +859,7 @@ class CompactQwen3:
         self.gemm_kernel = setting("GEMM_KERNEL")
         self.gate_up_epilogue = setting("GATE_UP_EPILOGUE")
         self.o_epilogue = setting("O_EPILOGUE")
+        self.down_epilogue = setting("DOWN_EPILOGUE")
         self.reduction_launch = setting("REDUCTION_LAUNCH")
         if self.reduction_launch != "benchmarked":
             reduction_launch.install()  # refuses a torch without the hooked method, before any compilation
@@ -873,11 +884,12 @@ class CompactQwen3:
 
             triton_ops.check_triton_runs_here(self.device, "GATE_UP_EPILOGUE triton")
             mlp_epilogue.prepare()  # the op registered now, outside any compiled trace
-        if self.o_epilogue == "triton":
-            from rollout_lib.backends import norm_epilogue
+        for name, value in (("O_EPILOGUE", self.o_epilogue), ("DOWN_EPILOGUE", self.down_epilogue)):
+            if value == "triton":
+                from rollout_lib.backends import norm_epilogue
 
-            triton_ops.check_triton_runs_here(self.device, "O_EPILOGUE triton")
-            norm_epilogue.prepare()
+                triton_ops.check_triton_runs_here(self.device, f"{name} triton")
+                norm_epilogue.prepare()
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -1163,14 +1175,16 @@ class CompactQwen3:
                           q_norm: torch.Tensor, k_norm: torch.Tensor, weight: torch.Tensor,
                           lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, fused: bool = False,
                           cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None,
-                          write: torch.Tensor | None = None):
+                          write: torch.Tensor | None = None, normed: torch.Tensor | None = None):
         """h [B, T, hidden] -> q [B, kv_heads, groups * T, D] (grouped query rows), k, v [B, kv_heads, T, D].
         `fused`: traced by inductor (LoRA products as reductions, see _fused_linear). With `cache_k`,
         `cache_v`, `write`: k and v are written into the caches at columns `write` here (inside the
-        compiled piece: inductor stores them from the kernel that computes them) and returned as None."""
+        compiled piece: inductor stores them from the kernel that computes them) and returned as None. `normed`
+        (DOWN_EPILOGUE "triton"): h's input norm, computed by the previous layer's down epilogue."""
         batch, length, _ = h.shape
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        qkv = _fused_linear(_rms(h, input_norm, self.eps), weight, lora_a, lora_b, self.scaling, fused,
+        qkv = _fused_linear(_rms(h, input_norm, self.eps) if normed is None else normed, weight, lora_a, lora_b,
+                            self.scaling, fused,
                             self.lora_add, expand=self.lora_expand,
                             split_k=self._splits(weight, length), part_out=(q_size, kv_size, kv_size),
                             gemm=self._gemm(length))
@@ -1193,9 +1207,11 @@ class CompactQwen3:
         return q, k, v
 
     def _after_attention(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor,
-                         o: tuple, gate_up: tuple, down: tuple, fused: bool = False) -> torch.Tensor:
+                         o: tuple, gate_up: tuple, down: tuple, fused: bool = False,
+                         next_norm: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The o projection, the residual, the MLP and its residual; `o`, `gate_up`, `down` are
-        (weight, lora_a, lora_b)."""
+        (weight, lora_a, lora_b). With `next_norm` (DOWN_EPILOGUE "triton", the next layer's input norm): (h, h's
+        norm), both from the down epilogue's kernel."""
         import torch
 
         batch, length, _ = h.shape
@@ -1227,8 +1243,16 @@ class CompactQwen3:
                                      part_out=None if gate_up[2] is None else (gate_up[2].shape[0] // 2,) * 2,
                                      gemm=self._gemm(length)).chunk(2, dim=-1)
             act = torch.nn.functional.silu(gate) * up
-        return h + _fused_linear(act, *down, self.scaling, fused, add,
-                                 expand=expand, split_k=self._splits(down[0], length), gemm=self._gemm(length))
+        if next_norm is not None and down[2] is not None:  # DOWN_EPILOGUE: one kernel after the GEMM
+            from rollout_lib.backends.norm_epilogue import residual_and_norm
+
+            both = _gemm_float32(act.reshape(batch * length, -1), down[0], self._splits(down[0], length),
+                                 self._gemm(length))
+            return residual_and_norm(both, down[2], h, next_norm, self.scaling, self.eps,
+                                     add == "bf16_like_nf4_oracle")
+        h = h + _fused_linear(act, *down, self.scaling, fused, add,
+                              expand=expand, split_k=self._splits(down[0], length), gemm=self._gemm(length))
+        return h if next_norm is None else (h, _rms(h, next_norm, self.eps))
 
     def _between_layers(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor, o: tuple,
                         gate_up: tuple, down: tuple, cos: torch.Tensor, sin: torch.Tensor, input_norm: torch.Tensor,
@@ -1237,9 +1261,11 @@ class CompactQwen3:
                         cache_v: torch.Tensor | None = None, write: torch.Tensor | None = None):
         """STEP_PIECES "across_layers": one layer's part after attention and the next layer's part before it,
         as one piece: (h, q, k, v) of the next layer (k, v None when written into the caches here)."""
-        h = self._after_attention(h, attn, post_norm, o, gate_up, down, fused)
+        h = self._after_attention(h, attn, post_norm, o, gate_up, down, fused,
+                                  input_norm if self.down_epilogue == "triton" else None)
+        h, normed = h if isinstance(h, tuple) else (h, None)
         return (h, *self._before_attention(h, cos, sin, input_norm, q_norm, k_norm, weight, lora_a, lora_b, fused,
-                                           cache_k, cache_v, write))
+                                           cache_k, cache_v, write, normed))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticCache, write: torch.Tensor,
                 mask: torch.Tensor, keep: int = 1, compiled: bool = False,
@@ -1299,11 +1325,14 @@ class CompactQwen3:
             return {"cache_k": cache.k[index], "cache_v": cache.v[index], "write": write} if inside else {}
 
         last = len(self.layers) - 1
+        normed = None  # DOWN_EPILOGUE "triton": the next layer's input norm, from this layer's down epilogue
         for index, layer in enumerate(self.layers):
             if index == 0 or between is None:
                 write_inside = cache_args(index)
+                if normed is not None:
+                    write_inside["normed"] = normed
                 if compiled:
-                    self.mark_rows(h, cos, sin, write_inside.get("cache_k"), write_inside.get("cache_v"))
+                    self.mark_rows(h, cos, sin, write_inside.get("cache_k"), write_inside.get("cache_v"), normed)
                 q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
                                  fused=compiled, **write_inside)
             # else: q, k, v come from the previous layer's `between` piece
@@ -1342,6 +1371,10 @@ class CompactQwen3:
                 h, q, k, v = between(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"),
                                      layer.tensors("down"), cos, sin, following.input_norm, following.q_norm,
                                      following.k_norm, *following.tensors("qkv"), fused=compiled, **write_inside)
+                continue
+            if self.down_epilogue == "triton" and index < last:  # the next layer's norm by this layer's epilogue
+                h, normed = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"),
+                                  layer.tensors("down"), fused=compiled, next_norm=self.layers[index + 1].input_norm)
                 continue
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),
                       fused=compiled)

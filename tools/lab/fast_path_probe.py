@@ -109,6 +109,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # the o GEMM's float32 output to the residual stream and its norm as one Triton kernel (lease 33: the o
             # expand and the residual + norm, two inductor kernels and their gaps, ~3.9 us a layer)
             "oepilogue": ("O_EPILOGUE", "triton"),
+            # the down GEMM's float32 output to the residual stream and the next layer's input norm as that kernel
+            # (lease 33: the down expand + residual and the next norm, two kernels and their gaps, ~3.7 us a layer)
+            "downepilogue": ("DOWN_EPILOGUE", "triton"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),
