@@ -1075,6 +1075,10 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
                                              r"reads the shrink's rows from the down GEMM's output\)"),
     ({"DOWN_EPILOGUE": "triton", "LORA_SHRINK": "in_base_gemm"}, "bfloat16",
      r"DOWN_EPILOGUE triton needs a CUDA GPU and Triton; this engine: cpu"),
+    ({"QKV_EPILOGUE": "triton"}, "bfloat16", r"QKV_EPILOGUE triton needs LORA_SHRINK in_base_gemm \(its kernel "
+                                             r"reads the shrink's rows from the qkv GEMM's output\)"),
+    ({"QKV_EPILOGUE": "triton", "LORA_SHRINK": "in_base_gemm"}, "bfloat16",
+     r"QKV_EPILOGUE triton needs a CUDA GPU and Triton; this engine: cpu"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):

@@ -99,6 +99,7 @@ def test_categories_follow_the_documented_order():
     ("triton_per_fused__to_copy_add_mul_select_slice_sum_unsqueeze_view_4", "low_rank_reductions"),
     ("gate_up_epilogue_kernel", "low_rank_reductions"),  # GATE_UP_EPILOGUE triton: the expand and the SiLU product
     ("residual_norm_epilogue_kernel", "low_rank_reductions"),  # O_EPILOGUE triton: the expand, residual and norm
+    ("qkv_epilogue_kernel", "low_rank_reductions"),  # QKV_EPILOGUE triton: the expand, q/k norms, rotary, cache writes
     # a sampler kernel that multiplies and reduces is the sampler's, not a LoRA term
     ("triton_red_fused__log_softmax_exp_mul_sub_sum_3", "sampling"),
     ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_slice_split_with_sizes_view_5", "rmsnorm"),

@@ -50,9 +50,9 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("gemm", r"nvjet|gemm|cublas|cutlass|xmma|splitkreduce"),
     ("rmsnorm", r"rsqrt"),
     ("sampling", r"exponential|argmax|topk|sort|multinomial|softmax|philox"),
-    # GATE_UP_EPILOGUE's and O_EPILOGUE's kernels are a LoRA expand with what they carry (the SiLU product; the
-    # residual add and the norm)
-    ("low_rank_reductions", r"mul_(\w+_)?sum|sum_mul|gate_up_epilogue|residual_norm_epilogue"),
+    # the epilogue kernels (GATE_UP_, O_, DOWN_, QKV_EPILOGUE) are a LoRA expand with what they carry (the SiLU
+    # product; the residual add and a norm; the q/k norms, the rotary embedding and the cache writes)
+    ("low_rank_reductions", r"mul_(\w+_)?sum|sum_mul|gate_up_epilogue|residual_norm_epilogue|qkv_epilogue"),
     ("kv_cache_write", r"index_elementwise|index_put|index_copy|scatter"),
     ("activation", r"silu|gelu"),
 )

@@ -606,6 +606,11 @@ class Layer:
 #   + 2 gaps a layer at 4 rows, lease 33); "triton" (issue 43 candidate; likewise): `norm_epilogue`'s kernel with
 #   the next layer's norm, whose output the next piece takes as its normed input (the last layer keeps inductor's:
 #   the final norm is the step's). The probe's `+downepilogue`.
+# - QKV_EPILOGUE "inductor" (the default): between the qkv GEMM and attention, inductor's kernels (the LoRA expand
+#   reduction, the q/k norms with the rotary embedding, the k/v cache writes: 4 kernels, ~7.5 us + 4 gaps a layer at
+#   4 rows, lease 33); "triton" (issue 43 candidate; likewise, in the compiled pieces that write the caches): one
+#   hand-written kernel from the GEMM's float32 output to q, k and v written into their caches (`qkv_epilogue`).
+#   The probe's `+qkvepilogue`.
 # - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
@@ -654,6 +659,8 @@ O_EPILOGUE = "inductor"
 O_EPILOGUE_ALLOWED = ("inductor", "triton")
 DOWN_EPILOGUE = "inductor"
 DOWN_EPILOGUE_ALLOWED = ("inductor", "triton")
+QKV_EPILOGUE = "inductor"
+QKV_EPILOGUE_ALLOWED = ("inductor", "triton")
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -673,7 +680,9 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                     ("O_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's rows "
                                                "from the o GEMM's output"),
                     ("DOWN_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
-                                                  "rows from the down GEMM's output")}
+                                                  "rows from the down GEMM's output"),
+                    ("QKV_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
+                                                 "rows from the qkv GEMM's output")}
 
 
 # a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
@@ -681,6 +690,7 @@ BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf1
                       ("GATE_UP_EPILOGUE", "triton"): "its kernel rounds to bf16",
                       ("O_EPILOGUE", "triton"): "its kernel rounds to bf16",
                       ("DOWN_EPILOGUE", "triton"): "its kernel rounds to bf16",
+                      ("QKV_EPILOGUE", "triton"): "its kernel rounds to bf16",
                       ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
                       ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands"}
 
@@ -712,7 +722,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
                    "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, "GATE_UP_EPILOGUE": GATE_UP_EPILOGUE_ALLOWED,
-                   "O_EPILOGUE": O_EPILOGUE_ALLOWED, "DOWN_EPILOGUE": DOWN_EPILOGUE_ALLOWED}
+                   "O_EPILOGUE": O_EPILOGUE_ALLOWED, "DOWN_EPILOGUE": DOWN_EPILOGUE_ALLOWED,
+                   "QKV_EPILOGUE": QKV_EPILOGUE_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -860,6 +871,7 @@ class CompactQwen3:
         self.gate_up_epilogue = setting("GATE_UP_EPILOGUE")
         self.o_epilogue = setting("O_EPILOGUE")
         self.down_epilogue = setting("DOWN_EPILOGUE")
+        self.qkv_epilogue = setting("QKV_EPILOGUE")
         self.reduction_launch = setting("REDUCTION_LAUNCH")
         if self.reduction_launch != "benchmarked":
             reduction_launch.install()  # refuses a torch without the hooked method, before any compilation
@@ -890,6 +902,11 @@ class CompactQwen3:
 
                 triton_ops.check_triton_runs_here(self.device, f"{name} triton")
                 norm_epilogue.prepare()
+        if self.qkv_epilogue == "triton":
+            from rollout_lib.backends import qkv_epilogue
+
+            triton_ops.check_triton_runs_here(self.device, "QKV_EPILOGUE triton")
+            qkv_epilogue.prepare()
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -1183,8 +1200,16 @@ class CompactQwen3:
         (DOWN_EPILOGUE "triton"): h's input norm, computed by the previous layer's down epilogue."""
         batch, length, _ = h.shape
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        qkv = _fused_linear(_rms(h, input_norm, self.eps) if normed is None else normed, weight, lora_a, lora_b,
-                            self.scaling, fused,
+        x = _rms(h, input_norm, self.eps) if normed is None else normed
+        if self.qkv_epilogue == "triton" and lora_b is not None and cache_k is not None:  # QKV_EPILOGUE: one kernel
+            from rollout_lib.backends.qkv_epilogue import queries_and_cache_write
+
+            both = _gemm_float32(x.reshape(batch * length, -1), weight, self._splits(weight, length),
+                                 self._gemm(length))
+            return queries_and_cache_write(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write,
+                                           self.heads, self.scaling, self.eps,
+                                           self.lora_add == "bf16_like_nf4_oracle"), None, None
+        qkv = _fused_linear(x, weight, lora_a, lora_b, self.scaling, fused,
                             self.lora_add, expand=self.lora_expand,
                             split_k=self._splits(weight, length), part_out=(q_size, kv_size, kv_size),
                             gemm=self._gemm(length))

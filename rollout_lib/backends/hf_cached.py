@@ -211,7 +211,7 @@ class HFCachedBackend(HFBackendBase):
                           ("combo_kernels", "off"), ("attention_plan", "per_call"),
                           ("gemm_kernel", "cublas"), ("reduction_launch", "benchmarked"),
                           ("gate_up_epilogue", "inductor"), ("o_epilogue", "inductor"),
-                          ("down_epilogue", "inductor"))
+                          ("down_epilogue", "inductor"), ("qkv_epilogue", "inductor"))
                          if getattr(self.engine, key) != default},
                       **({"gemm_splits": self.engine.gemm_split_plan()} if self.engine.gemm_split_k != "off" else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],

@@ -24,11 +24,12 @@ def check_triton_runs_here(device, setting: str) -> None:
                          f"{'installed' if triton else 'not installed'}")
 
 
-def opaque_op(name: str, run: Callable[..., Any], shape_only: Callable[..., Any], arguments: dict[str, type]) -> Any:
+def opaque_op(name: str, run: Callable[..., Any], shape_only: Callable[..., Any], arguments: dict[str, type],
+              mutates: tuple[str, ...] = ()) -> Any:
     """The custom op `name` (register it once per process) calling `run`, with `shape_only` as its fake: a compiled
     piece calls it as it calls a cuBLAS GEMM (its launch recorded in the piece's CUDA graph) and inductor chooses
     nothing for it. `arguments`: each argument's type, in order (the op's schema is read from them; it returns one
-    tensor and changes none of its inputs)."""
+    tensor); `mutates`: the arguments it writes in place (none by default)."""
     import inspect
 
     import torch
@@ -46,6 +47,6 @@ def opaque_op(name: str, run: Callable[..., Any], shape_only: Callable[..., Any]
     for function in (call, fake):
         function.__signature__ = signature
         function.__annotations__ = {**arguments, "return": torch.Tensor}
-    op = torch.library.custom_op(name, mutates_args=())(call)
+    op = torch.library.custom_op(name, mutates_args=mutates)(call)
     op.register_fake(fake)
     return op

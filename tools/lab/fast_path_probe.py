@@ -112,6 +112,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # the down GEMM's float32 output to the residual stream and the next layer's input norm as that kernel
             # (lease 33: the down expand + residual and the next norm, two kernels and their gaps, ~3.7 us a layer)
             "downepilogue": ("DOWN_EPILOGUE", "triton"),
+            # the qkv GEMM's float32 output to q and the k/v cache writes as one Triton kernel (lease 33: the qkv
+            # expand, the q/k norms with rotary and the cache writes, four kernels and their gaps, ~9 us a layer)
+            "qkvepilogue": ("QKV_EPILOGUE", "triton"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),
