@@ -26,6 +26,7 @@ configuration, nothing drawn. CUDA, or a CPU in Triton's interpreter (tests)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,15 +36,10 @@ BLOCK_M = 16  # rows per program
 BLOCK_N = 64  # intermediate features per program
 WARPS = 4
 
-_OP = None
-_KERNEL = None
 
-
+@functools.cache
 def _kernel():
     """The Triton kernel, defined once per process."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
     import triton
     import triton.language as tl
 
@@ -86,8 +82,7 @@ def _kernel():
             tl.store(out_ptr + m[:, None] * out_row + n[None, :], gate, mask=keep)
             tl.store(out_ptr + m[:, None] * out_row + (inter + n)[None, :], up, mask=keep)
 
-    _KERNEL = gate_up_epilogue_kernel
-    return _KERNEL
+    return gate_up_epilogue_kernel
 
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int, oracle_rounding: bool = False,
@@ -111,21 +106,19 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int,
     return out
 
 
+@functools.cache
 def _op():
     """The custom op `rollout::gate_up_epilogue`, registered once per process: the kernel behind an opaque op with
     a shape-only fake, so a compiled piece calls it as it calls a cuBLAS GEMM and inductor chooses nothing for it."""
-    global _OP
-    if _OP is None:
-        import torch
+    import torch
 
-        from rollout_lib.backends.triton_ops import opaque_op
+    from rollout_lib.backends.triton_ops import opaque_op
 
-        _OP = opaque_op("rollout::gate_up_epilogue", launch,
-                        lambda both, lora_b, scaling, inter, oracle_rounding: both.new_empty(
-                            (both.shape[0], inter), dtype=torch.bfloat16),
-                        {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
-                         "oracle_rounding": bool})
-    return _OP
+    return opaque_op("rollout::gate_up_epilogue", launch,
+                     lambda both, lora_b, scaling, inter, oracle_rounding: both.new_empty(
+                         (both.shape[0], inter), dtype=torch.bfloat16),
+                     {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
+                      "oracle_rounding": bool})
 
 
 def prepare() -> None:
@@ -141,5 +134,5 @@ def gate_up_activation(both: torch.Tensor, lora_b: torch.Tensor, scaling: float,
     rows = both.reshape(-1, both.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = (_OP or _op())(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding))
+    out = _op()(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding))
     return out.reshape(*both.shape[:-1], inter)

@@ -25,6 +25,7 @@ the whole row), one launch configuration, nothing drawn. CUDA, or a CPU in Trito
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,15 +33,10 @@ if TYPE_CHECKING:
 
 WARPS = 4
 
-_OP = None
-_KERNEL = None
 
-
+@functools.cache
 def _kernel():
     """The Triton kernel, defined once per process."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
     import triton
     import triton.language as tl
 
@@ -72,8 +68,7 @@ def _kernel():
         x = (weight.to(tl.float32) * normed.to(tl.float32)).to(tl.bfloat16)
         tl.store(out_ptr + out_rows * out_row + m * out_row + n, x, mask=keep)
 
-    _KERNEL = residual_norm_epilogue_kernel
-    return _KERNEL
+    return residual_norm_epilogue_kernel
 
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scaling: float,
@@ -98,21 +93,19 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: to
     return out
 
 
+@functools.cache
 def _op():
     """The custom op `rollout::residual_norm_epilogue`, registered once per process: the kernel behind an opaque op
     with a shape-only fake, so a compiled piece calls it as it calls a cuBLAS GEMM and inductor chooses nothing."""
-    global _OP
-    if _OP is None:
-        import torch
+    import torch
 
-        from rollout_lib.backends.triton_ops import opaque_op
+    from rollout_lib.backends.triton_ops import opaque_op
 
-        _OP = opaque_op("rollout::residual_norm_epilogue", launch,
-                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding: both.new_empty(
-                            (2, both.shape[0], lora_b.shape[0]), dtype=torch.bfloat16),
-                        {"both": torch.Tensor, "lora_b": torch.Tensor, "h": torch.Tensor, "weight": torch.Tensor,
-                         "scaling": float, "eps": float, "oracle_rounding": bool})
-    return _OP
+    return opaque_op("rollout::residual_norm_epilogue", launch,
+                     lambda both, lora_b, h, weight, scaling, eps, oracle_rounding: both.new_empty(
+                         (2, both.shape[0], lora_b.shape[0]), dtype=torch.bfloat16),
+                     {"both": torch.Tensor, "lora_b": torch.Tensor, "h": torch.Tensor, "weight": torch.Tensor,
+                      "scaling": float, "eps": float, "oracle_rounding": bool})
 
 
 def prepare() -> None:
@@ -131,5 +124,5 @@ def residual_and_norm(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor,
         rows = rows.contiguous()
     if stream.stride(-1) != 1:
         stream = stream.contiguous()
-    out = (_OP or _op())(rows, lora_b, stream, weight.contiguous(), float(scaling), float(eps), bool(oracle_rounding))
+    out = _op()(rows, lora_b, stream, weight.contiguous(), float(scaling), float(eps), bool(oracle_rounding))
     return out[0].reshape(shape), out[1].reshape(shape)

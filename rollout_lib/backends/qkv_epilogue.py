@@ -26,6 +26,7 @@ drawn. CUDA, or a CPU in Triton's interpreter (tests)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,15 +34,10 @@ if TYPE_CHECKING:
 
 WARPS = 4
 
-_OP = None
-_KERNEL = None
 
-
+@functools.cache
 def _kernel():
     """The Triton kernel, defined once per process."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
     import triton
     import triton.language as tl
 
@@ -106,8 +102,7 @@ def _kernel():
                 tl.store(k_at + half, out1)
                 tl.store(k_at + HEAD_DIM // 2 + half, out2)
 
-    _KERNEL = qkv_epilogue_kernel
-    return _KERNEL
+    return qkv_epilogue_kernel
 
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
@@ -140,27 +135,25 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_nor
     return q.view(batch, kv_heads, heads // kv_heads * length, head_dim)
 
 
+@functools.cache
 def _op():
     """The custom op `rollout::qkv_epilogue`, registered once per process: the kernel behind an opaque op with a
     shape-only fake that writes the two caches in place, so a compiled piece calls it as it calls a cuBLAS GEMM and
     inductor chooses nothing for it."""
-    global _OP
-    if _OP is None:
-        import torch
+    import torch
 
-        from rollout_lib.backends.triton_ops import opaque_op
+    from rollout_lib.backends.triton_ops import opaque_op
 
-        def shape_only(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling, eps,
-                       oracle_rounding):
-            batch, kv_heads, _, head_dim = cache_k.shape
-            return both.new_empty((batch, kv_heads, heads // kv_heads * length, head_dim), dtype=torch.bfloat16)
+    def shape_only(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling, eps,
+                   oracle_rounding):
+        batch, kv_heads, _, head_dim = cache_k.shape
+        return both.new_empty((batch, kv_heads, heads // kv_heads * length, head_dim), dtype=torch.bfloat16)
 
-        _OP = opaque_op("rollout::qkv_epilogue", launch, shape_only,
-                        {"both": torch.Tensor, "lora_b": torch.Tensor, "q_norm": torch.Tensor,
-                         "k_norm": torch.Tensor, "cos": torch.Tensor, "sin": torch.Tensor, "cache_k": torch.Tensor,
-                         "cache_v": torch.Tensor, "write": torch.Tensor, "heads": int, "length": int,
-                         "scaling": float, "eps": float, "oracle_rounding": bool}, mutates=("cache_k", "cache_v"))
-    return _OP
+    return opaque_op("rollout::qkv_epilogue", launch, shape_only,
+                     {"both": torch.Tensor, "lora_b": torch.Tensor, "q_norm": torch.Tensor,
+                      "k_norm": torch.Tensor, "cos": torch.Tensor, "sin": torch.Tensor, "cache_k": torch.Tensor,
+                      "cache_v": torch.Tensor, "write": torch.Tensor, "heads": int, "length": int,
+                      "scaling": float, "eps": float, "oracle_rounding": bool}, mutates=("cache_k", "cache_v"))
 
 
 def prepare() -> None:
@@ -180,5 +173,5 @@ def queries_and_cache_write(both: torch.Tensor, lora_b: torch.Tensor, q_norm: to
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     cos, sin = cos.reshape(-1, cos.shape[-1]).contiguous(), sin.reshape(-1, sin.shape[-1]).contiguous()
-    return (_OP or _op())(rows, lora_b, q_norm.contiguous(), k_norm.contiguous(), cos, sin, cache_k, cache_v, write,
+    return _op()(rows, lora_b, q_norm.contiguous(), k_norm.contiguous(), cos, sin, cache_k, cache_v, write,
                           int(heads), length, float(scaling), float(eps), bool(oracle_rounding))
