@@ -78,6 +78,24 @@ def test_the_residual_stream_and_its_norm_are_the_engines(rows, hidden, rank, or
         assert float((x == want_x).float().mean()) > 0.9
 
 
+@pytest.mark.parametrize("splits", [2, 8])
+def test_split_k_partials_are_added_in_the_engines_order_before_anything_else(splits):
+    """GEMM_SPLIT_K: the GEMM's partial sums [S, rows, H + 3 r] in, the kernel adds them as `_sum_in_order` does:
+    the same bits as the kernel on their sum (on any values: the same float32 adds in the same order)."""
+    from rollout_lib.backends import norm_epilogue
+    from rollout_lib.backends.compact_qwen3 import _sum_in_order
+
+    generator = torch.Generator().manual_seed(splits)
+    both, lora_b, h, weight = _operands(4, 256, 8, generator)
+    partials = torch.randn((splits, *both.shape), generator=generator) * both / splits
+    partials, lora_b, h, weight = (t.to(DEVICE) for t in (partials, lora_b, h, weight))
+    summed = _sum_in_order([partials[index] for index in range(splits)])
+    got = norm_epilogue.launch(partials, lora_b, h, weight, 2.0, EPS)
+    assert torch.equal(got, norm_epilogue.launch(summed, lora_b, h, weight, 2.0, EPS))
+    after, x = norm_epilogue.residual_and_norm(partials, lora_b, h, weight, 2.0, EPS)
+    assert torch.equal(after, got[0]) and torch.equal(x, got[1])
+
+
 def test_any_shape_goes_through_the_op():
     """[batch, length, H] in, two [batch, length, H] out, the op's values the kernel's."""
     from rollout_lib.backends import norm_epilogue
@@ -104,7 +122,10 @@ def test_operands_that_are_not_one_projection_with_its_shrink_are_refused_by_nam
 
 @pytest.mark.parametrize(("epilogues", "per_layer"), [({"O_EPILOGUE": "triton"}, 1),
                                                      ({"DOWN_EPILOGUE": "triton"}, 1),
-                                                     ({"O_EPILOGUE": "triton", "DOWN_EPILOGUE": "triton"}, 2)])
+                                                     ({"O_EPILOGUE": "triton", "DOWN_EPILOGUE": "triton"}, 2),
+                                                     # the GEMMs' split-K partials added by the kernel
+                                                     ({"O_EPILOGUE": "triton", "DOWN_EPILOGUE": "triton",
+                                                       "GEMM_SPLIT_K": "4"}, 2)])
 def test_a_bf16_engine_with_the_epilogue_serves_the_policy_and_its_tokens(smoke_study, snapshot_cache, epilogues,
                                                                           per_layer):
     """The kernel inside the engine's compiled pieces (an opaque op after the o GEMM, and after the down GEMM with
@@ -117,7 +138,8 @@ def test_a_bf16_engine_with_the_epilogue_serves_the_policy_and_its_tokens(smoke_
     after that."""
     from rollout_lib.study.workload import Workload
 
-    policy, runs = run_engines(smoke_study, snapshot_cache, ({"LORA_SHRINK": "in_base_gemm"}, {
+    split = {"GEMM_SPLIT_K": epilogues["GEMM_SPLIT_K"]} if "GEMM_SPLIT_K" in epilogues else {}
+    policy, runs = run_engines(smoke_study, snapshot_cache, ({"LORA_SHRINK": "in_base_gemm", **split}, {
         "LORA_SHRINK": "in_base_gemm", **epilogues}), "rollout::residual_norm_epilogue",
         "residual_norm_epilogue_kernel")
     (default_identity, default, none), (identity, got, used) = runs

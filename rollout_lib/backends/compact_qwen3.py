@@ -425,14 +425,29 @@ def _split_k_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
     times the thread blocks of the one skinny GEMM; their float32 partial sums are then added in a fixed order,
     as pointwise adds that inductor fuses into the kernels reading the product (no reduction kernel, unlike
     cuBLAS's own split-K). bf16 operands: float32 sums of exact products, as `mm_float32`, in another order."""
+    partials = _split_k_partials(x.reshape(-1, x.shape[-1]), weight, splits)
+    return _sum_in_order([partials[index] for index in range(splits)]).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _split_k_partials(rows: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """The `splits` float32 partial sums [splits, N, out] of rows [N, K] @ W^T over equal slices of K: one strided
+    batched GEMM over views of the rows and W (no copy)."""
     from rollout_lib.models.actor import bmm_float32
 
-    rows = x.reshape(-1, x.shape[-1])
     out_features, in_features = weight.shape
     part = in_features // splits
-    partials = bmm_float32(rows.view(rows.shape[0], splits, part).transpose(0, 1),
-                           weight.view(out_features, splits, part).permute(1, 2, 0))
-    return _sum_in_order([partials[index] for index in range(splits)]).reshape(*x.shape[:-1], out_features)
+    return bmm_float32(rows.view(rows.shape[0], splits, part).transpose(0, 1),
+                       weight.view(out_features, splits, part).permute(1, 2, 0))
+
+
+def _gemm_for_epilogue(rows: torch.Tensor, weight: torch.Tensor, split_k: int = 1,
+                       gemm: str = "cublas") -> torch.Tensor:
+    """What an epilogue kernel that adds split-K partials itself reads (O_, DOWN_EPILOGUE): with `split_k` > 1 and
+    cuBLAS, the partial sums [S, N, out] (`_split_k_partials`: no sum kernel before the epilogue); otherwise the
+    product [N, out] as `_gemm_float32` gives it."""
+    if split_k > 1 and gemm == "cublas":
+        return _split_k_partials(rows, weight, split_k)
+    return _gemm_float32(rows, weight, split_k, gemm)
 
 
 # GEMM_SPLIT_K "auto" (see the setting's note below): the output features per thread block of cuBLAS's kernels
@@ -600,7 +615,8 @@ class Layer:
 # - O_EPILOGUE "inductor" (the default): between the o GEMM and the gate_up GEMM, inductor's kernels (the LoRA
 #   expand reduction, the residual add with the post-attention norm: 2 kernels, ~2.5 us + 2 gaps a layer at 4 rows,
 #   lease 33); "triton" (issue 43 candidate; with LORA_SHRINK "in_base_gemm", bf16, CUDA): one hand-written kernel
-#   from the GEMM's float32 output to the residual stream and its norm (`norm_epilogue`). The probe's `+oepilogue`.
+#   from the GEMM's float32 output to the residual stream and its norm (`norm_epilogue`; with GEMM_SPLIT_K, from
+#   the GEMM's partial sums, which the kernel adds: no sum kernel before it). The probe's `+oepilogue`.
 # - DOWN_EPILOGUE "inductor" (the default): between the down GEMM and the next layer's qkv GEMM, inductor's kernels
 #   (the LoRA expand with the residual add, then in the next piece the next layer's input norm: 2 kernels, ~2.8 us
 #   + 2 gaps a layer at 4 rows, lease 33); "triton" (issue 43 candidate; likewise): `norm_epilogue`'s kernel with
@@ -1248,8 +1264,8 @@ class CompactQwen3:
         if self.o_epilogue == "triton" and o[2] is not None:  # O_EPILOGUE: one kernel after the GEMM
             from rollout_lib.backends.norm_epilogue import residual_and_norm
 
-            both = _gemm_float32(attn.reshape(batch * length, -1), o[0], self._splits(o[0], length),
-                                 self._gemm(length))
+            both = _gemm_for_epilogue(attn.reshape(batch * length, -1), o[0], self._splits(o[0], length),
+                                      self._gemm(length))
             h, x = residual_and_norm(both, o[2], h, post_norm, self.scaling, self.eps, add == "bf16_like_nf4_oracle")
         else:
             h = h + _fused_linear(attn, *o, self.scaling, fused, add, expand=expand,
@@ -1271,8 +1287,8 @@ class CompactQwen3:
         if next_norm is not None and down[2] is not None:  # DOWN_EPILOGUE: one kernel after the GEMM
             from rollout_lib.backends.norm_epilogue import residual_and_norm
 
-            both = _gemm_float32(act.reshape(batch * length, -1), down[0], self._splits(down[0], length),
-                                 self._gemm(length))
+            both = _gemm_for_epilogue(act.reshape(batch * length, -1), down[0], self._splits(down[0], length),
+                                      self._gemm(length))
             return residual_and_norm(both, down[2], h, next_norm, self.scaling, self.eps,
                                      add == "bf16_like_nf4_oracle")
         h = h + _fused_linear(act, *down, self.scaling, fused, add,

@@ -36,6 +36,8 @@ BLOCK_M = 16  # rows per program
 BLOCK_N = 64  # intermediate features per program
 WARPS = 4
 
+_OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
+
 
 @functools.cache
 def _kernel():
@@ -106,19 +108,21 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int,
     return out
 
 
-@functools.cache
 def _op():
     """The custom op `rollout::gate_up_epilogue`, registered once per process: the kernel behind an opaque op with
     a shape-only fake, so a compiled piece calls it as it calls a cuBLAS GEMM and inductor chooses nothing for it."""
-    import torch
+    global _OP
+    if _OP is None:
+        import torch
 
-    from rollout_lib.backends.triton_ops import opaque_op
+        from rollout_lib.backends.triton_ops import opaque_op
 
-    return opaque_op("rollout::gate_up_epilogue", launch,
-                     lambda both, lora_b, scaling, inter, oracle_rounding: both.new_empty(
-                         (both.shape[0], inter), dtype=torch.bfloat16),
-                     {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
-                      "oracle_rounding": bool})
+        _OP = opaque_op("rollout::gate_up_epilogue", launch,
+                        lambda both, lora_b, scaling, inter, oracle_rounding: both.new_empty(
+                            (both.shape[0], inter), dtype=torch.bfloat16),
+                        {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
+                         "oracle_rounding": bool})
+    return _OP
 
 
 def prepare() -> None:
@@ -134,5 +138,5 @@ def gate_up_activation(both: torch.Tensor, lora_b: torch.Tensor, scaling: float,
     rows = both.reshape(-1, both.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = _op()(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding))
+    out = (_OP or _op())(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding))
     return out.reshape(*both.shape[:-1], inter)

@@ -18,9 +18,12 @@ Per row m and feature n, as `_fused_linear`, `_after_attention` and `_rms` compu
                                                                     rounding: bf16(base + bf16(scaling low)))
     h' = bf16(h + o)                                               (the residual, as torch adds two bf16 tensors)
     x = bf16(w * bf16(h' rsqrt(mean_n h'^2 + eps)))                (Qwen3's RMSNorm: float32 statistics)
-It returns h' and x stacked, [2, rows, H]. The same float32 products and sums as the engine's in another order
-(the rank's and the norm's reductions are inductor's there), rsqrt by Triton: within a rounding of the default
-engine's values, its greedy tokens parting only at near-ties (the GPU test). One program per row (the norm reads
+It returns h' and x stacked, [2, rows, H]. With GEMM_SPLIT_K, `both` is the GEMM's S float32 partial sums [S, rows,
+H + 3 r] (one batched GEMM over S slices of K, `_split_k_partials`), added here in the engine's order ((P0 + P1) +
+P2) + ... before anything else: no sum kernel of inductor's, no split-K reduction kernel of cuBLAS's. The same
+float32 products and sums as the engine's in another order (the rank's and the norm's reductions are inductor's
+there), rsqrt by Triton: within a rounding of the default engine's values, its greedy tokens parting only at
+near-ties (the GPU test). One program per row (the norm reads
 the whole row), one launch configuration, nothing drawn. CUDA, or a CPU in Triton's interpreter (tests)."""
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ if TYPE_CHECKING:
 
 WARPS = 4
 
+_OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
+
 
 @functools.cache
 def _kernel():
@@ -41,18 +46,28 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def residual_norm_epilogue_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, hidden, both_row, b_row, b_col, h_row,
-                                      out_rows, out_row, scaling, eps, RANK: tl.constexpr,
-                                      ORACLE_ROUNDING: tl.constexpr, BLOCK_H: tl.constexpr):
+    def residual_norm_epilogue_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, hidden, split_stride, both_row, b_row,
+                                      b_col, h_row, out_rows, out_row, scaling, eps, RANK: tl.constexpr,
+                                      SPLITS: tl.constexpr, ORACLE_ROUNDING: tl.constexpr, BLOCK_H: tl.constexpr):
         m = tl.program_id(0)
         n = tl.arange(0, BLOCK_H)
         keep = n < hidden
         row = both_ptr + m * both_row
-        base = tl.load(row + n, mask=keep, other=0.0).to(tl.bfloat16)
+        total = tl.load(row + n, mask=keep, other=0.0)
+        for s in tl.static_range(1, SPLITS):  # the split-K partials, in order
+            total += tl.load(row + s * split_stride + n, mask=keep, other=0.0)
+        base = total.to(tl.bfloat16)
         shrink = row + hidden  # A's parts after the base features: part p, rank column j at p * RANK + j
         low = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for k in tl.static_range(RANK):
-            xa = (tl.load(shrink + k) + tl.load(shrink + RANK + k)) + tl.load(shrink + 2 * RANK + k)
+            part0 = tl.load(shrink + k)
+            part1 = tl.load(shrink + RANK + k)
+            part2 = tl.load(shrink + 2 * RANK + k)
+            for s in tl.static_range(1, SPLITS):
+                part0 += tl.load(shrink + s * split_stride + k)
+                part1 += tl.load(shrink + s * split_stride + RANK + k)
+                part2 += tl.load(shrink + s * split_stride + 2 * RANK + k)
+            xa = (part0 + part1) + part2
             low += xa * tl.load(b_ptr + n * b_row + k * b_col, mask=keep, other=0.0)
         if ORACLE_ROUNDING:  # lora_add "bf16_like_nf4_oracle": the term rounded first, added as two bf16 tensors
             o = (base.to(tl.float32) + (low * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
@@ -73,13 +88,14 @@ def _kernel():
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scaling: float,
            eps: float, oracle_rounding: bool = False) -> torch.Tensor:
-    """The kernel on `both` [rows, H + 3 rank] float32, B [H, rank] float32 (any strides), h [rows, H] bf16 and
-    the norm's weight [H] bf16 (last dimensions contiguous): bf16 [2, rows, H], the residual stream after the
-    projection and its norm."""
+    """The kernel on `both` [rows, H + 3 rank] float32 (or its split-K partials [S, rows, H + 3 rank]), B [H, rank]
+    float32 (any strides), h [rows, H] bf16 and the norm's weight [H] bf16 (last dimensions contiguous): bf16 [2,
+    rows, H], the residual stream after the projection and its norm."""
     import torch
     import triton
 
-    rows, width = both.shape
+    partials = both if both.dim() == 3 else both.unsqueeze(0)
+    splits, rows, width = partials.shape
     hidden, rank = lora_b.shape
     if width != hidden + 3 * rank or tuple(h.shape) != (rows, hidden) or tuple(weight.shape) != (hidden,):
         raise ValueError(f"O_EPILOGUE triton: the GEMM output {tuple(both.shape)}, B {tuple(lora_b.shape)}, the "
@@ -87,25 +103,28 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: to
                          f"projection of {hidden} features with its shrink's rows")
     out = torch.empty((2, rows, hidden), dtype=torch.bfloat16, device=both.device)
     if rows:
-        _kernel()[(rows,)](both, lora_b, h, weight, out, hidden, both.stride(0), lora_b.stride(0), lora_b.stride(1),
-                           h.stride(0), rows, out.stride(1), float(scaling), float(eps), RANK=rank,
-                           ORACLE_ROUNDING=oracle_rounding, BLOCK_H=triton.next_power_of_2(hidden), num_warps=WARPS)
+        _kernel()[(rows,)](partials, lora_b, h, weight, out, hidden, partials.stride(0), partials.stride(1),
+                           lora_b.stride(0), lora_b.stride(1), h.stride(0), rows, out.stride(1), float(scaling),
+                           float(eps), RANK=rank, SPLITS=splits, ORACLE_ROUNDING=oracle_rounding,
+                           BLOCK_H=triton.next_power_of_2(hidden), num_warps=WARPS)
     return out
 
 
-@functools.cache
 def _op():
     """The custom op `rollout::residual_norm_epilogue`, registered once per process: the kernel behind an opaque op
     with a shape-only fake, so a compiled piece calls it as it calls a cuBLAS GEMM and inductor chooses nothing."""
-    import torch
+    global _OP
+    if _OP is None:
+        import torch
 
-    from rollout_lib.backends.triton_ops import opaque_op
+        from rollout_lib.backends.triton_ops import opaque_op
 
-    return opaque_op("rollout::residual_norm_epilogue", launch,
-                     lambda both, lora_b, h, weight, scaling, eps, oracle_rounding: both.new_empty(
-                         (2, both.shape[0], lora_b.shape[0]), dtype=torch.bfloat16),
-                     {"both": torch.Tensor, "lora_b": torch.Tensor, "h": torch.Tensor, "weight": torch.Tensor,
-                      "scaling": float, "eps": float, "oracle_rounding": bool})
+        _OP = opaque_op("rollout::residual_norm_epilogue", launch,
+                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding: both.new_empty(
+                            (2, both.shape[-2], lora_b.shape[0]), dtype=torch.bfloat16),
+                        {"both": torch.Tensor, "lora_b": torch.Tensor, "h": torch.Tensor, "weight": torch.Tensor,
+                         "scaling": float, "eps": float, "oracle_rounding": bool})
+    return _OP
 
 
 def prepare() -> None:
@@ -116,13 +135,13 @@ def prepare() -> None:
 
 def residual_and_norm(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                       scaling: float, eps: float, oracle_rounding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h', x) from the o GEMM's float32 output (see the module): `both` [rows, H + 3 rank], h [..., H] ->
-    two bf16 [..., H], through the op."""
+    """(h', x) from the o (or down) GEMM's float32 output (see the module): `both` [rows, H + 3 rank] or its split-K
+    partials [S, rows, H + 3 rank], h [..., H] -> two bf16 [..., H], through the op."""
     shape = h.shape
-    rows, stream = both.reshape(-1, both.shape[-1]), h.reshape(-1, shape[-1])
+    rows, stream = (both if both.dim() == 3 else both.reshape(-1, both.shape[-1])), h.reshape(-1, shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if stream.stride(-1) != 1:
         stream = stream.contiguous()
-    out = _op()(rows, lora_b, stream, weight.contiguous(), float(scaling), float(eps), bool(oracle_rounding))
+    out = (_OP or _op())(rows, lora_b, stream, weight.contiguous(), float(scaling), float(eps), bool(oracle_rounding))
     return out[0].reshape(shape), out[1].reshape(shape)

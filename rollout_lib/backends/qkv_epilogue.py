@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 WARPS = 4
 
+_OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
+
 
 @functools.cache
 def _kernel():
@@ -135,25 +137,27 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_nor
     return q.view(batch, kv_heads, heads // kv_heads * length, head_dim)
 
 
-@functools.cache
 def _op():
     """The custom op `rollout::qkv_epilogue`, registered once per process: the kernel behind an opaque op with a
     shape-only fake that writes the two caches in place, so a compiled piece calls it as it calls a cuBLAS GEMM and
     inductor chooses nothing for it."""
-    import torch
+    global _OP
+    if _OP is None:
+        import torch
 
-    from rollout_lib.backends.triton_ops import opaque_op
+        from rollout_lib.backends.triton_ops import opaque_op
 
-    def shape_only(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling, eps,
-                   oracle_rounding):
-        batch, kv_heads, _, head_dim = cache_k.shape
-        return both.new_empty((batch, kv_heads, heads // kv_heads * length, head_dim), dtype=torch.bfloat16)
+        def shape_only(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling, eps,
+                       oracle_rounding):
+            batch, kv_heads, _, head_dim = cache_k.shape
+            return both.new_empty((batch, kv_heads, heads // kv_heads * length, head_dim), dtype=torch.bfloat16)
 
-    return opaque_op("rollout::qkv_epilogue", launch, shape_only,
-                     {"both": torch.Tensor, "lora_b": torch.Tensor, "q_norm": torch.Tensor,
-                      "k_norm": torch.Tensor, "cos": torch.Tensor, "sin": torch.Tensor, "cache_k": torch.Tensor,
-                      "cache_v": torch.Tensor, "write": torch.Tensor, "heads": int, "length": int,
-                      "scaling": float, "eps": float, "oracle_rounding": bool}, mutates=("cache_k", "cache_v"))
+        _OP = opaque_op("rollout::qkv_epilogue", launch, shape_only,
+                        {"both": torch.Tensor, "lora_b": torch.Tensor, "q_norm": torch.Tensor,
+                         "k_norm": torch.Tensor, "cos": torch.Tensor, "sin": torch.Tensor, "cache_k": torch.Tensor,
+                         "cache_v": torch.Tensor, "write": torch.Tensor, "heads": int, "length": int,
+                         "scaling": float, "eps": float, "oracle_rounding": bool}, mutates=("cache_k", "cache_v"))
+    return _OP
 
 
 def prepare() -> None:
@@ -173,5 +177,5 @@ def queries_and_cache_write(both: torch.Tensor, lora_b: torch.Tensor, q_norm: to
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     cos, sin = cos.reshape(-1, cos.shape[-1]).contiguous(), sin.reshape(-1, sin.shape[-1]).contiguous()
-    return _op()(rows, lora_b, q_norm.contiguous(), k_norm.contiguous(), cos, sin, cache_k, cache_v, write,
+    return (_OP or _op())(rows, lora_b, q_norm.contiguous(), k_norm.contiguous(), cos, sin, cache_k, cache_v, write,
                           int(heads), length, float(scaling), float(eps), bool(oracle_rounding))
