@@ -92,7 +92,7 @@ def test_split_k_partials_are_added_in_the_engines_order_before_anything_else(sp
     summed = _sum_in_order([partials[index] for index in range(splits)])
     got = norm_epilogue.launch(partials, lora_b, h, weight, 2.0, EPS)
     assert torch.equal(got, norm_epilogue.launch(summed, lora_b, h, weight, 2.0, EPS))
-    after, x = norm_epilogue.residual_and_norm(partials, lora_b, h, weight, 2.0, EPS)
+    after, x = norm_epilogue.residual_and_norm(partials, lora_b, h, weight, 2.0, EPS, split_partials=True)
     assert torch.equal(after, got[0]) and torch.equal(x, got[1])
 
 

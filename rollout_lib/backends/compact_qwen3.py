@@ -1266,7 +1266,8 @@ class CompactQwen3:
 
             both = _gemm_for_epilogue(attn.reshape(batch * length, -1), o[0], self._splits(o[0], length),
                                       self._gemm(length))
-            h, x = residual_and_norm(both, o[2], h, post_norm, self.scaling, self.eps, add == "bf16_like_nf4_oracle")
+            h, x = residual_and_norm(both, o[2], h, post_norm, self.scaling, self.eps, add == "bf16_like_nf4_oracle",
+                                     both.dim() == 3)
         else:
             h = h + _fused_linear(attn, *o, self.scaling, fused, add, expand=expand,
                                   split_k=self._splits(o[0], length), gemm=self._gemm(length))
@@ -1290,7 +1291,7 @@ class CompactQwen3:
             both = _gemm_for_epilogue(act.reshape(batch * length, -1), down[0], self._splits(down[0], length),
                                       self._gemm(length))
             return residual_and_norm(both, down[2], h, next_norm, self.scaling, self.eps,
-                                     add == "bf16_like_nf4_oracle")
+                                     add == "bf16_like_nf4_oracle", both.dim() == 3)
         h = h + _fused_linear(act, *down, self.scaling, fused, add,
                               expand=expand, split_k=self._splits(down[0], length), gemm=self._gemm(length))
         return h if next_norm is None else (h, _rms(h, next_norm, self.eps))

@@ -134,11 +134,14 @@ def prepare() -> None:
 
 
 def residual_and_norm(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                      scaling: float, eps: float, oracle_rounding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h', x) from the o (or down) GEMM's float32 output (see the module): `both` [rows, H + 3 rank] or its split-K
-    partials [S, rows, H + 3 rank], h [..., H] -> two bf16 [..., H], through the op."""
+                      scaling: float, eps: float, oracle_rounding: bool = False,
+                      split_partials: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h', x) from the o (or down) GEMM's float32 output (see the module): `both` [..., H + 3 rank] with h's
+    leading dimensions, or (`split_partials`) its split-K partials [S, rows, H + 3 rank], h [..., H] -> two bf16
+    [..., H], through the op."""
     shape = h.shape
-    rows, stream = (both if both.dim() == 3 else both.reshape(-1, both.shape[-1])), h.reshape(-1, shape[-1])
+    stream = h.reshape(-1, shape[-1])
+    rows = both if split_partials else both.reshape(-1, both.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if stream.stride(-1) != 1:
