@@ -24,6 +24,7 @@ which makes its math independent of its batch mates. Prefill runs eagerly (varia
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -670,13 +671,13 @@ GEMM_KERNEL_ALLOWED = ("cublas", "triton_skinny")
 REDUCTION_LAUNCH = "benchmarked"
 REDUCTION_LAUNCH_ALLOWED = reduction_launch.REDUCTION_LAUNCH_ALLOWED
 GATE_UP_EPILOGUE = "inductor"
-GATE_UP_EPILOGUE_ALLOWED = ("inductor", "triton")
 O_EPILOGUE = "inductor"
-O_EPILOGUE_ALLOWED = ("inductor", "triton")
 DOWN_EPILOGUE = "inductor"
-DOWN_EPILOGUE_ALLOWED = ("inductor", "triton")
 QKV_EPILOGUE = "inductor"
-QKV_EPILOGUE_ALLOWED = ("inductor", "triton")
+EPILOGUE_ALLOWED = ("inductor", "triton")
+# each "<PROJECTION>_EPILOGUE" setting: (the projection whose GEMM output its kernel reads, the kernel's module)
+EPILOGUES = {"GATE_UP_EPILOGUE": ("gate_up", "mlp_epilogue"), "O_EPILOGUE": ("o", "norm_epilogue"),
+             "DOWN_EPILOGUE": ("down", "norm_epilogue"), "QKV_EPILOGUE": ("qkv", "qkv_epilogue")}
 
 
 def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -691,22 +692,14 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                                                   "its kernel returns the log-sum-exp the two halves merge by"),
                     ("ATTENTION_PLAN", "per_step"): ("ATTENTION_BACKEND", "fa3", "the plan is FA3's scheduler "
                                                      "metadata"),
-                    ("GATE_UP_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
-                                                     "rows from the gate_up GEMM's output"),
-                    ("O_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's rows "
-                                               "from the o GEMM's output"),
-                    ("DOWN_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
-                                                  "rows from the down GEMM's output"),
-                    ("QKV_EPILOGUE", "triton"): ("LORA_SHRINK", "in_base_gemm", "its kernel reads the shrink's "
-                                                 "rows from the qkv GEMM's output")}
+                    **{(name, "triton"): ("LORA_SHRINK", "in_base_gemm", f"its kernel reads the shrink's rows from "
+                                                                         f"the {projection} GEMM's output")
+                       for name, (projection, _) in EPILOGUES.items()}}
 
 
 # a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
 BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf16 base weight as three bf16 parts",
-                      ("GATE_UP_EPILOGUE", "triton"): "its kernel rounds to bf16",
-                      ("O_EPILOGUE", "triton"): "its kernel rounds to bf16",
-                      ("DOWN_EPILOGUE", "triton"): "its kernel rounds to bf16",
-                      ("QKV_EPILOGUE", "triton"): "its kernel rounds to bf16",
+                      **{(name, "triton"): "its kernel rounds to bf16" for name in EPILOGUES},
                       ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
                       ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands"}
 
@@ -737,9 +730,7 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED,
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
-                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, "GATE_UP_EPILOGUE": GATE_UP_EPILOGUE_ALLOWED,
-                   "O_EPILOGUE": O_EPILOGUE_ALLOWED, "DOWN_EPILOGUE": DOWN_EPILOGUE_ALLOWED,
-                   "QKV_EPILOGUE": QKV_EPILOGUE_ALLOWED}
+                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, **dict.fromkeys(EPILOGUES, EPILOGUE_ALLOWED)}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -907,22 +898,11 @@ class CompactQwen3:
             if setting(name) == value and setting(needs) != needed:
                 raise ValueError(f"{name} {value} needs {needs} {needed} ({why}); this engine: {needs} "
                                  f"{setting(needs)}")
-        if self.gate_up_epilogue == "triton":
-            from rollout_lib.backends import mlp_epilogue
-
-            triton_ops.check_triton_runs_here(self.device, "GATE_UP_EPILOGUE triton")
-            mlp_epilogue.prepare()  # the op registered now, outside any compiled trace
-        for name, value in (("O_EPILOGUE", self.o_epilogue), ("DOWN_EPILOGUE", self.down_epilogue)):
-            if value == "triton":
-                from rollout_lib.backends import norm_epilogue
-
+        for name, (_, module) in EPILOGUES.items():
+            if setting(name) == "triton":
                 triton_ops.check_triton_runs_here(self.device, f"{name} triton")
-                norm_epilogue.prepare()
-        if self.qkv_epilogue == "triton":
-            from rollout_lib.backends import qkv_epilogue
-
-            triton_ops.check_triton_runs_here(self.device, "QKV_EPILOGUE triton")
-            qkv_epilogue.prepare()
+                # the op registered now, outside any compiled trace
+                importlib.import_module(f"rollout_lib.backends.{module}").prepare()
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
