@@ -38,6 +38,20 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(tmp_path, monkeypat
     assert not (tmp_path / "x.json").exists()
 
 
+def test_an_existing_out_is_refused_before_anything_runs_and_left_as_it_was(tmp_path, capsys):
+    """Lease 34's sweep wrote its first projection to --out and then died refusing to rewrite it: the file is
+    sealed once, at the end (progress goes to `<out>.partial.json`), and one already there is refused up front."""
+    from tools.lab.gemm_bench import partial_path
+
+    out = tmp_path / "x.json"
+    out.write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(out)])
+    assert exit_info.value.code == 2
+    assert f"--out: {out} exists; allowed: a new file" in capsys.readouterr().err
+    assert out.read_text() == "{}" and partial_path(out) == tmp_path / "x.partial.json"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the tool runs instead of refusing")
 def test_without_a_gpu_it_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit):

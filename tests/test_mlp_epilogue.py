@@ -53,16 +53,18 @@ def _reference(both, lora_b, scaling, inter, oracle_rounding, activation):
 
 
 @pytest.mark.parametrize("oracle_rounding", [False, True])
-@pytest.mark.parametrize(("rows", "inter", "rank"), [
-    (4, 3072, 16),   # Qwen3-0.6B's gate_up at 4 rows
-    (16, 200, 8),    # features off the block
-    (37, 96, 4),     # more rows than a program holds (a prefill's)
+@pytest.mark.parametrize(("rows", "inter", "rank", "rank_major"), [
+    (4, 3072, 16, True),   # Qwen3-0.6B's gate_up at 4 rows, B stored as the engine stores it
+    (16, 200, 8, False),   # features off the block, B row-major
+    (37, 96, 4, False),    # more rows than a program holds (a prefill's)
 ])
-def test_gate_and_up_are_added_and_rounded_as_the_engine_does(rows, inter, rank, oracle_rounding):
+def test_gate_and_up_are_added_and_rounded_as_the_engine_does(rows, inter, rank, rank_major, oracle_rounding):
     from rollout_lib.backends import mlp_epilogue
 
     generator = torch.Generator().manual_seed(rows + inter)
     both, lora_b = _gemm_output(rows, inter, rank, generator)
+    if rank_major:
+        lora_b = lora_b.t().contiguous().t()
     both, lora_b = both.to(DEVICE), lora_b.to(DEVICE)
     got = mlp_epilogue.launch(both, lora_b, 2.0, inter, oracle_rounding, activation=False)
     want = _reference(both, lora_b, 2.0, inter, oracle_rounding, activation=False)

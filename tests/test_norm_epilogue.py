@@ -52,16 +52,18 @@ def _reference(both, lora_b, h, weight, scaling, oracle_rounding):
 
 
 @pytest.mark.parametrize("oracle_rounding", [False, True])
-@pytest.mark.parametrize(("rows", "hidden", "rank"), [
-    (4, 1024, 16),   # Qwen3-0.6B's o projection at 4 rows
-    (16, 200, 8),    # a hidden size off a power of two
-    (37, 64, 4),     # a prefill's rows
+@pytest.mark.parametrize(("rows", "hidden", "rank", "rank_major"), [
+    (4, 1024, 16, True),   # Qwen3-0.6B's o projection at 4 rows, B stored as the engine stores it
+    (16, 200, 8, False),   # a hidden size off a power of two, B row-major
+    (37, 64, 4, False),    # a prefill's rows
 ])
-def test_the_residual_stream_and_its_norm_are_the_engines(rows, hidden, rank, oracle_rounding):
+def test_the_residual_stream_and_its_norm_are_the_engines(rows, hidden, rank, rank_major, oracle_rounding):
     from rollout_lib.backends import norm_epilogue
 
     generator = torch.Generator().manual_seed(rows + hidden)
     both, lora_b, h, weight = (t.to(DEVICE) for t in _operands(rows, hidden, rank, generator))
+    if rank_major:
+        lora_b = lora_b.t().contiguous().t()
     got = norm_epilogue.launch(both, lora_b, h, weight, 2.0, EPS, oracle_rounding)
     want_h, want_x = _reference(both, lora_b, h, weight, 2.0, oracle_rounding)
     assert got.dtype == torch.bfloat16 and got.shape == (2, rows, hidden)
@@ -150,3 +152,24 @@ def test_a_bf16_engine_with_the_epilogue_serves_the_policy_and_its_tokens(smoke_
     # shrink the residual stream by a bias the GPU does not have (the interpreter's log-probabilities 0.045-0.055
     # apart with both, within 0.05 with one)
     assert_parts_only_after_close_logprobs(default, got, 0.05 if DEVICE == "cuda" else 0.1)
+
+
+def test_the_engine_stores_b_rank_major_for_each_projection_an_epilogue_kernel_reads(smoke_study, snapshot_cache):
+    """Lease 34 (H100): with B row-major the kernels' loads of one rank term were a B row apart across a warp's
+    features, and the o/down kernel took 10.5 us a call (inductor's two kernels it replaces: ~4 us). The engine
+    stores B rank-major (B[:, k] contiguous) for the projections whose epilogue is on, and row-major for the rest
+    (inductor's expand reductions read a row's terms together)."""
+    from rollout_lib.backends import create_backend
+
+    backend = create_backend("hf_cached", smoke_study, device=DEVICE, compute_dtype="bfloat16", decode="graphs",
+                             cache_dir=snapshot_cache, engine={"LORA_SHRINK": "in_base_gemm", "O_EPILOGUE": "triton",
+                                                              "QKV_EPILOGUE": "triton"})
+    backend.cold_start()
+    try:
+        for layer in backend.engine.layers:
+            for projection, rank_major in (("qkv", True), ("o", True), ("gate_up", False), ("down", False)):
+                lora_b = layer.proj[projection].lora_b
+                assert (lora_b.stride(0) == 1) is rank_major, (projection, lora_b.stride())
+                assert (lora_b.stride(1) == 1) is not rank_major, (projection, lora_b.stride())
+    finally:
+        backend.teardown()

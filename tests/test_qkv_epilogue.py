@@ -78,16 +78,18 @@ def _close(got, want, steps: int) -> bool:
 
 
 @pytest.mark.parametrize("oracle_rounding", [False, True])
-@pytest.mark.parametrize(("batch", "length", "heads", "kv_heads", "head_dim", "rank"), [
-    (4, 1, 16, 8, 128, 16),   # Qwen3-0.6B's decode step at 4 rows
-    (2, 5, 4, 2, 16, 4),      # a prefill: several positions per row, two query heads per kv head
+@pytest.mark.parametrize(("batch", "length", "heads", "kv_heads", "head_dim", "rank", "rank_major"), [
+    (4, 1, 16, 8, 128, 16, True),   # Qwen3-0.6B's decode step at 4 rows, B stored as the engine stores it
+    (2, 5, 4, 2, 16, 4, False),     # a prefill: several positions per row, two query heads per kv head
 ])
-def test_queries_and_the_cache_writes_are_the_engines(batch, length, heads, kv_heads, head_dim, rank,
+def test_queries_and_the_cache_writes_are_the_engines(batch, length, heads, kv_heads, head_dim, rank, rank_major,
                                                       oracle_rounding):
     from rollout_lib.backends import qkv_epilogue
 
     generator = torch.Generator().manual_seed(batch * length + heads)
     both, lora_b, (q_norm, k_norm), cos, sin = _operands(batch, length, heads, kv_heads, head_dim, rank, generator)
+    if rank_major:
+        lora_b = lora_b.t().contiguous().t()
     columns = 12
     sentinel = torch.full((batch, kv_heads, columns, head_dim), 7.0, dtype=torch.bfloat16)
     cache_k, cache_v = sentinel.clone().to(DEVICE), sentinel.clone().to(DEVICE)

@@ -123,9 +123,11 @@ def test_a_bf16_engine_under_the_rule_picks_the_largest_xblock_for_its_persisten
     import torch
 
     from rollout_lib.backends import create_backend
+    from rollout_lib.models.policy import policy_versions
     from rollout_lib.study.workload import Workload
 
     workload = Workload(smoke_study)
+    policy = policy_versions(workload.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[-1]
     torch._dynamo.reset()
     reduction_launch.PICKS.clear()
     backend = create_backend("hf_cached", smoke_study, device="cuda", compute_dtype="bfloat16", decode="graphs",
@@ -133,6 +135,7 @@ def test_a_bf16_engine_under_the_rule_picks_the_largest_xblock_for_its_persisten
                              engine={"REDUCTION_LAUNCH": "fewest_programs"})
     backend.cold_start()
     try:
+        backend.sync_policy(policy)
         backend.generate(workload.requests(workload.cell("p16-r24-n2-stochastic")))
         assert backend.environment()["reduction_launch"] == "fewest_programs"
         assert backend.environment()["inductor_options"]["autotune_local_cache"] is False

@@ -879,6 +879,10 @@ class CompactQwen3:
         self.o_epilogue = setting("O_EPILOGUE")
         self.down_epilogue = setting("DOWN_EPILOGUE")
         self.qkv_epilogue = setting("QKV_EPILOGUE")
+        # B stored rank-major for a projection whose epilogue kernel reads it: each rank term's B loads are then
+        # contiguous across the features a warp computes (lease 34: row-major B made the o/down kernel 10.5 us)
+        self.rank_major_b = frozenset(projection for name, (projection, _) in EPILOGUES.items()
+                                      if setting(name) == "triton")
         self.reduction_launch = setting("REDUCTION_LAUNCH")
         if self.reduction_launch != "benchmarked":
             reduction_launch.install()  # refuses a torch without the hooked method, before any compilation
@@ -1026,7 +1030,8 @@ class CompactQwen3:
                 continue
             stack_a = torch.stack([linear.lora_a for linear in linears])
             stack_b = torch.stack([linear.lora_b for linear in linears])
-            if self.lora_expand == "unrolled_parts":  # rank-major: B[:, r] contiguous (same shapes, other strides)
+            if self.lora_expand == "unrolled_parts" or fused in self.rank_major_b:
+                # rank-major: B[:, r] contiguous (same shapes, other strides)
                 stack_b = stack_b.transpose(1, 2).contiguous().transpose(1, 2)
             for index, linear in enumerate(linears):
                 linear.lora_a, linear.lora_b = stack_a[index], stack_b[index]

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-WARPS = 4
+WARPS = 8  # 1,024 features a program: four a thread
 
 _OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
 

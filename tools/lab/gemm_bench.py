@@ -154,9 +154,15 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, weights: i
                   f"skinny {row['skinny_us']:.2f} us ({row['skinny_bytes_per_s'] / 1e12:.2f} TB/s, {row['splits']} "
                   f"slices), floor {floor_us if isinstance(floor_us, str) else round(floor_us, 2)}"
                   f" us; max |diff| {diff:.2e}{best_text}", flush=True)
-        if out is not None:  # what is measured so far survives a job cut short
-            write_json_atomic(out, report)
+        if out is not None:  # what is measured so far survives a job cut short, beside the sealed file to come
+            write_json_atomic(partial_path(out), report, overwrite=True)
     return report
+
+
+def partial_path(out: Path) -> Path:
+    """Where the projections measured so far are kept while the run goes on (rewritten after each projection,
+    removed once `out`, written once, holds the whole run)."""
+    return out.with_name(out.stem + ".partial" + out.suffix)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--weights: {args.weights} is not allowed; allowed: 1 to --calls ({args.calls})")
     if not args.params.is_file():
         parser.error(f"--params: {args.params} is not allowed; allowed: a preregistration file that exists")
+    if args.out.exists():
+        parser.error(f"--out: {args.out} exists; allowed: a new file (evidence files are never rewritten)")
     import torch
 
     if not torch.cuda.is_available():
         parser.error("a CUDA GPU is needed: torch.cuda.is_available() is False here")
     write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats, args.weights, args.sweep,
                                     args.out))
+    partial_path(args.out).unlink(missing_ok=True)
     print(f"wrote {args.out}")
     return 0
 
