@@ -632,7 +632,9 @@ class Layer:
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
 #   (issue 43 candidate): the largest XBLOCK, without benchmarking, the same in every compilation
-#   (`reduction_launch`). The probe's `+fewest`.
+#   (`reduction_launch`). The probe's `+fewest`. "fill_multiprocessors" (issue 43 candidate, after lease 34 found
+#   the fewest programs under-filling the SMs at 4 rows): the largest XBLOCK whose grid still has a program per SM
+#   at the first call. The probe's `+fillsms`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -885,7 +887,7 @@ class CompactQwen3:
                                       if setting(name) == "triton")
         self.reduction_launch = setting("REDUCTION_LAUNCH")
         if self.reduction_launch != "benchmarked":
-            reduction_launch.install()  # refuses a torch without the hooked method, before any compilation
+            reduction_launch.install(self.reduction_launch)  # refuses a torch without the hook, before compiling
         if self.gemm_kernel == "triton_skinny":
             from rollout_lib.backends import skinny_gemm
 

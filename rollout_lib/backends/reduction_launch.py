@@ -12,8 +12,14 @@ or within 0.3 us of it in every trace read (perf-notes, "Decode step").
 
 "benchmarked" (the default): inductor's own pick. "fewest_programs": the largest XBLOCK among the configurations
 inductor generated (so within its limit of 4,096 elements per program), without benchmarking: the same pick in
-every compilation, at any row count. Only persistent reductions with one XBLOCK; pointwise kernels, looped
-reductions (the sampler's, the norms') and combo kernels with a block per sub-kernel keep inductor's choice. A
+every compilation, at any row count. "fill_multiprocessors": the largest XBLOCK whose grid at the first call (its
+xnumel, the kept dimension's size) still has a program for every multiprocessor, else the smallest XBLOCK: lease
+34 (H100) found "fewest_programs" launching the qkv expand reduction at 3 programs on 132 SMs at 4 rows, 4.7 us a
+call where a benchmarked draw of 192 programs took 2.5. Also the same pick in every compilation, for the first
+call's row count (the capture order, AUTOTUNE_ROWS, decides which that is); a kernel whose arguments name no
+xnumel (a static shape) is judged by inductor's size hint for it. Only persistent reductions with one XBLOCK;
+pointwise kernels, looped reductions (the sampler's, the norms') and combo kernels with a block per sub-kernel keep
+inductor's choice. A
 configuration's warps may add a row's terms in another order than another's (float32 sums of the same exact
 products: the LoRA contract), so a benchmarked pick can also move the last bit of a sum from one compilation to the
 next; this rule's order is the same in every compilation.
@@ -31,12 +37,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-REDUCTION_LAUNCH_ALLOWED = ("benchmarked", "fewest_programs")
+REDUCTION_LAUNCH_ALLOWED = ("benchmarked", "fewest_programs", "fill_multiprocessors")
 
 _RULE: contextvars.ContextVar[str] = contextvars.ContextVar("reduction_launch", default="benchmarked")
 _INSTALLED_MARK = "_rollout_reduction_launch"
-# the picks this process made under the rule: kernel name -> (XBLOCK picked, the XBLOCKs it was picked from)
-PICKS: dict[str, tuple[int, tuple[int, ...]]] = {}
+# the picks this process made under a rule: kernel name -> (XBLOCK picked, the XBLOCKs it was picked from, the first
+# call's xnumel or None where the kernel names none)
+PICKS: dict[str, tuple[int, tuple[int, ...], int | None]] = {}
 
 
 def fewest_programs(configs: list[Any]) -> Any:
@@ -44,19 +51,36 @@ def fewest_programs(configs: list[Any]) -> Any:
     return max(configs, key=lambda config: config.kwargs.get("XBLOCK", 1))
 
 
-def install() -> None:
+def _xblock(config: Any) -> int:
+    return config.kwargs.get("XBLOCK", 1)
+
+
+def fill_multiprocessors(configs: list[Any], xnumel: int, multiprocessors: int) -> Any:
+    """The configuration with the largest XBLOCK whose grid over `xnumel` elements has at least `multiprocessors`
+    programs; where none has, the smallest XBLOCK (the most programs). Among equal XBLOCKs, the first."""
+    filling = [config for config in configs if -(-xnumel // _xblock(config)) >= multiprocessors]
+    return max(filling, key=_xblock) if filling else min(configs, key=_xblock)
+
+
+def _multiprocessors() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def install(rule: str = "fewest_programs") -> None:
     """Hook inductor's first-run pick once per process (idempotent); a torch without the hooked method refuses
-    the setting in one line."""
+    the setting (`rule`, for the message) in one line."""
     try:
         from torch._inductor.runtime.hints import HeuristicType
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     except ImportError as error:
-        raise ValueError(f"REDUCTION_LAUNCH fewest_programs needs torch's inductor runtime ({error}); "
+        raise ValueError(f"REDUCTION_LAUNCH {rule} needs torch's inductor runtime ({error}); "
                          f"allowed here: benchmarked") from error
     benchmark = getattr(CachingAutotuner, "autotune_to_one_config", None)
     if benchmark is None:
-        raise ValueError("REDUCTION_LAUNCH fewest_programs needs CachingAutotuner.autotune_to_one_config (torch "
-                         ">= 2.11); allowed here: benchmarked")
+        raise ValueError(f"REDUCTION_LAUNCH {rule} needs CachingAutotuner.autotune_to_one_config (torch "
+                         f">= 2.11); allowed here: benchmarked")
     if getattr(benchmark, _INSTALLED_MARK, False):
         return
 
@@ -64,12 +88,19 @@ def install() -> None:
     def autotune_to_one_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         configs = [launcher.config for launcher in self.launchers]
         # a combo kernel's configurations name a block per sub-kernel (XBLOCK_0, ...), not one XBLOCK: benchmarked
-        if (_RULE.get() == "fewest_programs" and self.heuristic_type == HeuristicType.PERSISTENT_REDUCTION
+        rule = _RULE.get()
+        if (rule != "benchmarked" and self.heuristic_type == HeuristicType.PERSISTENT_REDUCTION
                 and all("XBLOCK" in config.kwargs for config in configs)):
-            picked = fewest_programs(configs)
+            named = dict(zip(getattr(self.fn, "arg_names", ())[:len(args)], args, strict=False))
+            xnumel = named.get("xnumel", (getattr(self, "size_hints", None) or {}).get("x"))
+            xnumel = int(xnumel) if isinstance(xnumel, int) else None
+            if rule == "fill_multiprocessors" and xnumel is not None:
+                picked = fill_multiprocessors(configs, xnumel, _multiprocessors())
+            else:  # "fewest_programs", or a kernel with neither an xnumel nor a size hint (then the fewest too)
+                picked = fewest_programs(configs)
             self.launchers = [launcher for launcher in self.launchers if launcher.config is picked][:1]
-            PICKS[getattr(self.fn, "__name__", "?")] = (picked.kwargs.get("XBLOCK", 1),
-                                                       tuple(config.kwargs.get("XBLOCK", 1) for config in configs))
+            PICKS[getattr(self.fn, "__name__", "?")] = (_xblock(picked), tuple(_xblock(config) for config in configs),
+                                                       xnumel)
             return None
         return benchmark(self, *args, **kwargs)
 
@@ -89,7 +120,7 @@ def with_rule(compiled: Callable[..., Any], rule: str) -> Callable[..., Any]:
     compile_options(rule)  # refuses an unknown rule
     if rule == "benchmarked":
         return compiled
-    install()
+    install(rule)
 
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -103,6 +103,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # persistent reductions (the LoRA expand's) launched with the largest XBLOCK inductor generated, not
             # its first-run benchmark's pick (leases 32-33: that pick moved one source's step by up to 2.8 ms)
             "fewest": ("REDUCTION_LAUNCH", "fewest_programs"),
+            # the largest XBLOCK that still gives every SM a program at the first call (lease 34: the fewest
+            # programs launched the qkv expand at 3 programs on 132 SMs, 4.7 us a call against a draw's 2.5)
+            "fillsms": ("REDUCTION_LAUNCH", "fill_multiprocessors"),
             # the gate_up GEMM's float32 output to the SiLU product as one Triton kernel (lease 33: two inductor
             # kernels and their gaps, ~4 us a layer, between the two opaque GEMMs)
             "mlpepilogue": ("GATE_UP_EPILOGUE", "triton"),
