@@ -39,11 +39,19 @@ WARPS = 4
 _OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
 
 
+lora_add = None  # the LoRA add's two roundings, a Triton function (triton_jit.lora_add), set by _kernel()
+
+
 @functools.cache
 def _kernel():
     """The Triton kernel, defined once per process."""
     import triton
     import triton.language as tl
+
+    from rollout_lib.backends import triton_jit
+
+    global lora_add  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    lora_add = triton_jit.lora_add
 
     @triton.jit(do_not_specialize=["rows"])
     def gate_up_epilogue_kernel(both_ptr, b_ptr, out_ptr, rows, inter, both_row, b_row, b_col, out_row, scaling,
@@ -69,12 +77,8 @@ def _kernel():
             b_u = tl.load(b_ptr + (inter + n) * b_row + (RANK + k) * b_col, mask=keep_n, other=0.0)
             low_g += xa_g[:, None] * b_g[None, :]
             low_u += xa_u[:, None] * b_u[None, :]
-        if ORACLE_ROUNDING:  # lora_add "bf16_like_nf4_oracle": the term rounded first, added as two bf16 tensors
-            gate = (base_g.to(tl.float32) + (low_g * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-            up = (base_u.to(tl.float32) + (low_u * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-        else:  # "float32_once": added in float32, rounded once
-            gate = (base_g.to(tl.float32) + low_g * scaling).to(tl.bfloat16)
-            up = (base_u.to(tl.float32) + low_u * scaling).to(tl.bfloat16)
+        gate = lora_add(base_g, low_g, scaling, ORACLE_ROUNDING)
+        up = lora_add(base_u, low_u, scaling, ORACLE_ROUNDING)
         if ACTIVATION:
             g = gate.to(tl.float32)
             silu = (g * tl.sigmoid(g)).to(tl.bfloat16)

@@ -39,11 +39,19 @@ WARPS = 8  # 1,024 features a program: four a thread
 _OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
 
 
+lora_add = None  # the LoRA add's two roundings, a Triton function (triton_jit.lora_add), set by _kernel()
+
+
 @functools.cache
 def _kernel():
     """The Triton kernel, defined once per process."""
     import triton
     import triton.language as tl
+
+    from rollout_lib.backends import triton_jit
+
+    global lora_add  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    lora_add = triton_jit.lora_add
 
     @triton.jit
     def residual_norm_epilogue_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, hidden, split_stride, both_row, b_row,
@@ -69,10 +77,7 @@ def _kernel():
                 part2 += tl.load(shrink + s * split_stride + 2 * RANK + k)
             xa = (part0 + part1) + part2
             low += xa * tl.load(b_ptr + n * b_row + k * b_col, mask=keep, other=0.0)
-        if ORACLE_ROUNDING:  # lora_add "bf16_like_nf4_oracle": the term rounded first, added as two bf16 tensors
-            o = (base.to(tl.float32) + (low * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-        else:  # "float32_once": added in float32, rounded once
-            o = (base.to(tl.float32) + low * scaling).to(tl.bfloat16)
+        o = lora_add(base, low, scaling, ORACLE_ROUNDING)
         h = tl.load(h_ptr + m * h_row + n, mask=keep, other=0.0)
         after = (h.to(tl.float32) + o.to(tl.float32)).to(tl.bfloat16)
         tl.store(out_ptr + m * out_row + n, after, mask=keep)

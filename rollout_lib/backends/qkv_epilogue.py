@@ -37,11 +37,19 @@ WARPS = 4
 _OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
 
 
+lora_add = None  # the LoRA add's two roundings, a Triton function (triton_jit.lora_add), set by _kernel()
+
+
 @functools.cache
 def _kernel():
     """The Triton kernel, defined once per process."""
     import triton
     import triton.language as tl
+
+    from rollout_lib.backends import triton_jit
+
+    global lora_add  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    lora_add = triton_jit.lora_add
 
     @triton.jit(do_not_specialize=["length"])
     def qkv_epilogue_kernel(both_ptr, b_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, write_ptr, q_ptr, cache_k_ptr,
@@ -66,12 +74,8 @@ def _kernel():
             xa = (tl.load(shrink + column) + tl.load(shrink + 3 * RANK + column)) + tl.load(shrink + 6 * RANK + column)
             low1 += xa * tl.load(b_ptr + first * b_row + column * b_col)
             low2 += xa * tl.load(b_ptr + second * b_row + column * b_col)
-        if ORACLE_ROUNDING:  # lora_add "bf16_like_nf4_oracle": the term rounded first, added as two bf16 tensors
-            x1 = (base1.to(tl.float32) + (low1 * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-            x2 = (base2.to(tl.float32) + (low2 * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-        else:  # "float32_once": added in float32, rounded once
-            x1 = (base1.to(tl.float32) + low1 * scaling).to(tl.bfloat16)
-            x2 = (base2.to(tl.float32) + low2 * scaling).to(tl.bfloat16)
+        x1 = lora_add(base1, low1, scaling, ORACLE_ROUNDING)
+        x2 = lora_add(base2, low2, scaling, ORACLE_ROUNDING)
         column_t = tl.load(write_ptr + t)
         if part == 2:  # v: into its cache as it is
             v_at = cache_v_ptr + b * cache_batch + (slot - HEADS - KV_HEADS) * cache_head + column_t * cache_column

@@ -1,5 +1,6 @@
-"""What the hand-written Triton kernels' settings share (LORA_EXPAND "triton", GEMM_KERNEL "triton_skinny",
-GATE_UP_EPILOGUE "triton"): the check that Triton can run a kernel here, and the opaque op a kernel runs behind."""
+"""What the hand-written Triton kernels' settings share (LORA_EXPAND "triton", GEMM_KERNEL "triton_skinny", the
+four epilogues): the check that Triton can run a kernel here, and the opaque op a kernel runs behind (the Triton
+functions they share: `triton_jit`)."""
 
 from __future__ import annotations
 
