@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from tools.lab.probe_table import compilations, main, probe_rows, render, render_launches, render_time
+from tools.lab.probe_table import (
+    compilations,
+    main,
+    probe_rows,
+    render,
+    render_kernels,
+    render_launches,
+    render_time,
+)
 
 LAYERS = 28
 
@@ -125,6 +133,39 @@ def test_the_launches_table_lists_each_traced_row_s_reductions(tmp_path, capsys)
     assert main([str(tmp_path), "--launches"]) == 0
     assert "launch shapes picked at first run" in capsys.readouterr().out
     assert main([str(tmp_path)]) == 0 and "launch shapes" not in capsys.readouterr().out
+
+
+def test_the_kernels_table_lists_each_traced_row_s_costliest_kernels_with_their_launch_shapes(tmp_path, capsys):
+    """`--kernels N`: per traced row, its N kernels by time per step, any kind, a name's launch shapes apart
+    (cuBLAS's 3-D grids whole), with calls per step and us per call; a negative N is refused in one line."""
+    events, ts = [], 0.0
+    for _ in range(2):
+        for layer in range(LAYERS):
+            grid = [4, 5, 1] if layer % 2 else [4, 25, 1]  # two shapes of one GEMM kernel, 14 calls a step each
+            events.append({"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tss_64x8", "ts": ts, "dur": 6.0,
+                           "args": {"grid": grid, "block": [384, 1, 1]}})
+            events.append({"ph": "X", "cat": "kernel", "name": "residual_norm_epilogue_kernel", "ts": ts + 7,
+                           "dur": 10.5, "args": {"grid": [4, 1, 1], "block": [256, 1, 1]}})
+            events.append({"ph": "X", "cat": "kernel", "name": "cudnn_sdpa", "ts": ts + 18, "dur": 5.0})
+            ts += 24.0
+    with gzip.open(tmp_path / "trace-inductor+shrinkgemm-p128-r64-n1-greedy-20ms.json.gz", "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    (tmp_path / "probe.json").write_text(json.dumps({"cells": ["p128-r64-n1-greedy"], "inductor+shrinkgemm": {
+        "cells": {"p128-r64-n1-greedy": {"ms_per_decode_step": ts / 2 / 1000, "tokens_per_s": 1.0}}}}))
+    table = render_kernels(probe_rows(tmp_path), 3)
+    assert table.splitlines()[2:] == [
+        "| inductor+shrinkgemm | p128-r64-n1-greedy | `residual_norm_epilogue_kernel` | 4x1x1 / 256 | 28.00 | 10.50 "
+        "| 294.0 |",
+        "| inductor+shrinkgemm | p128-r64-n1-greedy | `cudnn_sdpa` | ? / ? | 28.00 | 5.00 | 140.0 |",
+        "| inductor+shrinkgemm | p128-r64-n1-greedy | `nvjet_sm90_tss_64x8` | 4x25x1 / 384 | 14.00 | 6.00 | 84.0 |"]
+    assert main([str(tmp_path), "--kernels", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "The 4 kernels with the most GPU time" in out and "4x5x1 / 384" in out
+    assert main([str(tmp_path)]) == 0 and "most GPU time" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--kernels", "-1"])
+    assert exit_info.value.code == 2
+    assert "--kernels: -1 is not allowed; allowed: 0 (none) or more" in capsys.readouterr().err
 
 
 def test_a_source_compiled_more_than_once_is_read_over_its_compilations(tmp_path, capsys):

@@ -89,10 +89,17 @@ REDUCTION_PREFIXES = ("triton_per_", "triton_red_")
 
 def reduction_launches(kernels: list[dict[str, Any]], steps: float) -> list[dict[str, Any]]:
     """Inductor's reduction kernels by (name, grid, block): calls per step and mean us per call, by time."""
+    return kernel_launches(kernels, steps, REDUCTION_PREFIXES)
+
+
+def kernel_launches(kernels: list[dict[str, Any]], steps: float,
+                    prefixes: tuple[str, ...] = ("",)) -> list[dict[str, Any]]:
+    """Kernels whose names start with one of `prefixes` (all, by default) by (name, grid, block): calls per step
+    and mean us per call, the most time per step first."""
     launches: dict[tuple, list[float]] = defaultdict(list)
     for kernel in kernels:
         name = kernel.get("name", "")
-        if name.startswith(REDUCTION_PREFIXES):
+        if kernel.get("cat", "kernel") == "kernel" and name.startswith(prefixes):
             args = kernel.get("args") or {}
             shape = tuple(tuple(args.get(key) or ()) for key in ("grid", "block"))
             launches[(name, *shape)].append(float(kernel.get("dur", 0)))
@@ -164,6 +171,7 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
             "host_waits_us_per_step": round(host_waits_us / steps, 1),
             "busy_share_of_span": round(busy_us / span_us, 4) if span_us else None,
             "categories": per_step, "reduction_launches": reduction_launches(kernels, steps),
+            "kernel_launches": kernel_launches(kernels, steps),
             "top_kernels": [{"name": name, "count": int(v["count"]), "us_total": round(v["us"], 1)} for name, v in top]}
 
 

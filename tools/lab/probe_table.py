@@ -17,8 +17,10 @@ the gaps, the part of them just before attention kernels and the part that is th
 `tools/trace_breakdown.py` says how kernels are sorted). `--launches` adds a third table: per traced row,
 inductor's reduction kernels (us per step in all) and the launch shapes of the four that took longest, so a
 delta can be checked against the draw of launch configurations each compilation makes (docs/perf-notes.md,
-lease 28). Where the probe compiled a source more than once (`+again`, `+again2`), a table of each source over
-its compilations: mean, min-max and the mean against the baseline's mean. `--json` also writes the rows.
+lease 28). `--kernels N` adds each traced row's N kernels with the most time per step (name, launch shape, calls
+per step, us per call and per step). Where the probe compiled a source more than once (`+again`, `+again2`), a
+table of each source over its compilations: mean, min-max and the mean against the baseline's mean. `--json` also
+writes the rows.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def _trace_figures(path: Path, ms_per_step: float | None) -> dict[str, Any]:
             "gaps_before_attention_ms_per_step": result["gaps_before_attention_us_per_step"] / 1000,
             "host_waits_ms_per_step": result["host_waits_us_per_step"] / 1000,
             "steps_from": result["steps_from"], "reduction_launches": result.get("reduction_launches", []),
+            "kernel_launches": result.get("kernel_launches", []),
             "ms_per_step_by_category": {label: round(row["us"] / 1000, 4)
                                         for label, row in result["categories"].items()}}
 
@@ -181,6 +184,22 @@ def render_launches(rows: list[dict[str, Any]], top: int = 4) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def render_kernels(rows: list[dict[str, Any]], top: int) -> str:
+    """Per traced row, its `top` kernels by time per step (any kind, by name and launch shape): calls per step, us
+    per call and per step, so a delta reads kernel by kernel against the baseline's (lease 34: the o/down epilogue
+    kernel's 10.5 us a call was found so)."""
+    lines = ["| variant | cell | kernel | grid / threads | calls/step | us/call | us/step |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for launch in (row.get("kernel_launches") or [])[:top]:
+            shape = (f"{'x'.join(str(d) for d in launch['grid']) if launch['grid'] else '?'} / "
+                     f"{launch['block'][0] if launch['block'] else '?'}")
+            name = launch["name"] if len(launch["name"]) <= 60 else launch["name"][:57] + "..."
+            lines.append(f"| {row['variant']} | {row['cell']} | `{name}` | {shape} | {launch['calls_per_step']:.2f} "
+                         f"| {launch['us_per_call']:.2f} | {launch['us_per_step']:.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 # probe suffixes that change nothing: the same source compiled again from empty caches (its draw)
 AGAIN_SUFFIXES = ("again", "again2")
 
@@ -234,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write every row as JSON here")
     parser.add_argument("--launches", action="store_true",
                         help="also print the inductor reductions' launch shapes per traced row")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also print each traced row's N kernels that take the most time per step")
     args = parser.parse_args(argv)
+    if args.kernels < 0:
+        parser.error(f"--kernels: {args.kernels} is not allowed; allowed: 0 (none) or more kernels per traced row")
     all_rows = []
     try:
         for folder in args.folders:
@@ -251,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
             if launches:
                 print("Inductor's reduction kernels, launch shapes picked at first run (from the traces):\n"
                       f"{launches}\n")
+            kernels = render_kernels(rows, args.kernels) if args.kernels else ""
+            if kernels:
+                print(f"The {args.kernels} kernels with the most GPU time per decode step (from the traces):\n"
+                      f"{kernels}\n")
             all_rows += rows
     except ValueError as exc:
         parser.error(str(exc))
