@@ -115,6 +115,14 @@ def test_the_time_table_sums_each_category_per_step(folder, capsys):
     assert render_time([r for r in rows if r.get("cell") is None]) == ""
 
 
+def _one_trace_folder(folder, events, ms_per_step: float):
+    """A probe folder of one variant and cell whose trace holds `events`, at `ms_per_step`."""
+    with gzip.open(folder / "trace-inductor+shrinkgemm-p128-r64-n1-greedy-20ms.json.gz", "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    (folder / "probe.json").write_text(json.dumps({"cells": ["p128-r64-n1-greedy"], "inductor+shrinkgemm": {
+        "cells": {"p128-r64-n1-greedy": {"ms_per_decode_step": ms_per_step, "tokens_per_s": 1.0}}}}))
+
+
 def test_the_launches_table_lists_each_traced_row_s_reductions(tmp_path, capsys):
     """`--launches`: per traced row, inductor's reductions in all (us per step) and the longest by launch shape."""
     events, ts = [], 0.0
@@ -124,10 +132,7 @@ def test_the_launches_table_lists_each_traced_row_s_reductions(tmp_path, capsys)
                            "dur": 2.0, "args": {"grid": [12288, 1, 1], "block": [64, 1, 1]}})
             events.append({"ph": "X", "cat": "kernel", "name": "cudnn_sdpa", "ts": ts + 3, "dur": 5.0})
             ts += 9.0
-    with gzip.open(tmp_path / "trace-inductor+shrinkgemm-p128-r64-n1-greedy-20ms.json.gz", "wt") as handle:
-        json.dump({"traceEvents": events}, handle)
-    (tmp_path / "probe.json").write_text(json.dumps({"cells": ["p128-r64-n1-greedy"], "inductor+shrinkgemm": {
-        "cells": {"p128-r64-n1-greedy": {"ms_per_decode_step": ts / 2 / 1000, "tokens_per_s": 1.0}}}}))
+    _one_trace_folder(tmp_path, events, ts / 2 / 1000)
     table = render_launches(probe_rows(tmp_path))
     assert "| inductor+shrinkgemm | p128-r64-n1-greedy | 56.0 | 12288 / 64, 2.00 |" in table
     assert main([str(tmp_path), "--launches"]) == 0
@@ -148,10 +153,7 @@ def test_the_kernels_table_lists_each_traced_row_s_costliest_kernels_with_their_
                            "dur": 10.5, "args": {"grid": [4, 1, 1], "block": [256, 1, 1]}})
             events.append({"ph": "X", "cat": "kernel", "name": "cudnn_sdpa", "ts": ts + 18, "dur": 5.0})
             ts += 24.0
-    with gzip.open(tmp_path / "trace-inductor+shrinkgemm-p128-r64-n1-greedy-20ms.json.gz", "wt") as handle:
-        json.dump({"traceEvents": events}, handle)
-    (tmp_path / "probe.json").write_text(json.dumps({"cells": ["p128-r64-n1-greedy"], "inductor+shrinkgemm": {
-        "cells": {"p128-r64-n1-greedy": {"ms_per_decode_step": ts / 2 / 1000, "tokens_per_s": 1.0}}}}))
+    _one_trace_folder(tmp_path, events, ts / 2 / 1000)
     table = render_kernels(probe_rows(tmp_path), 3)
     assert table.splitlines()[2:] == [
         "| inductor+shrinkgemm | p128-r64-n1-greedy | `residual_norm_epilogue_kernel` | 4x1x1 / 256 | 28.00 | 10.50 "

@@ -19,10 +19,9 @@ call where a benchmarked draw of 192 programs took 2.5. Also the same pick in ev
 call's row count (the capture order, AUTOTUNE_ROWS, decides which that is); a kernel whose arguments name no
 xnumel (a static shape) is judged by inductor's size hint for it. Only persistent reductions with one XBLOCK;
 pointwise kernels, looped reductions (the sampler's, the norms') and combo kernels with a block per sub-kernel keep
-inductor's choice. A
-configuration's warps may add a row's terms in another order than another's (float32 sums of the same exact
-products: the LoRA contract), so a benchmarked pick can also move the last bit of a sum from one compilation to the
-next; this rule's order is the same in every compilation.
+inductor's choice. A configuration's warps may add a row's terms in another order than another's (float32 sums of
+the same exact products: the LoRA contract), so a benchmarked pick can also move the last bit of a sum from one
+compilation to the next; a rule's order is the same in every compilation.
 
 The rule applies while one of the engine's compiled pieces runs (`with_rule` wraps each): inductor benchmarks a
 kernel on its first call, inside that call. The engine's compilations also switch off inductor's autotune cache
@@ -46,13 +45,13 @@ _INSTALLED_MARK = "_rollout_reduction_launch"
 PICKS: dict[str, tuple[int, tuple[int, ...], int | None]] = {}
 
 
-def fewest_programs(configs: list[Any]) -> Any:
-    """The configuration with the largest XBLOCK (the fewest programs); among equal XBLOCKs, the first."""
-    return max(configs, key=lambda config: config.kwargs.get("XBLOCK", 1))
-
-
 def _xblock(config: Any) -> int:
     return config.kwargs.get("XBLOCK", 1)
+
+
+def fewest_programs(configs: list[Any]) -> Any:
+    """The configuration with the largest XBLOCK (the fewest programs); among equal XBLOCKs, the first."""
+    return max(configs, key=_xblock)
 
 
 def fill_multiprocessors(configs: list[Any], xnumel: int, multiprocessors: int) -> Any:
@@ -93,7 +92,7 @@ def install(rule: str = "fewest_programs") -> None:
                 and all("XBLOCK" in config.kwargs for config in configs)):
             named = dict(zip(getattr(self.fn, "arg_names", ())[:len(args)], args, strict=False))
             xnumel = named.get("xnumel", (getattr(self, "size_hints", None) or {}).get("x"))
-            xnumel = int(xnumel) if isinstance(xnumel, int) else None
+            xnumel = xnumel if isinstance(xnumel, int) else None
             if rule == "fill_multiprocessors" and xnumel is not None:
                 picked = fill_multiprocessors(configs, xnumel, _multiprocessors())
             else:  # "fewest_programs", or a kernel with neither an xnumel nor a size hint (then the fewest too)
