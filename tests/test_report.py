@@ -292,6 +292,29 @@ def test_vllm_diagnostics_section_reads_compare_files_by_kind(tmp_path):
     assert not {"None", "True", "False", "nan"} & {str(v) for v in table.to_numpy().ravel()}
 
 
+def test_a_side_by_side_with_hf_cached_names_its_gpu_and_its_candidate_engine(tmp_path):
+    """Issue 43's side by sides ran on H100s and H200s: each caption names the GPU its file records and the
+    candidate engine it measured; a file without a GPU gets no GPU in its caption rather than a guess."""
+    import json
+
+    from rollout_lib.report import diagnostics
+
+    perf = tmp_path / "perf"
+    perf.mkdir()
+    side = {"kind": "vllm_inprocess_diagnostic", "variants": ["inprocess_no_adapter", "hf_cached"],
+            "hf_cached": {"gpu": "NVIDIA H100 80GB HBM3"}, "hf_cached_options": {"engine": {"SAMPLER": "chunked"}},
+            "rows": []}
+    (perf / "a-side.json").write_text(json.dumps(side))
+    (perf / "b-side.json").write_text(json.dumps({**side, "hf_cached": {}, "hf_cached_options": {}}))
+    (first, first_report), (second, second_report) = diagnostics.diagnostic_files(tmp_path)
+    assert all(diagnostics.with_hf_cached(report) for report in (first_report, second_report))
+    caption = diagnostics.caption(first, first_report)
+    assert "; on NVIDIA H100 80GB HBM3**" in caption
+    assert '`engine={"SAMPLER": "chunked"}` (candidates, not the campaign\'s engine)' in caption
+    bare = diagnostics.caption(second, second_report)
+    assert " on " not in bare.split("**")[1] and "candidates" not in bare
+
+
 def test_a_failed_or_unfinished_ladder_setting_is_shown_as_such(tmp_path):
     import json
 

@@ -13,7 +13,7 @@ rows use columns 0..r-1, up's r..2r-1). Per output feature n of the intermediate
 and `_after_attention` compute it:
     base_g = bf16(both[m, n]), base_u = bf16(both[m, I + n])        (the base GEMM rounded as `linear` rounds it)
     xa[m, k] = (part0 + part1) + part2                              (the shrink's three parts, in order, float32)
-    low_g = sum_k xa[m, k] B[n, k]        (k < r: gate's own terms, in order k = 0, 1, ...; float32)
+    low_g = sum_k xa[m, k] B[n, k]        (k < r: gate's own terms; float32, an IEEE product, no TF32)
     low_u = sum_k xa[m, r + k] B[I + n, r + k]
     gate = bf16(float32(base_g) + scaling low_g), up likewise      (lora_add "float32_once"; or the oracle's
                                                                      rounding: bf16(base + bf16(scaling low)))
@@ -56,7 +56,8 @@ def _kernel():
     @triton.jit(do_not_specialize=["rows"])
     def gate_up_epilogue_kernel(both_ptr, b_ptr, out_ptr, rows, inter, both_row, b_row, b_col, out_row, scaling,
                                 RANK: tl.constexpr, LOW: tl.constexpr, ACTIVATION: tl.constexpr,
-                                ORACLE_ROUNDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                                ORACLE_ROUNDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                RANK_BLOCK: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         keep_n, keep_m = n < inter, m < rows
@@ -65,18 +66,22 @@ def _kernel():
         base_g = tl.load(row[:, None] + n[None, :], mask=keep, other=0.0).to(tl.bfloat16)
         base_u = tl.load(row[:, None] + (inter + n)[None, :], mask=keep, other=0.0).to(tl.bfloat16)
         shrink = row + 2 * inter  # A's parts after the base rows: part p, rank column j at p * LOW + j
-        low_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        low_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.static_range(RANK):  # gate's own rank terms, then up's, each in order k = 0, 1, ...
-            xa_g = (tl.load(shrink + k, mask=keep_m, other=0.0) + tl.load(shrink + LOW + k, mask=keep_m, other=0.0)) \
-                + tl.load(shrink + 2 * LOW + k, mask=keep_m, other=0.0)
-            xa_u = (tl.load(shrink + RANK + k, mask=keep_m, other=0.0)
-                    + tl.load(shrink + LOW + RANK + k, mask=keep_m, other=0.0)) \
-                + tl.load(shrink + 2 * LOW + RANK + k, mask=keep_m, other=0.0)
-            b_g = tl.load(b_ptr + n * b_row + k * b_col, mask=keep_n, other=0.0)
-            b_u = tl.load(b_ptr + (inter + n) * b_row + (RANK + k) * b_col, mask=keep_n, other=0.0)
-            low_g += xa_g[:, None] * b_g[None, :]
-            low_u += xa_u[:, None] * b_u[None, :]
+        k = tl.arange(0, RANK_BLOCK)
+        has_k = k < RANK
+        at = shrink[:, None] + k[None, :]
+        keep_mk = keep_m[:, None] & has_k[None, :]
+        xa_g = (tl.load(at, mask=keep_mk, other=0.0) + tl.load(at + LOW, mask=keep_mk, other=0.0)) \
+            + tl.load(at + 2 * LOW, mask=keep_mk, other=0.0)
+        xa_u = (tl.load(at + RANK, mask=keep_mk, other=0.0) + tl.load(at + LOW + RANK, mask=keep_mk, other=0.0)) \
+            + tl.load(at + 2 * LOW + RANK, mask=keep_mk, other=0.0)
+        # every rank term of B in one load per part, all in flight at once (lease 35: loaded term by term, the
+        # kernel waited out one memory round trip after another, 7.6 us a call), the rank's sum as an exact
+        # float32 product (no TF32): gate's own terms, then up's (the other part's terms are zeros, skipped)
+        keep_kn = has_k[:, None] & keep_n[None, :]
+        b_g = tl.load(b_ptr + n[None, :] * b_row + k[:, None] * b_col, mask=keep_kn, other=0.0)
+        b_u = tl.load(b_ptr + (inter + n)[None, :] * b_row + (RANK + k)[:, None] * b_col, mask=keep_kn, other=0.0)
+        low_g = tl.dot(xa_g, b_g, input_precision="ieee")
+        low_u = tl.dot(xa_u, b_u, input_precision="ieee")
         gate = lora_add(base_g, low_g, scaling, ORACLE_ROUNDING)
         up = lora_add(base_u, low_u, scaling, ORACLE_ROUNDING)
         if ACTIVATION:
@@ -108,7 +113,8 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int,
     _kernel()[(triton.cdiv(inter, BLOCK_N), triton.cdiv(rows, BLOCK_M))](
         both, lora_b, out, rows, inter, both.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
         float(scaling), RANK=low // 2, LOW=low, ACTIVATION=activation, ORACLE_ROUNDING=oracle_rounding,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=WARPS)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        RANK_BLOCK=max(16, triton.next_power_of_2(low // 2)), num_warps=WARPS)
     return out
 
 

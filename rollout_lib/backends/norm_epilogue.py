@@ -13,7 +13,7 @@ as `_write_shrink_rows` appends them), B [H, r], the residual stream h [rows, H]
 Per row m and feature n, as `_fused_linear`, `_after_attention` and `_rms` compute them:
     base = bf16(both[m, n])                                        (the base GEMM rounded as `linear` rounds it)
     xa[m, k] = (part0 + part1) + part2                             (the shrink's three parts, in order, float32)
-    low = sum_k xa[m, k] B[n, k]                                   (in order k = 0, 1, ..., float32)
+    low = sum_k xa[m, k] B[n, k]                                   (float32, in Triton's order over k)
     o = bf16(float32(base) + scaling low)                          (lora_add "float32_once"; or the oracle's
                                                                     rounding: bf16(base + bf16(scaling low)))
     h' = bf16(h + o)                                               (the residual, as torch adds two bf16 tensors)
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-WARPS = 8  # 1,024 features a program: four a thread
+WARPS = 32  # 1,024 features a program: one a thread, so each thread loads its 16 rank terms of B at once
 
 _OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
 
@@ -56,7 +56,8 @@ def _kernel():
     @triton.jit
     def residual_norm_epilogue_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, hidden, split_stride, both_row, b_row,
                                       b_col, h_row, out_rows, out_row, scaling, eps, RANK: tl.constexpr,
-                                      SPLITS: tl.constexpr, ORACLE_ROUNDING: tl.constexpr, BLOCK_H: tl.constexpr):
+                                      SPLITS: tl.constexpr, ORACLE_ROUNDING: tl.constexpr, BLOCK_H: tl.constexpr,
+                                      RANK_BLOCK: tl.constexpr):
         m = tl.program_id(0)
         n = tl.arange(0, BLOCK_H)
         keep = n < hidden
@@ -66,17 +67,21 @@ def _kernel():
             total += tl.load(row + s * split_stride + n, mask=keep, other=0.0)
         base = total.to(tl.bfloat16)
         shrink = row + hidden  # A's parts after the base features: part p, rank column j at p * RANK + j
-        low = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for k in tl.static_range(RANK):
-            part0 = tl.load(shrink + k)
-            part1 = tl.load(shrink + RANK + k)
-            part2 = tl.load(shrink + 2 * RANK + k)
-            for s in tl.static_range(1, SPLITS):
-                part0 += tl.load(shrink + s * split_stride + k)
-                part1 += tl.load(shrink + s * split_stride + RANK + k)
-                part2 += tl.load(shrink + s * split_stride + 2 * RANK + k)
-            xa = (part0 + part1) + part2
-            low += xa * tl.load(b_ptr + n * b_row + k * b_col, mask=keep, other=0.0)
+        r = tl.arange(0, RANK_BLOCK)
+        has = r < RANK
+        part0 = tl.load(shrink + r, mask=has, other=0.0)
+        part1 = tl.load(shrink + RANK + r, mask=has, other=0.0)
+        part2 = tl.load(shrink + 2 * RANK + r, mask=has, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            part0 += tl.load(shrink + s * split_stride + r, mask=has, other=0.0)
+            part1 += tl.load(shrink + s * split_stride + RANK + r, mask=has, other=0.0)
+            part2 += tl.load(shrink + s * split_stride + 2 * RANK + r, mask=has, other=0.0)
+        xa = (part0 + part1) + part2
+        # every rank term of B in one load [RANK, H], so all of them are in flight at once: loaded term by term
+        # in a loop, ptxas kept two terms' loads in flight, and the kernel waited out ~8 memory round trips
+        # (lease 35: 5.0 us a call, its SASS in docs/perf-notes.md)
+        b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=has[:, None] & keep[None, :], other=0.0)
+        low = tl.sum(xa[:, None] * b, axis=0)
         o = lora_add(base, low, scaling, ORACLE_ROUNDING)
         h = tl.load(h_ptr + m * h_row + n, mask=keep, other=0.0)
         after = (h.to(tl.float32) + o.to(tl.float32)).to(tl.bfloat16)
@@ -111,7 +116,8 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: to
         _kernel()[(rows,)](partials, lora_b, h, weight, out, hidden, partials.stride(0), partials.stride(1),
                            lora_b.stride(0), lora_b.stride(1), h.stride(0), rows, out.stride(1), float(scaling),
                            float(eps), RANK=rank, SPLITS=splits, ORACLE_ROUNDING=oracle_rounding,
-                           BLOCK_H=triton.next_power_of_2(hidden), num_warps=WARPS)
+                           BLOCK_H=triton.next_power_of_2(hidden), RANK_BLOCK=triton.next_power_of_2(rank),
+                           num_warps=WARPS)
     return out
 
 

@@ -55,7 +55,8 @@ def _kernel():
     def qkv_epilogue_kernel(both_ptr, b_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, write_ptr, q_ptr, cache_k_ptr,
                             cache_v_ptr, length, both_row, b_row, b_col, cos_row, sin_row, cache_batch, cache_head,
                             cache_column, scaling, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, RANK: tl.constexpr, ORACLE_ROUNDING: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, RANK: tl.constexpr, ORACLE_ROUNDING: tl.constexpr,
+                            RANK_BLOCK: tl.constexpr):
         m = tl.program_id(0)  # the row: batch b, position t
         slot = tl.program_id(1)  # q heads, then k's, then v's
         b, t = m // length, m % length
@@ -67,13 +68,18 @@ def _kernel():
         base1 = tl.load(row + first).to(tl.bfloat16)
         base2 = tl.load(row + second).to(tl.bfloat16)
         shrink = row + (HEADS + 2 * KV_HEADS) * HEAD_DIM  # part p, rank column j at p * 3 RANK + j
-        low1 = tl.zeros((HEAD_DIM // 2,), dtype=tl.float32)
-        low2 = tl.zeros((HEAD_DIM // 2,), dtype=tl.float32)
-        for k in tl.static_range(RANK):  # the head's projection's own rank terms, in order
-            column = part * RANK + k
-            xa = (tl.load(shrink + column) + tl.load(shrink + 3 * RANK + column)) + tl.load(shrink + 6 * RANK + column)
-            low1 += xa * tl.load(b_ptr + first * b_row + column * b_col)
-            low2 += xa * tl.load(b_ptr + second * b_row + column * b_col)
+        # the head's projection's own rank terms, B's as one [rank, D / 2] load per half, all in flight at once
+        # (lease 35: loaded term by term in a loop, 5.4 us a call)
+        r = tl.arange(0, RANK_BLOCK)
+        has = r < RANK
+        column = part * RANK + r
+        xa = (tl.load(shrink + column, mask=has, other=0.0)
+              + tl.load(shrink + 3 * RANK + column, mask=has, other=0.0)) \
+            + tl.load(shrink + 6 * RANK + column, mask=has, other=0.0)
+        b1 = tl.load(b_ptr + first[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+        b2 = tl.load(b_ptr + second[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+        low1 = tl.sum(xa[:, None] * b1, axis=0)
+        low2 = tl.sum(xa[:, None] * b2, axis=0)
         x1 = lora_add(base1, low1, scaling, ORACLE_ROUNDING)
         x2 = lora_add(base2, low2, scaling, ORACLE_ROUNDING)
         column_t = tl.load(write_ptr + t)
@@ -118,6 +124,7 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_nor
     the q/k norms' weights [D], cos and sin [B T, D] bf16, the caches [B, KV, L, D] (written in place at columns
     `write` [T]; last dimension contiguous): the queries bf16 [B, KV, G T, D], as `_before_attention` returns q."""
     import torch
+    import triton
 
     rows, width = both.shape
     kv_heads, head_dim = cache_k.shape[1], cache_k.shape[3]
@@ -137,7 +144,8 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_nor
             both, lora_b, q_norm, k_norm, cos, sin, write, q, cache_k, cache_v, length, both.stride(0),
             lora_b.stride(0), lora_b.stride(1), cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1),
             cache_k.stride(2), float(scaling), float(eps), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-            RANK=low // 3, ORACLE_ROUNDING=oracle_rounding, num_warps=WARPS)
+            RANK=low // 3, ORACLE_ROUNDING=oracle_rounding,
+            RANK_BLOCK=triton.next_power_of_2(low // 3), num_warps=WARPS)
     return q.view(batch, kv_heads, heads // kv_heads * length, head_dim)
 
 

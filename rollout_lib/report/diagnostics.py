@@ -199,6 +199,9 @@ def caption(path: Path, report: dict[str, Any]) -> str:
         title += ("; hf_cached with options " + ", ".join(f"`{key}={json.dumps(value, sort_keys=True)}`"
                                                           for key, value in sorted(options.items()))
                   + " (candidates, not the campaign's engine)")
+    gpu = (report.get("hf_cached") or {}).get("gpu")
+    if isinstance(gpu, str) and gpu:  # these runs came on H100s and H200s: a reader compares within one GPU only
+        title += f"; on {gpu}"
     ran = len(report.get("rungs", report.get("rows", [])))
     partial = ("" if report.get("complete", True) else
                f" — **incomplete**: {ran} of {len(report.get('rungs_planned', []))} settings ran before it stopped")
