@@ -104,10 +104,11 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         profile_standin_training.build_parser().parse_args(words[2:])
     elif words[:2] == ["python3", "tools/lab/fill_standin_draft.py"]:
         assert len(words) == 4 and words[3].startswith("params/drafts/"), f"{where}: RECORDS_DIR OUT_YAML: {command}"
-    elif words[:2] == ["python3", "tools/lab/gemm_bench.py"]:
-        from tools.lab import gemm_bench
+    elif words[:2] in (["python3", "tools/lab/gemm_bench.py"], ["python3", "tools/lab/epilogue_bench.py"]):
+        from tools.lab import epilogue_bench, gemm_bench
 
-        args = gemm_bench.build_parser().parse_args(words[2:])
+        bench = gemm_bench if words[1].endswith("gemm_bench.py") else epilogue_bench
+        args = bench.build_parser().parse_args(words[2:])
         assert str(args.out).startswith("outputs/perf/"), f"{where}: its JSON under outputs/perf/: {command}"
     elif words[:2] == ["python3", "tools/lab/pick_engine.py"]:
         from tools.lab import pick_engine

@@ -97,10 +97,11 @@ def _kernel():
 
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int, oracle_rounding: bool = False,
-           activation: bool = True) -> torch.Tensor:
+           activation: bool = True, block_n: int | None = None, warps: int | None = None) -> torch.Tensor:
     """The kernel on `both` [rows, 2 inter + 3 x 2 rank] float32 (last dimension contiguous) and B [2 inter,
     2 rank] float32 (any strides): bf16 [rows, inter] (the SiLU product), or [rows, 2 inter] (gate and up, with
-    `activation` False)."""
+    `activation` False). `block_n`, `warps`: features per program and warps (default BLOCK_N, WARPS;
+    tools/lab/epilogue_bench.py times others)."""
     import torch
     import triton
 
@@ -110,11 +111,12 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int,
         raise ValueError(f"GATE_UP_EPILOGUE triton: the GEMM output {tuple(both.shape)} and B {tuple(lora_b.shape)} "
                          f"are not a gate_up projection of {inter} features with its shrink's rows")
     out = torch.empty((rows, inter if activation else 2 * inter), dtype=torch.bfloat16, device=both.device)
-    _kernel()[(triton.cdiv(inter, BLOCK_N), triton.cdiv(rows, BLOCK_M))](
+    block_n = block_n or BLOCK_N
+    _kernel()[(triton.cdiv(inter, block_n), triton.cdiv(rows, BLOCK_M))](
         both, lora_b, out, rows, inter, both.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
         float(scaling), RANK=low // 2, LOW=low, ACTIVATION=activation, ORACLE_ROUNDING=oracle_rounding,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        RANK_BLOCK=max(16, triton.next_power_of_2(low // 2)), num_warps=WARPS)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        RANK_BLOCK=max(16, triton.next_power_of_2(low // 2)), num_warps=warps or WARPS)
     return out
 
 

@@ -97,10 +97,11 @@ def _kernel():
 
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scaling: float,
-           eps: float, oracle_rounding: bool = False) -> torch.Tensor:
+           eps: float, oracle_rounding: bool = False, warps: int | None = None) -> torch.Tensor:
     """The kernel on `both` [rows, H + 3 rank] float32 (or its split-K partials [S, rows, H + 3 rank]), B [H, rank]
     float32 (any strides), h [rows, H] bf16 and the norm's weight [H] bf16 (last dimensions contiguous): bf16 [2,
-    rows, H], the residual stream after the projection and its norm."""
+    rows, H], the residual stream after the projection and its norm. `warps`: the program's warps (default WARPS;
+    tools/lab/epilogue_bench.py times others)."""
     import torch
     import triton
 
@@ -117,7 +118,7 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: to
                            lora_b.stride(0), lora_b.stride(1), h.stride(0), rows, out.stride(1), float(scaling),
                            float(eps), RANK=rank, SPLITS=splits, ORACLE_ROUNDING=oracle_rounding,
                            BLOCK_H=triton.next_power_of_2(hidden), RANK_BLOCK=triton.next_power_of_2(rank),
-                           num_warps=WARPS)
+                           num_warps=warps or WARPS)
     return out
 
 

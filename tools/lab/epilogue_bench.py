@@ -1,0 +1,159 @@
+"""The decode step's hand-written epilogue kernels alone, under each launch configuration (issue 43): the o/down
+kernel (`norm_epilogue`: LoRA expand + residual + RMSNorm, one program per row) by its warps, and gate_up's
+(`mlp_epilogue`: both LoRA expands + SiLU product) by its features per program and warps, at the study's actor's
+shapes and the decode step's row counts, B stored rank-major as the engine stores it.
+
+    python tools/lab/epilogue_bench.py --out outputs/perf/decode-loads/epilogue-bench.json [--rows 4 16] \
+        [--calls 56] [--layers 28]
+
+Why: lease 35's step traces give each kernel's time at the one configuration the module names (o/down 5.0 us,
+gate_up 7.6 us a call at 16 rows, H100); a configuration is chosen here by measurement, a minute of GPU, not one
+lease at a time. Each configuration's graph is warmed up, captured with `--calls` back-to-back calls cycling
+through `--layers` distinct operand sets (a step's layers), replayed `--repeats` times; the median replay over
+`--calls` is the time per call (`gemm_bench.time_in_graph`). Each configuration's output is compared with the
+module's default configuration (`max_abs_diff`: warps change the order of the float32 sums only). The file is
+written once at the end (progress in `<out>.partial.json` after each kernel); one line per (kernel, rows). A GPU
+only; bad input is refused in one line before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rollout_lib.core import write_json_atomic  # noqa: E402
+from tools.lab.gemm_bench import partial_path, time_in_graph  # noqa: E402
+
+DEFAULT_PARAMS = ROOT / "params" / "rollout-runtime-v2.yaml"
+
+# the launch configurations timed: the o/down kernel's warps (one row of H features a program), gate_up's
+# (features per program, warps) with 16 rows a program
+NORM_WARPS = (4, 8, 16, 32)
+GATE_UP_CONFIGS = tuple((block_n, warps) for block_n in (32, 64, 128) for warps in (2, 4, 8))
+
+
+def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any) -> dict[str, Any]:
+    """One layer's operands of `kernel` at `rows` rows: the GEMM's float32 output with the shrink's three parts
+    appended, B rank-major ([features, ranks] with the features contiguous), and the o/down kernel's residual
+    stream and norm weight."""
+    import torch
+
+    device = generator.device
+    hidden, inner = arch.hidden_size, arch.intermediate_size
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=generator)
+
+    if kernel == "o_down":
+        return {"both": randn(rows, hidden + 3 * rank), "lora_b": (randn(rank, hidden) * 0.02).t(),
+                "h": randn(rows, hidden).bfloat16(), "weight": (1 + randn(hidden) * 0.05).bfloat16()}
+    return {"both": randn(rows, 2 * inner + 6 * rank), "lora_b": (randn(2 * rank, 2 * inner) * 0.02).t(),
+            "inter": inner}
+
+
+def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> Any:
+    from rollout_lib.backends import mlp_epilogue, norm_epilogue
+
+    if kernel == "o_down":
+        return norm_epilogue.launch(operands["both"], operands["lora_b"], operands["h"], operands["weight"], 2.0,
+                                    1e-6, warps=config["warps"])
+    return mlp_epilogue.launch(operands["both"], operands["lora_b"], 2.0, operands["inter"],
+                               block_n=config["block_n"], warps=config["warps"])
+
+
+def configs(kernel: str) -> list[dict[str, int]]:
+    """The configurations timed for `kernel`, the module's default among them."""
+    if kernel == "o_down":
+        return [{"warps": warps} for warps in NORM_WARPS]
+    return [{"block_n": block_n, "warps": warps} for block_n, warps in GATE_UP_CONFIGS]
+
+
+def default_config(kernel: str) -> dict[str, int]:
+    from rollout_lib.backends import mlp_epilogue, norm_epilogue
+
+    if kernel == "o_down":
+        return {"warps": norm_epilogue.WARPS}
+    return {"block_n": mlp_epilogue.BLOCK_N, "warps": mlp_epilogue.WARPS}
+
+
+def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: int = 28,
+        out: Path | None = None) -> dict[str, Any]:
+    import torch
+    import triton
+
+    from rollout_lib.study.prereg import load
+    from rollout_lib.study.workload import Workload
+
+    study = load(params)
+    arch, rank = Workload(study).arch, study.actor.lora.rank
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(43)
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                              "triton": triton.__version__, "calls_per_graph": calls, "repeats": repeats,
+                              "distinct_layers": layers, "rank": rank, "rows": [], "best": []}
+    for kernel in ("o_down", "gate_up"):
+        default = default_config(kernel)
+        for rows in rows_list:
+            stack = [_operands(kernel, arch, rank, rows, generator) for _ in range(layers)]
+            want = torch.as_tensor(_call(kernel, stack[0], default)).float()
+            timed = []
+            for config in configs(kernel):
+                seconds = time_in_graph(lambda i, k=kernel, s=stack, c=config: _call(k, s[i % layers], c), calls,
+                                        repeats)
+                diff = float((_call(kernel, stack[0], config).float() - want).abs().max())
+                timed.append({"kernel": kernel, "rows": rows, "config": config, "default": config == default,
+                              "us": seconds * 1e6, "max_abs_diff_vs_default": diff})
+            report["rows"].extend(timed)
+            best = min(timed, key=lambda entry: entry["us"])
+            at_default = next((entry["us"] for entry in timed if entry["default"]), "not_measured")
+            report["best"].append({"kernel": kernel, "rows": rows, "config": best["config"], "us": best["us"],
+                                   "default_us": at_default})
+            print(f"{kernel} x{rows}: best {best['us']:.2f} us at {best['config']}; default {default} "
+                  f"{at_default if isinstance(at_default, str) else round(at_default, 2)} us; "
+                  + ", ".join(f"{entry['config']} {entry['us']:.2f}" for entry in timed), flush=True)
+        if out is not None:  # what is measured so far survives a job cut short, beside the sealed file to come
+            write_json_atomic(partial_path(out), report, overwrite=True)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    parser.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="the preregistration (its actor)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[4, 16], help="decode rows (1-16; default 4 16)")
+    parser.add_argument("--calls", type=int, default=56, help="kernel calls per captured graph (default 56)")
+    parser.add_argument("--repeats", type=int, default=20, help="graph replays timed (default 20)")
+    parser.add_argument("--layers", type=int, default=28,
+                        help="distinct operand sets the calls cycle through (default 28: a step's layers)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any(not 1 <= rows <= 16 for rows in args.rows):
+        parser.error(f"--rows: {args.rows} is not allowed; allowed: row counts from 1 to 16 (a decode step's rows)")
+    if args.calls < 1 or args.repeats < 1:
+        parser.error(f"--calls/--repeats: {args.calls}/{args.repeats} is not allowed; allowed: integers >= 1")
+    if not 1 <= args.layers <= args.calls:
+        parser.error(f"--layers: {args.layers} is not allowed; allowed: 1 to --calls ({args.calls})")
+    if not args.params.is_file():
+        parser.error(f"--params: {args.params} is not allowed; allowed: a preregistration file that exists")
+    if args.out.exists():
+        parser.error(f"--out: {args.out} exists; allowed: a new file (evidence files are never rewritten)")
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error("a CUDA GPU is needed: torch.cuda.is_available() is False here")
+    write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats, args.layers, args.out))
+    partial_path(args.out).unlink(missing_ok=True)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
