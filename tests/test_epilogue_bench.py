@@ -51,35 +51,14 @@ def test_every_configuration_computes_what_the_default_computes(kernel, rows):
             assert torch.equal(got, want), config
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--out", "x.json", "--rows", "0"], "--rows: [0] is not allowed; allowed: row counts from 1 to 16"),
-    (["--out", "x.json", "--repeats", "0"], "--calls/--repeats: 56/0 is not allowed; allowed: integers >= 1"),
-    (["--out", "x.json", "--layers", "57"], "--layers: 57 is not allowed; allowed: 1 to --calls (56)"),
-    (["--out", "x.json", "--params", "nowhere.yaml"], "--params: nowhere.yaml is not allowed; allowed: a "
-                                                      "preregistration file that exists"),
-])
-def test_bad_input_is_refused_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, message):
+def test_bad_input_is_refused_by_the_benches_shared_check_naming_its_own_option(tmp_path, monkeypatch, capsys):
+    """gemm_bench.refuse_bad_input (its tests: every field, an existing --out, no GPU) with --layers named."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        main(["--out", "x.json", "--layers", "57"])
+    assert exit_info.value.code == 2
+    assert "--layers: 57 is not allowed; allowed: 1 to --calls (56)" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
-
-
-def test_an_existing_out_is_refused_and_left_as_it_was(tmp_path, capsys):
-    out = tmp_path / "x.json"
-    out.write_text("{}")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--out", str(out)])
-    assert exit_info.value.code == 2 and f"--out: {out} exists; allowed: a new file" in capsys.readouterr().err
-    assert out.read_text() == "{}"
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the tool runs instead of refusing")
-def test_without_a_gpu_it_says_so(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["--out", str(tmp_path / "x.json")])
-    assert "a CUDA GPU is needed" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
 def test_its_operands_have_the_engines_shapes_and_b_rank_major():

@@ -26,9 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rollout_lib.core import write_json_atomic  # noqa: E402
-from tools.lab.gemm_bench import partial_path, time_in_graph  # noqa: E402
-
-DEFAULT_PARAMS = ROOT / "params" / "rollout-runtime-v2.yaml"
+from tools.lab.gemm_bench import (  # noqa: E402
+    bench_parser,
+    partial_path,
+    refuse_bad_input,
+    time_in_graph,
+)
 
 # the launch configurations timed: the o/down kernel's warps (one row of H features a program), gate_up's
 # (features per program, warps) with 16 rows a program
@@ -121,34 +124,14 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
-    parser.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="the preregistration (its actor)")
-    parser.add_argument("--rows", type=int, nargs="+", default=[4, 16], help="decode rows (1-16; default 4 16)")
-    parser.add_argument("--calls", type=int, default=56, help="kernel calls per captured graph (default 56)")
-    parser.add_argument("--repeats", type=int, default=20, help="graph replays timed (default 20)")
-    parser.add_argument("--layers", type=int, default=28,
-                        help="distinct operand sets the calls cycle through (default 28: a step's layers)")
-    return parser
+    return bench_parser(__doc__.split("\n\n")[0], "kernel calls", "layers",
+                        "distinct operand sets the calls cycle through (default 28: a step's layers)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if any(not 1 <= rows <= 16 for rows in args.rows):
-        parser.error(f"--rows: {args.rows} is not allowed; allowed: row counts from 1 to 16 (a decode step's rows)")
-    if args.calls < 1 or args.repeats < 1:
-        parser.error(f"--calls/--repeats: {args.calls}/{args.repeats} is not allowed; allowed: integers >= 1")
-    if not 1 <= args.layers <= args.calls:
-        parser.error(f"--layers: {args.layers} is not allowed; allowed: 1 to --calls ({args.calls})")
-    if not args.params.is_file():
-        parser.error(f"--params: {args.params} is not allowed; allowed: a preregistration file that exists")
-    if args.out.exists():
-        parser.error(f"--out: {args.out} exists; allowed: a new file (evidence files are never rewritten)")
-    import torch
-
-    if not torch.cuda.is_available():
-        parser.error("a CUDA GPU is needed: torch.cuda.is_available() is False here")
+    refuse_bad_input(parser, args, "layers")
     write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats, args.layers, args.out))
     partial_path(args.out).unlink(missing_ok=True)
     print(f"wrote {args.out}")

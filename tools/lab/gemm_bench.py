@@ -165,28 +165,37 @@ def partial_path(out: Path) -> Path:
     return out.with_name(out.stem + ".partial" + out.suffix)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_parser(description: str, calls_help: str, distinct: str, distinct_help: str) -> argparse.ArgumentParser:
+    """The options this tool and epilogue_bench share: --out, --params, --rows, --calls, --repeats and the count of
+    distinct operand sets (`distinct`: weights here, layers there), each with its default (28: a step's layers)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--params", type=Path, default=DEFAULT_PARAMS, help="the preregistration (its actor)")
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 16], help="decode rows (1-16; default 4 16)")
-    parser.add_argument("--calls", type=int, default=56, help="GEMMs per captured graph (default 56)")
+    parser.add_argument("--calls", type=int, default=56, help=f"{calls_help} per captured graph (default 56)")
     parser.add_argument("--repeats", type=int, default=20, help="graph replays timed (default 20)")
-    parser.add_argument("--weights", type=int, default=28,
-                        help="distinct weights the calls cycle through (default 28: a step's layers, past L2)")
+    parser.add_argument(f"--{distinct}", type=int, default=28, help=distinct_help)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__.split("\n\n")[0], "GEMMs", "weights",
+                          "distinct weights the calls cycle through (default 28: a step's layers, past L2)")
     parser.add_argument("--sweep", action="store_true", help="time the skinny kernel's launch configurations too")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def refuse_bad_input(parser: argparse.ArgumentParser, args: argparse.Namespace, distinct: str) -> None:
+    """A bench's arguments checked before anything runs (this tool's and epilogue_bench's): one line naming the
+    field and what is allowed, exit 2. `distinct`: the option naming how many distinct operand sets the calls
+    cycle through (--weights here, --layers there)."""
     if any(not 1 <= rows <= 16 for rows in args.rows):
         parser.error(f"--rows: {args.rows} is not allowed; allowed: row counts from 1 to 16 (the kernel's rows)")
     if args.calls < 1 or args.repeats < 1:
         parser.error(f"--calls/--repeats: {args.calls}/{args.repeats} is not allowed; allowed: integers >= 1")
-    if not 1 <= args.weights <= args.calls:
-        parser.error(f"--weights: {args.weights} is not allowed; allowed: 1 to --calls ({args.calls})")
+    count = getattr(args, distinct)
+    if not 1 <= count <= args.calls:
+        parser.error(f"--{distinct}: {count} is not allowed; allowed: 1 to --calls ({args.calls})")
     if not args.params.is_file():
         parser.error(f"--params: {args.params} is not allowed; allowed: a preregistration file that exists")
     if args.out.exists():
@@ -195,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         parser.error("a CUDA GPU is needed: torch.cuda.is_available() is False here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refuse_bad_input(parser, args, "weights")
     write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats, args.weights, args.sweep,
                                     args.out))
     partial_path(args.out).unlink(missing_ok=True)
