@@ -79,7 +79,7 @@ def _kernel():
         xa = (part0 + part1) + part2
         # every rank term of B in one load [RANK, H], so all of them are in flight at once: loaded term by term
         # in a loop, ptxas kept two terms' loads in flight, and the kernel waited out ~8 memory round trips
-        # (lease 35: 5.0 us a call, its SASS in docs/perf-notes.md)
+        # (lease 35: 5.0 us a call; the SASS load counts in docs/perf-notes.md, "Open candidates", lease 36)
         b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=has[:, None] & keep[None, :], other=0.0)
         low = tl.sum(xa[:, None] * b, axis=0)
         o = lora_add(base, low, scaling, ORACLE_ROUNDING)

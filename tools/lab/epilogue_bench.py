@@ -20,7 +20,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -58,7 +61,7 @@ def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any) -> d
             "inter": inner}
 
 
-def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> Any:
+def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> torch.Tensor:
     from rollout_lib.backends import mlp_epilogue, norm_epilogue
 
     if kernel == "o_down":
@@ -102,7 +105,7 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
         default = default_config(kernel)
         for rows in rows_list:
             stack = [_operands(kernel, arch, rank, rows, generator) for _ in range(layers)]
-            want = torch.as_tensor(_call(kernel, stack[0], default)).float()
+            want = _call(kernel, stack[0], default).float()
             timed = []
             for config in configs(kernel):
                 seconds = time_in_graph(lambda i, k=kernel, s=stack, c=config: _call(k, s[i % layers], c), calls,
