@@ -15,40 +15,62 @@ from tests.triton_here import (  # noqa: F401 (an autouse fixture: Triton's inte
     exact_values,
     interpreter_on_a_cpu,
 )
-from tools.lab.epilogue_bench import _call, configs, default_config, main
+from tools.lab.epilogue_bench import KERNELS, _call, configs, default_config, main
 
 
-@pytest.mark.parametrize("kernel", ["o_down", "gate_up"])
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_the_modules_default_configuration_is_among_those_timed(kernel):
     assert default_config(kernel) in configs(kernel)
 
 
-@pytest.mark.parametrize("kernel", ["o_down", "gate_up"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [4, 16])
 @pytest.mark.skipif(bool(MARKS), reason="needs a CUDA GPU, or Triton for its CPU interpreter (not installed here)")
 def test_every_configuration_computes_what_the_default_computes(kernel, rows):
     """On exact values (small integers times powers of two) the float32 sums are the same in any order, so every
     launch configuration gives the default's bits: the bench times one computation, not several."""
     generator = torch.Generator().manual_seed(rows)
-    hidden, inner, rank = 64, 96, 4
-    if kernel == "o_down":
-        operands = {"both": exact_values((rows, hidden + 3 * rank), generator, 0.25),
+    hidden, inner, rank, splits = 64, 96, 4, 3
+    heads, kv_heads, head_dim = 4, 2, 16
+    if kernel in ("o_down", "o_down_splitk"):
+        shape = (splits, rows, hidden + 3 * rank) if kernel == "o_down_splitk" else (rows, hidden + 3 * rank)
+        operands = {"both": exact_values(shape, generator, 0.25),
                     "lora_b": exact_values((rank, hidden), generator, 0.125).t(),
                     "h": exact_values((rows, hidden), generator, 1.0).bfloat16(),
                     "weight": (1 + exact_values((hidden,), generator, 0.0625)).bfloat16()}
-    else:
+    elif kernel == "gate_up":
         operands = {"both": exact_values((rows, 2 * inner + 6 * rank), generator, 0.25),
                     "lora_b": exact_values((2 * rank, 2 * inner), generator, 0.125).t(), "inter": inner}
+    else:
+        features = (heads + 2 * kv_heads) * head_dim
+        angle = torch.rand(rows, head_dim // 2, generator=generator) * 6.0
+        operands = {"both": exact_values((rows, features + 9 * rank), generator, 0.25),
+                    "lora_b": exact_values((3 * rank, features), generator, 0.125).t(),
+                    "q_norm": (1 + exact_values((head_dim,), generator, 0.0625)).bfloat16(),
+                    "k_norm": (1 + exact_values((head_dim,), generator, 0.0625)).bfloat16(),
+                    "cos": torch.cat([angle.cos()] * 2, dim=-1).bfloat16(),
+                    "sin": torch.cat([angle.sin()] * 2, dim=-1).bfloat16(),
+                    "cache_k": torch.zeros(rows, kv_heads, 8, head_dim, dtype=torch.bfloat16),
+                    "cache_v": torch.zeros(rows, kv_heads, 8, head_dim, dtype=torch.bfloat16),
+                    "write": torch.tensor([5]), "heads": heads}
     operands = {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value
                 for name, value in operands.items()}
     want = _call(kernel, operands, default_config(kernel))
+    want_caches = [operands[name].clone() for name in ("cache_k", "cache_v") if name in operands]
     for config in configs(kernel):
         got = _call(kernel, operands, config)
-        if kernel == "o_down":  # the norm's sum of squares: float32 in each configuration's order
-            assert torch.equal(got[0], want[0]), config
-            assert torch.allclose(got[1].float(), want[1].float(), rtol=2 * torch.finfo(torch.bfloat16).eps), config
-        else:
+        if kernel == "gate_up":
             assert torch.equal(got, want), config
+            continue
+        tolerance = 2 * torch.finfo(torch.bfloat16).eps  # a norm's sum of squares: float32 in each one's order
+        if kernel == "qkv":  # the queries normed; k normed and v as computed, in the caches
+            assert torch.allclose(got.float(), want.float(), rtol=tolerance), config
+            assert torch.allclose(operands["cache_k"].float(), want_caches[0].float(), rtol=tolerance), config
+            assert torch.equal(operands["cache_v"], want_caches[1]), config
+            assert operands["cache_v"][:, :, 5].abs().sum() > 0 and not operands["cache_v"][:, :, 4].any()
+            continue
+        assert torch.equal(got[0], want[0]), config  # the residual stream after the projection
+        assert torch.allclose(got[1].float(), want[1].float(), rtol=tolerance), config
 
 
 def test_bad_input_is_refused_by_the_benches_shared_check_naming_its_own_option(tmp_path, monkeypatch, capsys):
@@ -72,3 +94,28 @@ def test_its_operands_have_the_engines_shapes_and_b_rank_major():
     gate_up = _operands("gate_up", arch, 4, 4, generator)
     assert tuple(gate_up["both"].shape) == (4, 2 * 96 + 24) and tuple(gate_up["lora_b"].shape) == (192, 8)
     assert gate_up["lora_b"].stride() == (1, 192) and gate_up["inter"] == 96
+    split = _operands("o_down_splitk", arch, 4, 16, generator, splits=8)
+    assert tuple(split["both"].shape) == (8, 16, 64 + 12) and split["lora_b"].stride() == (1, 64)
+
+
+def test_its_qkv_operands_are_one_decode_position_per_row_with_b_rank_major():
+    from tools.lab.epilogue_bench import CACHE_LENGTH, _operands
+
+    arch = SimpleNamespace(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16)
+    qkv = _operands("qkv", arch, 4, 16, torch.Generator().manual_seed(0))
+    features = (4 + 2 * 2) * 16
+    assert tuple(qkv["both"].shape) == (16, features + 36) and tuple(qkv["lora_b"].shape) == (features, 12)
+    assert qkv["lora_b"].stride() == (1, features)
+    assert tuple(qkv["cache_k"].shape) == (16, 2, CACHE_LENGTH, 16) and tuple(qkv["cos"].shape) == (16, 16)
+    assert qkv["write"].tolist() == [CACHE_LENGTH // 2] and qkv["heads"] == 4
+
+
+def test_the_split_k_operands_have_the_engines_slices_of_the_o_projection():
+    """GEMM_SPLIT_K "auto" on a 132-SM GPU (H100, H200) splits Qwen3-0.6B's o projection (2,048 inputs, 1,072
+    outputs with the shrink's rows) into 8 slices: the partials the bench's `o_down_splitk` reads."""
+    from tools.lab.epilogue_bench import o_splits
+
+    arch = SimpleNamespace(hidden_size=1024, num_attention_heads=16, head_dim=128)
+    assert o_splits(arch, 16, 132) == 8
+    assert o_splits(arch, 16, 0) == 1

@@ -109,3 +109,26 @@ def test_more_distinct_weights_than_calls_is_refused(tmp_path, monkeypatch, caps
     assert exit_info.value.code == 2
     assert "--weights: 28 is not allowed; allowed: 1 to --calls (8)" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_fastest_is_among_the_configurations_that_ran():
+    from tools.lab.gemm_bench import fastest
+
+    timed = [{"block_n": 32, "us": 6.5}, {"block_n": 64, "us": "not_measured", "not_run": "shared memory"},
+             {"block_n": 128, "us": 5.9}]
+    assert fastest(timed) == {"block_n": 128, "us": 5.9}
+    assert fastest([{"block_n": 64, "us": "not_measured", "not_run": "shared memory"}]) == "not_measured"
+
+
+def test_a_configuration_the_gpu_cannot_hold_is_recorded_not_run_and_the_sweep_goes_on(monkeypatch):
+    errors = pytest.importorskip("triton.runtime.errors", reason="needs Triton (its OutOfResources); not installed")
+    from tools.lab import gemm_bench
+
+    def out_of_shared_memory(fn, calls, repeats):
+        raise errors.OutOfResources(294912, 232448, "shared memory")
+
+    monkeypatch.setattr(gemm_bench, "time_in_graph", out_of_shared_memory)
+    record = gemm_bench.time_config(lambda index: None, 56, 20)
+    assert record["us"] == "not_measured" and "294912" in record["not_run"] and "shared memory" in record["not_run"]
+    monkeypatch.setattr(gemm_bench, "time_in_graph", lambda fn, calls, repeats: 6.0e-6)
+    assert gemm_bench.time_config(lambda index: None, 56, 20) == {"us": pytest.approx(6.0)}

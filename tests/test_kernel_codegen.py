@@ -1,9 +1,10 @@
 """The hand-written epilogue kernels compiled for a Hopper GPU (sm_90a) on any machine with Triton: Triton's own
 compiler and the ptxas it ships, no GPU and no driver. It catches what the CPU interpreter cannot: a kernel that
-does not compile for the GPU, that spills registers, or that waits out its loads of LoRA B one after another
-(read from the SASS, disassembled by the nvdisasm Triton ships). Lease 34 (H100) found the o/down kernel at 10.5 us
-a call with B row-major (each rank term's loads a B row apart across a warp); lease 35, with B rank-major, at 5.0
-us: loaded term by term, two terms in flight at a time.
+does not compile for the GPU, that spills registers, or (gate_up's and qkv's) that waits out its loads of LoRA B
+one after another (read from the SASS, disassembled by the nvdisasm Triton ships). Lease 34 (H100) found the o/down
+kernel at 10.5 us a call with B row-major (each rank term's loads a B row apart across a warp); lease 35, with B
+rank-major, at 5.0 us: loaded term by term, two terms in flight at a time; lease 36, B as one tile, 2.5-2.7 us on 8
+warps and 4.9 on 32.
 
 Arguments are specialized as Triton specializes them at a launch: an integer equal to 1 becomes a constant, one
 divisible by 16 and every pointer (allocations are 256-byte aligned) carry `tt.divisibility` 16, except the
@@ -100,10 +101,12 @@ def _issues_its_loads_up_front(result: dict) -> bool:
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_the_norm_epilogue_loads_b_up_front_with_b_rank_major(splits, tmp_path):
+def test_the_norm_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(splits, tmp_path):
     """O_/DOWN_EPILOGUE at Qwen3-0.6B's o projection (1,024 features, rank 16) at the module's warps, B stored
-    rank-major (b_row 1, b_col 1,024) as the engine stores it: B's rank terms are one [rank, H] load, issued
-    before the first FMA; no spills."""
+    rank-major (b_row 1, b_col 1,024) as the engine stores it: it compiles for sm_90a without spills. No check of
+    its load order: lease 36's bench (H100) timed it at 4.9 us a call on 32 warps, where 13 of its 19 loads issue
+    before the first FMA, and at 2.5-2.7 us on 8 warps, where 6 of 31 do (the norm's row sum across 32 warps
+    costs more than the loads' overlap saves), so that count does not predict this kernel's time."""
     from rollout_lib.backends import norm_epilogue
 
     hidden, rank = 1024, 16
@@ -113,7 +116,7 @@ def test_the_norm_epilogue_loads_b_up_front_with_b_rank_major(splits, tmp_path):
             "b_col": hidden}
     constexprs = {"RANK": rank, "SPLITS": splits, "ORACLE_ROUNDING": False, "BLOCK_H": hidden, "RANK_BLOCK": rank}
     result = _compile_for_hopper("norm_epilogue", args, constexprs, norm_epilogue.WARPS, tmp_path)
-    assert _issues_its_loads_up_front(result), result
+    assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-WARPS = 32  # 1,024 features a program: one a thread, so each thread loads its 16 rank terms of B at once
+WARPS = 8  # lease 36 bench (H100): 2.5-2.7 us a call at 4-8 warps, 4.9 at 32, where the norm's row sum crosses 32 warps
 
 _OP = None  # the op, read by the compiled pieces as a global (dynamo does not trace into a functools.cache)
 
@@ -79,7 +79,7 @@ def _kernel():
         xa = (part0 + part1) + part2
         # every rank term of B in one load [RANK, H], so all of them are in flight at once: loaded term by term
         # in a loop, ptxas kept two terms' loads in flight, and the kernel waited out ~8 memory round trips
-        # (lease 35: 5.0 us a call; the SASS load counts in docs/perf-notes.md, "Open candidates", lease 36)
+        # (lease 35: 5.0 us a call; the SASS load counts in docs/perf-notes.md, "Decode step", lease 36)
         b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=has[:, None] & keep[None, :], other=0.0)
         low = tl.sum(xa[:, None] * b, axis=0)
         o = lora_add(base, low, scaling, ORACLE_ROUNDING)

@@ -119,10 +119,12 @@ def _kernel():
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, write: torch.Tensor, heads: int,
-           length: int, scaling: float, eps: float, oracle_rounding: bool = False) -> torch.Tensor:
+           length: int, scaling: float, eps: float, oracle_rounding: bool = False,
+           warps: int | None = None) -> torch.Tensor:
     """The kernel on `both` [B T, (H + 2 KV) D + 9 rank] float32, B [(H + 2 KV) D, 3 rank] float32 (any strides),
     the q/k norms' weights [D], cos and sin [B T, D] bf16, the caches [B, KV, L, D] (written in place at columns
-    `write` [T]; last dimension contiguous): the queries bf16 [B, KV, G T, D], as `_before_attention` returns q."""
+    `write` [T]; last dimension contiguous): the queries bf16 [B, KV, G T, D], as `_before_attention` returns q.
+    `warps`: each program's warps (default WARPS; tools/lab/epilogue_bench.py times others)."""
     import torch
     import triton
 
@@ -145,7 +147,7 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_nor
             lora_b.stride(0), lora_b.stride(1), cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1),
             cache_k.stride(2), float(scaling), float(eps), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
             RANK=low // 3, ORACLE_ROUNDING=oracle_rounding,
-            RANK_BLOCK=triton.next_power_of_2(low // 3), num_warps=WARPS)
+            RANK_BLOCK=triton.next_power_of_2(low // 3), num_warps=warps or WARPS)
     return q.view(batch, kv_heads, heads // kv_heads * length, head_dim)
 
 

@@ -1,19 +1,21 @@
 """The decode step's hand-written epilogue kernels alone, under each launch configuration (issue 43): the o/down
-kernel (`norm_epilogue`: LoRA expand + residual + RMSNorm, one program per row) by its warps, and gate_up's
-(`mlp_epilogue`: both LoRA expands + SiLU product) by its features per program and warps, at the study's actor's
-shapes and the decode step's row counts, B stored rank-major as the engine stores it.
+kernel (`norm_epilogue`: LoRA expand + residual + RMSNorm, one program per row) by its warps, on the GEMM's output
+and on its split-K partials (`o_down_splitk`: GEMM_SPLIT_K "auto"'s slices for the o projection on this GPU),
+gate_up's (`mlp_epilogue`: both LoRA expands + SiLU product) by its features per program and warps, and qkv's
+(`qkv_epilogue`: LoRA expand + q/k norms + rotary + cache writes, one program per row and head) by its warps, at
+the study's actor's shapes and the decode step's row counts, B stored rank-major as the engine stores it.
 
-    python tools/lab/epilogue_bench.py --out outputs/perf/decode-loads/epilogue-bench.json [--rows 4 16] \
+    python tools/lab/epilogue_bench.py --out outputs/perf/decode-warps/epilogue-bench.json [--rows 4 16] \
         [--calls 56] [--layers 28]
 
-Why: lease 35's step traces give each kernel's time at the one configuration the module names (o/down 5.0 us,
-gate_up 7.6 us a call at 16 rows, H100); a configuration is chosen here by measurement, a minute of GPU, not one
-lease at a time. Each configuration's graph is warmed up, captured with `--calls` back-to-back calls cycling
+Why: a step's trace gives each kernel's time at the one configuration the module names; a configuration is chosen
+here by measurement, a minute of GPU, not one lease at a time (lease 36: the o/down kernel 4.9 us a call on its 32
+warps, 2.5-2.7 on 8). Each configuration's graph is warmed up, captured with `--calls` back-to-back calls cycling
 through `--layers` distinct operand sets (a step's layers), replayed `--repeats` times; the median replay over
 `--calls` is the time per call (`gemm_bench.time_in_graph`). Each configuration's output is compared with the
-module's default configuration (`max_abs_diff`: warps change the order of the float32 sums only). The file is
-written once at the end (progress in `<out>.partial.json` after each kernel); one line per (kernel, rows). A GPU
-only; bad input is refused in one line before anything runs."""
+module's default configuration's on the same operands (`max_abs_diff`: warps change the order of the float32 sums
+only). The file is written once at the end (progress in `<out>.partial.json` after each kernel); one line per
+(kernel, rows). A GPU only; bad input is refused in one line before anything runs."""
 
 from __future__ import annotations
 
@@ -36,16 +38,20 @@ from tools.lab.gemm_bench import (  # noqa: E402
     time_in_graph,
 )
 
+KERNELS = ("o_down", "o_down_splitk", "gate_up", "qkv")
 # the launch configurations timed: the o/down kernel's warps (one row of H features a program), gate_up's
-# (features per program, warps) with 16 rows a program
+# (features per program, warps) with 16 rows a program, qkv's warps (one row's head of D features a program)
 NORM_WARPS = (4, 8, 16, 32)
 GATE_UP_CONFIGS = tuple((block_n, warps) for block_n in (32, 64, 128) for warps in (2, 4, 8))
+QKV_WARPS = (1, 2, 4, 8)
+CACHE_LENGTH = 256  # the qkv kernel's k/v caches: columns per row (it writes one, column CACHE_LENGTH // 2)
 
 
-def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any) -> dict[str, Any]:
-    """One layer's operands of `kernel` at `rows` rows: the GEMM's float32 output with the shrink's three parts
-    appended, B rank-major ([features, ranks] with the features contiguous), and the o/down kernel's residual
-    stream and norm weight."""
+def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any, splits: int = 1) -> dict[str, Any]:
+    """One layer's operands of `kernel` at `rows` rows (one position each: a decode step): the GEMM's float32
+    output with the shrink's three parts appended (`o_down_splitk`: `splits` partial sums of it), B rank-major
+    ([features, ranks] with the features contiguous), the o/down kernel's residual stream and norm weight, the qkv
+    kernel's q/k norm weights, rotary cos/sin, k/v caches and the column it writes."""
     import torch
 
     device = generator.device
@@ -54,36 +60,64 @@ def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any) -> d
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, generator=generator)
 
-    if kernel == "o_down":
-        return {"both": randn(rows, hidden + 3 * rank), "lora_b": (randn(rank, hidden) * 0.02).t(),
-                "h": randn(rows, hidden).bfloat16(), "weight": (1 + randn(hidden) * 0.05).bfloat16()}
-    return {"both": randn(rows, 2 * inner + 6 * rank), "lora_b": (randn(2 * rank, 2 * inner) * 0.02).t(),
-            "inter": inner}
+    if kernel in ("o_down", "o_down_splitk"):
+        both = randn(splits, rows, hidden + 3 * rank) if kernel == "o_down_splitk" else randn(rows, hidden + 3 * rank)
+        return {"both": both, "lora_b": (randn(rank, hidden) * 0.02).t(), "h": randn(rows, hidden).bfloat16(),
+                "weight": (1 + randn(hidden) * 0.05).bfloat16()}
+    if kernel == "gate_up":
+        return {"both": randn(rows, 2 * inner + 6 * rank), "lora_b": (randn(2 * rank, 2 * inner) * 0.02).t(),
+                "inter": inner}
+    heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    features = (heads + 2 * kv_heads) * head_dim
+    angle = randn(rows, head_dim // 2)
+    cache = torch.zeros(rows, kv_heads, CACHE_LENGTH, head_dim, dtype=torch.bfloat16, device=device)
+    return {"both": randn(rows, features + 9 * rank), "lora_b": (randn(3 * rank, features) * 0.02).t(),
+            "q_norm": (1 + randn(head_dim) * 0.05).bfloat16(), "k_norm": (1 + randn(head_dim) * 0.05).bfloat16(),
+            "cos": torch.cat([angle.cos()] * 2, dim=-1).bfloat16(),
+            "sin": torch.cat([angle.sin()] * 2, dim=-1).bfloat16(),
+            "cache_k": cache, "cache_v": cache.clone(), "heads": heads,
+            "write": torch.tensor([CACHE_LENGTH // 2], dtype=torch.long, device=device)}
 
 
 def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> torch.Tensor:
-    from rollout_lib.backends import mlp_epilogue, norm_epilogue
+    from rollout_lib.backends import mlp_epilogue, norm_epilogue, qkv_epilogue
 
-    if kernel == "o_down":
+    if kernel in ("o_down", "o_down_splitk"):
         return norm_epilogue.launch(operands["both"], operands["lora_b"], operands["h"], operands["weight"], 2.0,
                                     1e-6, warps=config["warps"])
-    return mlp_epilogue.launch(operands["both"], operands["lora_b"], 2.0, operands["inter"],
-                               block_n=config["block_n"], warps=config["warps"])
+    if kernel == "gate_up":
+        return mlp_epilogue.launch(operands["both"], operands["lora_b"], 2.0, operands["inter"],
+                                   block_n=config["block_n"], warps=config["warps"])
+    return qkv_epilogue.launch(operands["both"], operands["lora_b"], operands["q_norm"], operands["k_norm"],
+                               operands["cos"], operands["sin"], operands["cache_k"], operands["cache_v"],
+                               operands["write"], operands["heads"], 1, 2.0, 1e-6, warps=config["warps"])
 
 
 def configs(kernel: str) -> list[dict[str, int]]:
     """The configurations timed for `kernel`, the module's default among them."""
-    if kernel == "o_down":
+    if kernel in ("o_down", "o_down_splitk"):
         return [{"warps": warps} for warps in NORM_WARPS]
-    return [{"block_n": block_n, "warps": warps} for block_n, warps in GATE_UP_CONFIGS]
+    if kernel == "gate_up":
+        return [{"block_n": block_n, "warps": warps} for block_n, warps in GATE_UP_CONFIGS]
+    return [{"warps": warps} for warps in QKV_WARPS]
 
 
 def default_config(kernel: str) -> dict[str, int]:
-    from rollout_lib.backends import mlp_epilogue, norm_epilogue
+    from rollout_lib.backends import mlp_epilogue, norm_epilogue, qkv_epilogue
 
-    if kernel == "o_down":
+    if kernel in ("o_down", "o_down_splitk"):
         return {"warps": norm_epilogue.WARPS}
-    return {"block_n": mlp_epilogue.BLOCK_N, "warps": mlp_epilogue.WARPS}
+    if kernel == "gate_up":
+        return {"block_n": mlp_epilogue.BLOCK_N, "warps": mlp_epilogue.WARPS}
+    return {"warps": qkv_epilogue.WARPS}
+
+
+def o_splits(arch: Any, rank: int, multiprocessors: int) -> int:
+    """GEMM_SPLIT_K "auto"'s slices of the o projection's GEMM (its partials are what `o_down_splitk` reads)."""
+    from rollout_lib.backends.compact_qwen3 import gemm_splits
+
+    return gemm_splits(arch.hidden_size + 3 * rank, arch.num_attention_heads * arch.head_dim, "auto",
+                       multiprocessors)
 
 
 def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: int = 28,
@@ -98,13 +132,15 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
     arch, rank = Workload(study).arch, study.actor.lora.rank
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(43)
+    splits = o_splits(arch, rank, torch.cuda.get_device_properties(device).multi_processor_count)
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                               "triton": triton.__version__, "calls_per_graph": calls, "repeats": repeats,
-                              "distinct_layers": layers, "rank": rank, "rows": [], "best": []}
-    for kernel in ("o_down", "gate_up"):
+                              "distinct_layers": layers, "rank": rank, "o_down_splitk_splits": splits, "rows": [],
+                              "best": []}
+    for kernel in KERNELS:
         default = default_config(kernel)
         for rows in rows_list:
-            stack = [_operands(kernel, arch, rank, rows, generator) for _ in range(layers)]
+            stack = [_operands(kernel, arch, rank, rows, generator, splits) for _ in range(layers)]
             want = _call(kernel, stack[0], default).float()
             timed = []
             for config in configs(kernel):

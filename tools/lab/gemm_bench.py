@@ -97,6 +97,24 @@ def time_in_graph(fn, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_config(fn, calls: int, repeats: int) -> dict[str, Any]:
+    """`time_in_graph` in microseconds ({"us": ...}), or, for a launch configuration the GPU cannot hold (Triton's
+    OutOfResources at its first launch, before any capture: lease 36's sweep stopped on one needing 294,912 bytes of
+    shared memory on an H100's 232,448), {"us": "not_measured", "not_run": why}."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return {"us": time_in_graph(fn, calls, repeats) * 1e6}
+    except OutOfResources as error:
+        return {"us": "not_measured", "not_run": str(error)}
+
+
+def fastest(timed: list[dict[str, Any]]) -> dict[str, Any] | str:
+    """The fastest of the configurations that ran, or "not_measured" where none did."""
+    ran = [entry for entry in timed if isinstance(entry["us"], float)]
+    return min(ran, key=lambda entry: entry["us"]) if ran else "not_measured"
+
+
 def run(params: Path, rows_list: list[int], calls: int, repeats: int, weights: int = 28, sweep: bool = False,
         out: Path | None = None) -> dict[str, Any]:
     import dataclasses
@@ -137,19 +155,20 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, weights: i
                    "weight_bytes": weight_bytes, "cublas_us": cublas_s * 1e6, "skinny_us": skinny_s * 1e6,
                    "cublas_bytes_per_s": weight_bytes / cublas_s, "skinny_bytes_per_s": weight_bytes / skinny_s,
                    "floor_us": floor_us, "max_abs_diff": diff}
-            timed = []
-            for config in configs:
-                seconds = time_in_graph(lambda i, x=x, w=stack, c=config: skinny_gemm.launch(x, w[i % weights], c),
-                                        calls, repeats)
-                timed.append({**dataclasses.asdict(config), "us": seconds * 1e6})
+            timed = [{**dataclasses.asdict(config),
+                      **time_config(lambda i, x=x, w=stack, c=config: skinny_gemm.launch(x, w[i % weights], c),
+                                    calls, repeats)} for config in configs]
+            best_text = ""
             if sweep:
-                best = min(timed, key=lambda entry: entry["us"])
+                best = fastest(timed)
                 row["sweep_best"] = best
                 report["sweep"].append({"projection": name, "rows": rows, "configs": timed})
+                ran = sum(isinstance(entry["us"], float) for entry in timed)
+                best_text = (f"; sweep best {best['us']:.2f} us (block_n {best['block_n']}, block_k "
+                             f"{best['block_k']}, {best['warps']} warps, {best['stages']} stages, {best['splits']} "
+                             f"slices) of {ran} run, {len(timed) - ran} the GPU cannot hold"
+                             if isinstance(best, dict) else "; no sweep configuration ran on this GPU")
             report["rows"].append(row)
-            best_text = (f"; sweep best {best['us']:.2f} us (block_n {best['block_n']}, block_k {best['block_k']}, "
-                         f"{best['warps']} warps, {best['stages']} stages, {best['splits']} slices) of "
-                         f"{len(timed)}" if sweep else "")
             print(f"{name} x{rows}: cuBLAS {row['cublas_us']:.2f} us ({row['cublas_bytes_per_s'] / 1e12:.2f} TB/s), "
                   f"skinny {row['skinny_us']:.2f} us ({row['skinny_bytes_per_s'] / 1e12:.2f} TB/s, {row['splits']} "
                   f"slices), floor {floor_us if isinstance(floor_us, str) else round(floor_us, 2)}"
