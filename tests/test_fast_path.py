@@ -1061,6 +1061,10 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
      r"GEMM_KERNEL triton_skinny splits K itself; this engine: GEMM_SPLIT_K 4 \(allowed with it: off\)"),
     ({"GEMM_KERNEL": "triton_skinny"}, "bfloat16", r"GEMM_KERNEL triton_skinny needs a CUDA GPU and Triton; this "
                                                    r"engine: cpu"),
+    ({"GEMM_KERNEL": "triton_skinny_o_down"}, "float32",
+     r"GEMM_KERNEL triton_skinny_o_down needs a bfloat16 engine, not "),
+    ({"GEMM_KERNEL": "triton_skinny_o_down", "GEMM_SPLIT_K": "auto"}, "bfloat16",
+     r"GEMM_KERNEL triton_skinny_o_down splits K itself; this engine: GEMM_SPLIT_K auto \(allowed with it: off\)"),
     ({"GATE_UP_EPILOGUE": "triton"}, "bfloat16",
      r"GATE_UP_EPILOGUE triton needs LORA_SHRINK in_base_gemm \(its kernel reads the shrink's rows from the gate_up "
      r"GEMM's output\); this engine: LORA_SHRINK reductions"),

@@ -123,6 +123,25 @@ def test_a_bf16_engine_with_the_skinny_gemm_serves_the_policy_and_its_tokens(smo
     assert_parts_only_after_close_logprobs(default, got)
 
 
+
+def test_the_o_and_down_variant_takes_those_two_projections_only(smoke_study, snapshot_cache):
+    """GEMM_KERNEL "triton_skinny_o_down": the kernel for the o and down projections' decode GEMMs only (their
+    weights with the shrink's rows appended: hidden + 3 rank outputs each), cuBLAS for qkv's and gate_up's (on a
+    CPU: the op's calls by their weights' shapes; on a GPU: its launches); the synced identity is the default
+    engine's and tokens and log-probabilities as the all-projections test above allows."""
+    from rollout_lib.study.workload import Workload
+
+    policy, runs = run_engines(smoke_study, snapshot_cache, ({"LORA_SHRINK": "in_base_gemm"}, {
+        "LORA_SHRINK": "in_base_gemm", "GEMM_KERNEL": "triton_skinny_o_down"}), "rollout::skinny_mm_float32",
+        "skinny_gemm_kernel")
+    (default_identity, default, none), (identity, got, used) = runs
+    assert identity == default_identity == policy.identity
+    assert none == [] and used
+    if DEVICE == "cpu":
+        outputs = {event.input_shapes[1][0] for event in used if len(event.input_shapes) > 1 and event.input_shapes[1]}
+        assert outputs == {Workload(smoke_study).arch.hidden_size + 3 * smoke_study.actor.lora.rank}
+    assert_parts_only_after_close_logprobs(default, got)
+
 def test_a_captured_graph_replays_the_kernel_with_new_rows():
     """In a decode step's CUDA graph: the captured launches (their slices' partial buffers from the graph's pool,
     the counters from the buffer `prepare` zeroed) replay with new operand values to the eager result, bit for

@@ -609,6 +609,10 @@ class Layer:
 #   17 thread blocks); "triton_skinny" (issue 43 candidate; bf16 engines, decode steps, CUDA): `skinny_gemm`'s
 #   Triton kernel, its slices of K chosen to fill the SMs and added inside the kernel in a fixed order (no reduction
 #   kernel after it); a prefill keeps cuBLAS. Not with GEMM_SPLIT_K. The probe's `+skinnygemm`.
+#   "triton_skinny_o_down" (issue 43 candidate): the skinny kernel for the o and down projections only, cuBLAS for
+#   qkv and gate_up: lease 33's bench (`decode-pick/gemm-bench.json`, H200, in CUDA graphs) had the kernel 0.2-0.3
+#   us under cuBLAS on o and ~1.0 us under it on down (cuBLAS's split-K reduction kernel after down included), and
+#   0.7-1.2 us over it on qkv and gate_up. The probe's `+skinnyodown`.
 # - GATE_UP_EPILOGUE "inductor" (the default): between the gate_up GEMM and the down GEMM, inductor's kernels (the
 #   LoRA expand reduction, the SiLU product: 2 kernels, ~3.1 us + 2 gaps a layer at 4 rows, lease 33); "triton"
 #   (issue 43 candidate; with LORA_SHRINK "in_base_gemm", bf16, CUDA): one hand-written kernel from the GEMM's
@@ -669,7 +673,7 @@ COMBO_KERNELS_ALLOWED = ("off", "on")
 ATTENTION_PLAN = "per_call"
 ATTENTION_PLAN_ALLOWED = ("per_call", "per_step")
 GEMM_KERNEL = "cublas"
-GEMM_KERNEL_ALLOWED = ("cublas", "triton_skinny")
+GEMM_KERNEL_ALLOWED = ("cublas", "triton_skinny", "triton_skinny_o_down")
 REDUCTION_LAUNCH = "benchmarked"
 REDUCTION_LAUNCH_ALLOWED = reduction_launch.REDUCTION_LAUNCH_ALLOWED
 GATE_UP_EPILOGUE = "inductor"
@@ -703,7 +707,8 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
 BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf16 base weight as three bf16 parts",
                       **{(name, "triton"): "its kernel rounds to bf16" for name in EPILOGUES},
                       ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
-                      ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands"}
+                      ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands",
+                      ("GEMM_KERNEL", "triton_skinny_o_down"): "its kernel multiplies bf16 operands"}
 
 
 def settings_for_dtype(settings: dict[str, str], dtype: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -888,15 +893,15 @@ class CompactQwen3:
         self.reduction_launch = setting("REDUCTION_LAUNCH")
         if self.reduction_launch != "benchmarked":
             reduction_launch.install(self.reduction_launch)  # refuses a torch without the hook, before compiling
-        if self.gemm_kernel == "triton_skinny":
+        if self.gemm_kernel != "cublas":
             from rollout_lib.backends import skinny_gemm
 
             if self.dtype != torch.bfloat16:
-                raise ValueError(f"GEMM_KERNEL triton_skinny needs a bfloat16 engine, not {self.dtype}")
+                raise ValueError(f"GEMM_KERNEL {self.gemm_kernel} needs a bfloat16 engine, not {self.dtype}")
             if self.gemm_split_k != "off":
-                raise ValueError(f"GEMM_KERNEL triton_skinny splits K itself; this engine: GEMM_SPLIT_K "
+                raise ValueError(f"GEMM_KERNEL {self.gemm_kernel} splits K itself; this engine: GEMM_SPLIT_K "
                                  f"{self.gemm_split_k} (allowed with it: off)")
-            triton_ops.check_triton_runs_here(self.device, "GEMM_KERNEL triton_skinny")
+            triton_ops.check_triton_runs_here(self.device, f"GEMM_KERNEL {self.gemm_kernel}")
             skinny_gemm.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)
@@ -1183,9 +1188,15 @@ class CompactQwen3:
             return 1
         return gemm_splits(weight.shape[0], weight.shape[1], self.gemm_split_k, self.multiprocessors)
 
-    def _gemm(self, length: int) -> str:
-        """GEMM_KERNEL for one projection's GEMM: decode steps only (one position per row); a prefill keeps cuBLAS."""
-        return self.gemm_kernel if length == 1 else "cublas"
+    def _gemm(self, length: int, projection: str) -> str:
+        """The kernel ("cublas", "triton_skinny") of `projection`'s GEMM ("qkv", "o", "gate_up", "down") under
+        GEMM_KERNEL: the skinny kernel for decode steps only (one position per row; a prefill keeps cuBLAS), and
+        under "triton_skinny_o_down" for the o and down projections only."""
+        if length != 1 or self.gemm_kernel == "cublas":
+            return "cublas"
+        if self.gemm_kernel == "triton_skinny_o_down" and projection not in ("o", "down"):
+            return "cublas"
+        return "triton_skinny"
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] in the compute dtype for integer positions [B, T] (as transformers)."""
@@ -1208,14 +1219,14 @@ class CompactQwen3:
             from rollout_lib.backends.qkv_epilogue import queries_and_cache_write
 
             both = _gemm_float32(x.reshape(batch * length, -1), weight, self._splits(weight, length),
-                                 self._gemm(length))
+                                 self._gemm(length, "qkv"))
             return queries_and_cache_write(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write,
                                            self.heads, self.scaling, self.eps,
                                            self.lora_add == "bf16_like_nf4_oracle"), None, None
         qkv = _fused_linear(x, weight, lora_a, lora_b, self.scaling, fused,
                             self.lora_add, expand=self.lora_expand,
                             split_k=self._splits(weight, length), part_out=(q_size, kv_size, kv_size),
-                            gemm=self._gemm(length))
+                            gemm=self._gemm(length, "qkv"))
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = _rms(q.view(batch, length, self.heads, self.head_dim), q_norm, self.eps).transpose(1, 2)
         k = _rms(k.view(batch, length, self.kv_heads, self.head_dim), k_norm, self.eps).transpose(1, 2)
@@ -1252,35 +1263,36 @@ class CompactQwen3:
             from rollout_lib.backends.norm_epilogue import residual_and_norm
 
             both = _gemm_for_epilogue(attn.reshape(batch * length, -1), o[0], self._splits(o[0], length),
-                                      self._gemm(length))
+                                      self._gemm(length, "o"))
             h, x = residual_and_norm(both, o[2], h, post_norm, self.scaling, self.eps, add == "bf16_like_nf4_oracle",
                                      both.dim() == 3)
         else:
             h = h + _fused_linear(attn, *o, self.scaling, fused, add, expand=expand,
-                                  split_k=self._splits(o[0], length), gemm=self._gemm(length))
+                                  split_k=self._splits(o[0], length), gemm=self._gemm(length, "o"))
             x = _rms(h, post_norm, self.eps)
         if self.gate_up_epilogue == "triton" and gate_up[2] is not None:  # GATE_UP_EPILOGUE: one kernel after the GEMM
             from rollout_lib.backends.mlp_epilogue import gate_up_activation
 
             both = _gemm_float32(x.reshape(-1, x.shape[-1]), gate_up[0], self._splits(gate_up[0], length),
-                                 self._gemm(length))
+                                 self._gemm(length, "gate_up"))
             act = gate_up_activation(both, gate_up[2], self.scaling, gate_up[2].shape[0] // 2,
                                      add == "bf16_like_nf4_oracle").reshape(batch, length, -1)
         else:
             gate, up = _fused_linear(x, *gate_up, self.scaling, fused, add, expand=expand,
                                      split_k=self._splits(gate_up[0], length),
                                      part_out=None if gate_up[2] is None else (gate_up[2].shape[0] // 2,) * 2,
-                                     gemm=self._gemm(length)).chunk(2, dim=-1)
+                                     gemm=self._gemm(length, "gate_up")).chunk(2, dim=-1)
             act = torch.nn.functional.silu(gate) * up
         if next_norm is not None and down[2] is not None:  # DOWN_EPILOGUE: one kernel after the GEMM
             from rollout_lib.backends.norm_epilogue import residual_and_norm
 
             both = _gemm_for_epilogue(act.reshape(batch * length, -1), down[0], self._splits(down[0], length),
-                                      self._gemm(length))
+                                      self._gemm(length, "down"))
             return residual_and_norm(both, down[2], h, next_norm, self.scaling, self.eps,
                                      add == "bf16_like_nf4_oracle", both.dim() == 3)
         h = h + _fused_linear(act, *down, self.scaling, fused, add,
-                              expand=expand, split_k=self._splits(down[0], length), gemm=self._gemm(length))
+                              expand=expand, split_k=self._splits(down[0], length),
+                              gemm=self._gemm(length, "down"))
         return h if next_norm is None else (h, _rms(h, next_norm, self.eps))
 
     def _between_layers(self, h: torch.Tensor, attn: torch.Tensor, post_norm: torch.Tensor, o: tuple,

@@ -100,6 +100,7 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # each projection's decode GEMM as one Triton kernel that splits K to fill the SMs and adds the slices
             # itself in a fixed order (lease 32: cuBLAS's one kernel shape, ~6 us a GEMM, 17 blocks for o_proj)
             "skinnygemm": ("GEMM_KERNEL", "triton_skinny"),
+            "skinnyodown": ("GEMM_KERNEL", "triton_skinny_o_down"),
             # persistent reductions (the LoRA expand's) launched with the largest XBLOCK inductor generated, not
             # its first-run benchmark's pick (leases 32-33: that pick moved one source's step by up to 2.8 ms)
             "fewest": ("REDUCTION_LAUNCH", "fewest_programs"),
