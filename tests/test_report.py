@@ -824,3 +824,50 @@ def test_the_report_renders_to_the_same_bytes_twice(smoke_html, smoke_study):
     assert styled(one).to_html() == styled(one.copy()).to_html()
     ids = [re.search(r'<table id="(T_[0-9a-f]+)"', styled(f).to_html()).group(1) for f in (one, other)]
     assert ids[0] != ids[1], "different tables, different ids"
+
+
+def test_the_side_by_sides_are_summed_up_oldest_first_with_the_newest_in_a_sentence(tmp_path):
+    """Issue 43's side by sides in one table ordered by the UTC stamp in their names (not by name), each with its
+    lowest ratio over its cells (plain, vLLM's prefix cache reset, against vLLM's fastest round of either engine)
+    and the goal its file records; the newest run in a sentence; what a file does not hold is not_measured."""
+    import json
+
+    from rollout_lib.report import diagnostics
+
+    perf = tmp_path / "perf"
+    perf.mkdir()
+
+    def run(hf_cached, plain, reset, by_round, verdict, options=None):
+        rows = [{"cell_id": cell, "hf_cached_tokens_per_s": rate, "hf_cached_over_inprocess_no_adapter": rate / p}
+                | ({"hf_cached_over_inprocess_no_adapter_reset_cache": rate / r} if r else {})
+                for cell, rate, p, r in zip(("a", "b"), hf_cached, plain, reset or (None, None), strict=True)]
+        cells = {"no_adapter": {"cells": {cell: {"tokens_per_s": p, "tokens_per_s_by_round": rounds}
+                                          for cell, p, rounds in zip(("a", "b"), plain, by_round, strict=True)}}}
+        return {"kind": "vllm_inprocess_diagnostic", "variants": ["inprocess_no_adapter", "hf_cached"],
+                "hf_cached": {"gpu": "NVIDIA H200"}, "hf_cached_options": options or {}, "rounds": 2, "rows": rows,
+                "inprocess": cells, "verdict": verdict}
+
+    newer = run((2000.0, 6000.0), (1000.0, 4000.0), (1250.0, 4800.0), ([900.0, 1100.0], [3000.0, 5000.0]),
+                {"hf_cached_at_least_1.3x_inprocess_no_adapter": True,
+                 "hf_cached_at_least_1.3x_inprocess_no_adapter_in_every_round": True},
+                {"engine": {"SAMPLER": "chunked", "QKV_EPILOGUE": "triton"}})
+    older = run((1000.0, 3000.0), (1000.0, 4000.0), None, ([1000.0, 1000.0], [4000.0, 4000.0]),
+                {"hf_cached_at_least_1.3x_inprocess_no_adapter": False})
+    (perf / "a-new-20261206T072815Z.json").write_text(json.dumps(newer))
+    (perf / "b-old-20261205T144350Z.json").write_text(json.dumps(older))
+    sentence, table = diagnostics.side_by_side_summary(diagnostics.diagnostic_files(tmp_path))
+    assert list(table["run"]) == ["b-old-20261205T144350Z.json", "a-new-20261206T072815Z.json"]
+    old, new = table.to_dict("records")
+    assert new["lowest hf_cached / vLLM without LoRA"] == "1.50"  # 6000 / 4000 (cell a: 2.00)
+    assert new["lowest, vLLM's prefix cache reset per call"] == "1.25"  # 6000 / 4800
+    assert new["lowest, against vLLM's fastest round"] == "1.20"  # 6000 / 5000 (cell a: 2000 / 1100)
+    assert new["goal"] == ">= 1.3x in every cell: met in every reading"
+    assert new["hf_cached engine"] == "candidate (2 settings)" and old["hf_cached engine"] == "the campaign's"
+    assert old["lowest hf_cached / vLLM without LoRA"] == "0.75" and old["goal"] == ">= 1.3x in every cell: not met"
+    assert old["lowest, vLLM's prefix cache reset per call"] == "not_measured"
+    assert sentence == ("Newest run, `a-new-20261206T072815Z.json` on NVIDIA H200: hf_cached is at least 1.50x vLLM's "
+                        "in-process engine without LoRA in every cell (1.20x against vLLM's fastest round); >= 1.3x "
+                        "in every cell: met in every reading. Runs meeting the goal in every reading: 1 of 2.")
+    (perf / "a-new-20261206T072815Z.json").unlink()
+    (perf / "b-old-20261205T144350Z.json").unlink()
+    assert diagnostics.side_by_side_summary(diagnostics.diagnostic_files(tmp_path)) == ("", None)

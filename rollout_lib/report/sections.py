@@ -118,9 +118,14 @@ def _side_by_side_html(output_dir: Path) -> str:
     ...,hf_cached`), each with its caption and table: speed evidence, so shown here, not with exactness."""
     from rollout_lib.report import diagnostics
 
-    return "".join(f"<p>{_md(diagnostics.caption(path, report))}</p>"
-                   + table_html(diagnostics.diagnostic_table(path, report))
-                   for path, report in diagnostics.diagnostic_files(output_dir) if diagnostics.with_hf_cached(report))
+    found = diagnostics.diagnostic_files(output_dir)
+    sentence, summary = diagnostics.side_by_side_summary(found)
+    if not sentence:
+        return ""
+    return (f"<p>{_md(sentence)}</p>" + table_html(summary)
+            + "".join(f"<p>{_md(diagnostics.caption(path, report))}</p>"
+                      + table_html(diagnostics.diagnostic_table(path, report))
+                      for path, report in found if diagnostics.with_hf_cached(report)))
 
 
 # ---------------------------------------------------------------- exactness
