@@ -36,7 +36,6 @@ def with_hf_cached(report: dict[str, Any]) -> bool:
     return report.get("kind") == "vllm_inprocess_diagnostic" and "hf_cached" in report.get("variants", [])
 
 
-
 _STAMP = re.compile(r"(\d{8}T\d{6}Z)")
 _GOAL = re.compile(r"^hf_cached_at_least_([0-9.]+)x_inprocess_no_adapter$")
 
@@ -82,12 +81,13 @@ def side_by_side_summary(found: list[tuple[Path, dict[str, Any]]]) -> tuple[str,
     runs = sorted(((path, report) for path, report in found if with_hf_cached(report)), key=lambda f: _stamp(f[0]))
     if not runs:
         return "", None
-    rows = []
+    rows, met = [], []  # met: whether each run's file records its goal held in every reading
     for path, report in runs:
         verdict = report.get("verdict", {})
         goals = [m.group(1) for m in map(_GOAL.match, verdict) if m]
         readings = [v for k, v in verdict.items() if k.startswith("hf_cached_at_least_")]
         options = (report.get("hf_cached_options") or {}).get("engine") or {}
+        met.append(bool(goals and readings and all(readings)))
         rows.append({"run": path.name, "GPU": (report.get("hf_cached") or {}).get("gpu") or "not_measured",
                      "hf_cached engine": f"candidate ({len(options)} settings)" if options else "the campaign's",
                      "rounds": str(report.get("rounds", 1)),
@@ -96,19 +96,18 @@ def side_by_side_summary(found: list[tuple[Path, dict[str, Any]]]) -> tuple[str,
                      "lowest, vLLM's prefix cache reset per call": _lowest(
                          [r.get("hf_cached_over_inprocess_no_adapter_reset_cache") for r in report.get("rows", [])]),
                      "lowest, against vLLM's fastest round": _over_fastest_round(report),
-                     "goal": (f">= {goals[0]}x in every cell: " + ("met in every reading" if all(readings)
-                                                                   else "not met") if goals and readings
-                              else "not_measured")})
+                     "goal": (f">= {goals[0]}x in every cell: " + ("met in every reading" if met[-1] else "not met")
+                              if goals and readings else "not_measured")})
     newest = rows[-1]
     lowest = newest["lowest hf_cached / vLLM without LoRA"]
     fastest = newest["lowest, against vLLM's fastest round"]
-    met = sum(row["goal"].endswith("met in every reading") for row in rows)
     sentence = (f"Newest run, `{newest['run']}` on {newest['GPU']}: hf_cached is at least "
                 f"{_num(lowest, 2)}x vLLM's in-process engine without LoRA in every cell"
                 f" ({_num(fastest, 2)}x against vLLM's fastest round); {newest['goal']}. "
-                f"Runs meeting the goal in every reading: {met} of {len(rows)}.")
+                f"Runs meeting the goal in every reading: {sum(met)} of {len(rows)}.")
     table = pd.DataFrame([{k: (_num(v, 2) if isinstance(v, float) else v) for k, v in row.items()} for row in rows])
     return sentence, table
+
 
 def _num(value: Any, digits: int = 4) -> str:
     from rollout_lib.report.summary import text

@@ -39,6 +39,7 @@ from tools.lab.gemm_bench import (  # noqa: E402
 )
 
 KERNELS = ("o_down", "o_down_splitk", "gate_up", "qkv")
+NORM_KERNELS = ("o_down", "o_down_splitk")  # norm_epilogue's kernel on the GEMM's output or its split-K partials
 # the launch configurations timed: the o/down kernel's warps (one row of H features a program), gate_up's
 # (features per program, warps) with 16 rows a program, qkv's warps (one row's head of D features a program)
 NORM_WARPS = (4, 8, 16, 32)
@@ -60,7 +61,7 @@ def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any, spli
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, generator=generator)
 
-    if kernel in ("o_down", "o_down_splitk"):
+    if kernel in NORM_KERNELS:
         both = randn(splits, rows, hidden + 3 * rank) if kernel == "o_down_splitk" else randn(rows, hidden + 3 * rank)
         return {"both": both, "lora_b": (randn(rank, hidden) * 0.02).t(), "h": randn(rows, hidden).bfloat16(),
                 "weight": (1 + randn(hidden) * 0.05).bfloat16()}
@@ -82,7 +83,7 @@ def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any, spli
 def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> torch.Tensor:
     from rollout_lib.backends import mlp_epilogue, norm_epilogue, qkv_epilogue
 
-    if kernel in ("o_down", "o_down_splitk"):
+    if kernel in NORM_KERNELS:
         return norm_epilogue.launch(operands["both"], operands["lora_b"], operands["h"], operands["weight"], 2.0,
                                     1e-6, warps=config["warps"])
     if kernel == "gate_up":
@@ -95,7 +96,7 @@ def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> torc
 
 def configs(kernel: str) -> list[dict[str, int]]:
     """The configurations timed for `kernel`, the module's default among them."""
-    if kernel in ("o_down", "o_down_splitk"):
+    if kernel in NORM_KERNELS:
         return [{"warps": warps} for warps in NORM_WARPS]
     if kernel == "gate_up":
         return [{"block_n": block_n, "warps": warps} for block_n, warps in GATE_UP_CONFIGS]
@@ -105,7 +106,7 @@ def configs(kernel: str) -> list[dict[str, int]]:
 def default_config(kernel: str) -> dict[str, int]:
     from rollout_lib.backends import mlp_epilogue, norm_epilogue, qkv_epilogue
 
-    if kernel in ("o_down", "o_down_splitk"):
+    if kernel in NORM_KERNELS:
         return {"warps": norm_epilogue.WARPS}
     if kernel == "gate_up":
         return {"block_n": mlp_epilogue.BLOCK_N, "warps": mlp_epilogue.WARPS}
