@@ -206,31 +206,35 @@ def test_a_probe_that_did_not_run_is_left_out_only_when_asked(folders, tmp_path,
 
 
 def test_a_candidate_dropped_early_is_judged_again_where_a_later_probe_measured_it_on_the_kept_engine(tmp_path):
-    """Lease 32: the chunked sampler lost against the base in an early probe and gained on top of the engine kept
-    since (combo) in a later one; the later comparison decides, and its line names the first verdict. One
-    measured on top of the kept engine and losing there stays dropped; one never measured there keeps its
-    first verdict."""
+    """Lease 32's shape: the chunked sampler lost against the base in an early probe, and gained in a later one on
+    top of what was kept since (there combo, here a bundle of fa3 + pipelined, kept only after every single
+    setting was judged); the later comparison decides, and its line names the first verdict. One measured on top
+    of the kept engine and losing there stays dropped; one never measured there keeps its first verdict. (Single
+    settings are judged one kept setting at a time, so one kept single's partners are read on top of it at once.)"""
     early = _probe(tmp_path / "early", {
         BASE: ((2.10, 2.40), (40.0, 60.0)),
-        f"{BASE}+combo": ((1.90, 2.20), (40.0, 60.0)),            # kept: +0.20 / +0.20
-        f"{BASE}+chunkedsampler": ((2.15, 2.30), (40.0, 60.0)),   # -0.05 / +0.10: dropped here
-        f"{BASE}+partsexpand": ((2.20, 2.50), (40.0, 60.0)),      # -0.10 / -0.10: dropped here
-        f"{BASE}+edges": ((2.20, 2.50), (40.0, 60.0))})           # dropped, never measured again
+        f"{BASE}+fa3": ((2.20, 2.50), (40.0, 60.0)),                 # loses alone
+        f"{BASE}+pipelined": ((2.12, 2.45), (40.0, 60.0)),           # loses alone
+        f"{BASE}+fa3+pipelined": ((1.90, 2.20), (40.0, 60.0)),       # the bundle: kept, +0.20 / +0.20
+        f"{BASE}+chunkedsampler": ((2.15, 2.30), (40.0, 60.0)),      # -0.05 / +0.10: dropped here
+        f"{BASE}+partsexpand": ((2.20, 2.50), (40.0, 60.0)),         # -0.10 / -0.10: dropped here
+        f"{BASE}+edges": ((2.20, 2.50), (40.0, 60.0))})              # dropped, never measured again
     later = _probe(tmp_path / "later", {
         BASE: ((2.10, 2.40), (40.0, 60.0)),
-        f"{BASE}+combo": ((1.90, 2.20), (40.0, 60.0)),
-        f"{BASE}+combo+chunkedsampler": ((1.80, 2.05), (40.0, 60.0)),  # +0.10 / +0.15 on the kept engine
-        f"{BASE}+combo+partsexpand": ((1.95, 2.10), (40.0, 60.0))})    # -0.05 / +0.10: still dropped
+        f"{BASE}+fa3+pipelined": ((1.90, 2.20), (40.0, 60.0)),
+        f"{BASE}+fa3+pipelined+chunkedsampler": ((1.80, 2.05), (40.0, 60.0)),  # +0.10 / +0.15 on the kept engine
+        f"{BASE}+fa3+pipelined+partsexpand": ((1.95, 2.10), (40.0, 60.0))})    # -0.05 / +0.10: still dropped
     engine, lines = pick([early, later], 0.02)
-    assert engine == {"COMBO_KERNELS": "on", "LORA_SHRINK": "in_base_gemm", "SAMPLER": "chunked"}
+    assert engine == {"ATTENTION_BACKEND": "fa3", "LORA_SHRINK": "in_base_gemm", "READBACK": "pipelined",
+                      "SAMPLER": "chunked"}
     (sampler,) = [line for line in lines if line.startswith("+chunkedsampler ")]
     assert sampler.startswith("+chunkedsampler (SAMPLER chunked): kept, decode step gains (ms: "
-                              "inductor+shrinkgemm+combo+chunkedsampler vs inductor+shrinkgemm+combo: "
+                              "inductor+shrinkgemm+fa3+pipelined+chunkedsampler vs inductor+shrinkgemm+fa3+pipelined: "
                               "p128-r64-n1-greedy +0.100, p128-r64-n4-stochastic +0.150)")
     assert sampler.endswith("(judged again on top of more kept settings; before: dropped, decode step gains not "
                             "above 0.02 ms in every cell)")
     (expand,) = [line for line in lines if line.startswith("+partsexpand ")]
-    assert "dropped" in expand and "inductor+shrinkgemm+combo+partsexpand vs inductor+shrinkgemm+combo" in expand
+    assert "dropped" in expand and "inductor+shrinkgemm+fa3+pipelined+partsexpand vs inductor+shrinkgemm+fa3" in expand
     assert "judged again" in expand
     (edges,) = [line for line in lines if line.startswith("+edges ")]
     assert "dropped" in edges and "judged again" not in edges
@@ -262,3 +266,47 @@ def test_a_variant_whose_greedy_tokens_part_at_once_is_not_picked_for_its_speed(
                       "greedy tokens part at once (p128-r64-n1-greedy: 0 of 4 rows identical to the first variant's, "
                       "the first difference at token 0.2 on average)")
     assert any(line.startswith("+combo (COMBO_KERNELS on): kept") for line in lines)
+
+
+def test_two_bundles_sharing_parts_are_not_both_kept_and_the_extra_part_is_judged_on_top_of_the_kept_one(tmp_path):
+    """Lease 37's shape: the three epilogues plus one more setting (there fa3plan; here the chunked sampler, which
+    needs nothing else), and the three epilogues plus skinnyodown, each gain against the engine before them; kept
+    together the engine would run the two extra settings side by side, which no variant measured. The larger gain
+    is kept; skinnyodown is then judged alone on top of it, where a variant measured it (+0.01: dropped)."""
+    kept_before = f"{BASE}+qkvepilogue"
+    epilogues = f"{kept_before}+mlpepilogue+oepilogue+downepilogue"
+    folder = _probe(tmp_path / "p", {
+        BASE: ((2.10, 2.40), (40.0, 60.0)),
+        kept_before: ((1.90, 2.20), (40.0, 60.0)),                      # kept: +0.20 / +0.20
+        f"{epilogues}+chunkedsampler": ((1.80, 2.00), (40.0, 60.0)),    # +0.10 / +0.20 against qkvepilogue
+        f"{epilogues}+skinnyodown": ((1.82, 2.05), (40.0, 60.0)),       # +0.08 / +0.15 against it
+        f"{epilogues}+chunkedsampler+skinnyodown": ((1.79, 1.99), (40.0, 60.0))})  # +0.01 / +0.01 on top
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"DOWN_EPILOGUE": "triton", "GATE_UP_EPILOGUE": "triton", "LORA_SHRINK": "in_base_gemm",
+                      "O_EPILOGUE": "triton", "QKV_EPILOGUE": "triton", "SAMPLER": "chunked"}
+    assert any(line.startswith("+mlpepilogue+oepilogue+downepilogue+chunkedsampler (") and ": kept," in line
+               for line in lines)
+    (skinny,) = [line for line in lines if line.startswith("+skinnyodown ")]
+    assert skinny.startswith("+skinnyodown (GEMM_KERNEL triton_skinny_o_down): dropped, decode step gains not above")
+    assert f"{epilogues}+chunkedsampler+skinnyodown vs {epilogues}+chunkedsampler" in skinny
+    assert not any(line.startswith("+mlpepilogue+oepilogue+downepilogue+skinnyodown (") for line in lines)
+    assert "+chunkedsampler (SAMPLER chunked): kept in a bundle kept before it, not judged alone" in lines
+
+
+def test_a_comparison_measured_again_in_a_later_probe_is_judged_by_the_later_measurement(tmp_path):
+    """Lease 36 measured the three epilogues at their old launch configurations (one cell slower than the engine
+    under them), lease 37 at the new ones (faster in every cell): the later probe measured the code the engine
+    runs now. The later folder decides, whichever way it goes."""
+    under = f"{BASE}+qkvepilogue"
+    earlier = _probe(tmp_path / "lease36", {BASE: ((2.10, 2.40), (40.0, 60.0)), under: ((1.90, 2.20), (40.0, 60.0)),
+                                            f"{under}+mlpepilogue+oepilogue+downepilogue": ((1.93, 2.10), (40, 60))})
+    later = _probe(tmp_path / "lease37", {BASE: ((2.10, 2.40), (40.0, 60.0)), under: ((1.90, 2.20), (40.0, 60.0)),
+                                          f"{under}+mlpepilogue+oepilogue+downepilogue": ((1.87, 2.07), (40, 60))})
+    engine, lines = pick([earlier, later], 0.02)
+    assert engine["O_EPILOGUE"] == "triton" and engine["GATE_UP_EPILOGUE"] == "triton"
+    (line,) = [line for line in lines if line.startswith("+mlpepilogue+oepilogue+downepilogue (")]
+    assert "kept" in line and "+0.030" in line and "-0.030" not in line
+    engine, lines = pick([later, earlier], 0.02)  # the slower measurement is now the later one
+    assert "O_EPILOGUE" not in engine
+    (line,) = [line for line in lines if line.startswith("+mlpepilogue+oepilogue+downepilogue (")]
+    assert "dropped" in line and "-0.030" in line and "+0.030" not in line
