@@ -132,3 +132,21 @@ def test_a_configuration_the_gpu_cannot_hold_is_recorded_not_run_and_the_sweep_g
     assert record["us"] == "not_measured" and "294912" in record["not_run"] and "shared memory" in record["not_run"]
     monkeypatch.setattr(gemm_bench, "time_in_graph", lambda fn, calls, repeats: 6.0e-6)
     assert gemm_bench.time_config(lambda index: None, 56, 20) == {"us": pytest.approx(6.0)}
+
+
+def test_the_cold_reading_is_the_flush_and_call_graph_less_the_flush_alone(monkeypatch):
+    """`time_cold`: each call of the timed graph flushes first, then calls; the flush's own time is taken off (a
+    call whose loads come from HBM, as between a decode step's layers)."""
+    from tools.lab import gemm_bench
+
+    order = []
+
+    def timed(fn, calls, repeats):
+        order.clear()
+        fn(7)
+        return 40e-6 if order == ["flush", ("call", 7)] else 36e-6 if order == ["flush"] else float("nan")
+
+    monkeypatch.setattr(gemm_bench, "time_in_graph", timed)
+    seconds = gemm_bench.time_cold(lambda index: order.append(("call", index)), lambda: order.append("flush"), 56,
+                                   20)
+    assert seconds == pytest.approx(4e-6)

@@ -136,10 +136,12 @@ def test_the_gate_up_epilogue_loads_b_up_front_with_b_rank_major(tmp_path):
 
 
 def test_the_qkv_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(tmp_path):
-    """QKV_EPILOGUE at Qwen3-0.6B's qkv (16 query heads, 8 kv heads of 128, rank 16 a part), B rank-major: it
-    compiles, spills nothing, issues no more global loads than with B row-major, and issues B's rank terms
-    before its first FMA. Rank-major B makes a warp's 32 loads of a term one 128-byte line instead of 32 lines,
-    which the PTX does not show (lease 35's trace: 7.1 -> 5.4 us a call)."""
+    """QKV_EPILOGUE at Qwen3-0.6B's qkv (16 query heads, 8 kv heads of 128, rank 16 a part), B rank-major, at the
+    module's warps: it compiles, spills nothing, and issues at least half its loads before its first FMA.
+    Rank-major B makes a warp's 32 loads of a term one 128-byte line instead of 32 lines, which the PTX does not
+    show (lease 35's trace: 7.1 -> 5.4 us a call). On 4 warps it also issued fewer load instructions than with B
+    row-major (19 against 24); on the 1 warp lease 37's bench timed fastest (2.15 / 2.39 us against 2.41 / 3.58 on
+    4) it issues more (49 against 28: each one line for the warp), so the count is no longer checked."""
     from rollout_lib.backends import qkv_epilogue
 
     heads, kv_heads, head_dim, rank = 16, 8, 128, 16
@@ -153,8 +155,5 @@ def test_the_qkv_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(t
                   "ORACLE_ROUNDING": False, "RANK_BLOCK": rank}
     rank_major = _compile_for_hopper("qkv_epilogue", {**args, "b_row": 1, "b_col": features}, constexprs,
                                      qkv_epilogue.WARPS, tmp_path)
-    row_major = _compile_for_hopper("qkv_epilogue", {**args, "b_row": 3 * rank, "b_col": 1}, constexprs,
-                                    qkv_epilogue.WARPS, tmp_path)
-    assert sum(rank_major["loads"].values()) <= sum(row_major["loads"].values()), (rank_major, row_major)
     assert _issues_its_loads_up_front(rank_major), rank_major
     assert rank_major["spill_bytes"] == 0

@@ -97,6 +97,25 @@ def time_in_graph(fn, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def l2_flush(device: Any) -> Any:
+    """A call that reads a buffer of twice the GPU's L2 into one float (graph-capturable: its output is allocated
+    once): after it, what a kernel loads comes from HBM, as in a decode step, where ~43 MB of one layer's weights
+    pass between two calls of one epilogue kernel."""
+    import torch
+
+    elements = 2 * torch.cuda.get_device_properties(device).L2_cache_size // 4
+    scratch = torch.ones(elements, dtype=torch.float32, device=device)
+    total = torch.empty((), dtype=torch.float32, device=device)
+    return lambda: torch.sum(scratch, out=total)
+
+
+def time_cold(fn, flush, calls: int, repeats: int) -> float:
+    """Median seconds per call of `fn` with the L2 flushed before each call (`l2_flush`): the graph of flush + call
+    timed less the graph of the flush alone (each `calls` times), so the call's loads come from HBM."""
+    both = time_in_graph(lambda index: (flush(), fn(index)), calls, repeats)
+    return both - time_in_graph(lambda index: flush(), calls, repeats)
+
+
 def time_config(fn, calls: int, repeats: int) -> dict[str, Any]:
     """`time_in_graph` in microseconds ({"us": ...}), or, for a launch configuration the GPU cannot hold (Triton's
     OutOfResources at its first launch, before any capture: lease 36's sweep stopped on one needing 294,912 bytes of
