@@ -32,7 +32,10 @@ def test_every_configuration_computes_what_the_default_computes(kernel, rows):
     generator = torch.Generator().manual_seed(rows)
     hidden, inner, rank, splits = 64, 96, 4, 3
     heads, kv_heads, head_dim = 4, 2, 16
-    if kernel in ("o_down", "o_down_splitk"):
+    if kernel in ("o_down", "o_down_slices", "o_down_splitk"):
+        from rollout_lib.backends import norm_epilogue
+
+        norm_epilogue.prepare(DEVICE)  # the slices kernel's counters
         shape = (splits, rows, hidden + 3 * rank) if kernel == "o_down_splitk" else (rows, hidden + 3 * rank)
         operands = {"both": exact_values(shape, generator, 0.25),
                     "lora_b": exact_values((rank, hidden), generator, 0.125).t(),

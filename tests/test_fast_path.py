@@ -486,6 +486,11 @@ def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_
      {"SAMPLER": "chunked"}, {"ATTENTION_BACKEND": "fa3: bfloat16 engines only (FA3's kernels take bf16 or fp16 "
                                                     "only)",
                               "ATTENTION_PLAN": "per_step: needs ATTENTION_BACKEND fa3, left out in float32"}),
+    ({"O_EPILOGUE": "triton", "LORA_SHRINK": "in_base_gemm", "NORM_EPILOGUE_ROW": "slices", "SAMPLER": "chunked"},
+     "float32", {"SAMPLER": "chunked"},
+     {"LORA_SHRINK": "in_base_gemm: bfloat16 engines only (A is appended to the bf16 base weight as three bf16 parts)",
+      "O_EPILOGUE": "triton: needs LORA_SHRINK in_base_gemm, left out in float32",
+      "NORM_EPILOGUE_ROW": "slices: needs O_EPILOGUE triton, left out in float32"}),
 ])
 def test_an_engine_mapping_for_a_dtype_keeps_what_that_dtype_runs(engine, dtype, kept, left_out):
     from rollout_lib.backends.compact_qwen3 import settings_for_dtype
@@ -1083,6 +1088,9 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
                                              r"reads the shrink's rows from the qkv GEMM's output\)"),
     ({"QKV_EPILOGUE": "triton", "LORA_SHRINK": "in_base_gemm"}, "bfloat16",
      r"QKV_EPILOGUE triton needs a CUDA GPU and Triton; this engine: cpu"),
+    ({"NORM_EPILOGUE_ROW": "slices", "LORA_SHRINK": "in_base_gemm", "DOWN_EPILOGUE": "triton"}, "bfloat16",
+     r"NORM_EPILOGUE_ROW slices needs O_EPILOGUE triton \(it is how that kernel \(and DOWN_EPILOGUE triton's\) is "
+     r"launched\); this engine: O_EPILOGUE inductor"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):

@@ -272,7 +272,13 @@ def test_lora_shrink_in_the_base_gemm_compiles_and_serves_the_policy(study, monk
                                       {"ATTENTION_BACKEND": "fa3", "READBACK": "pipelined", "COMBO_KERNELS": "on",
                                        "SAMPLER": "chunked", "REDUCTION_LAUNCH": "fill_multiprocessors",
                                        "GATE_UP_EPILOGUE": "triton", "O_EPILOGUE": "triton",
-                                       "DOWN_EPILOGUE": "triton", "QKV_EPILOGUE": "triton"}])
+                                       "DOWN_EPILOGUE": "triton", "QKV_EPILOGUE": "triton"},
+                                      # after lease 38: the o/down kernel over slices of each row
+                                      {"ATTENTION_BACKEND": "fa3", "READBACK": "pipelined", "COMBO_KERNELS": "on",
+                                       "SAMPLER": "chunked", "REDUCTION_LAUNCH": "fill_multiprocessors",
+                                       "GATE_UP_EPILOGUE": "triton", "O_EPILOGUE": "triton",
+                                       "DOWN_EPILOGUE": "triton", "QKV_EPILOGUE": "triton",
+                                       "NORM_EPILOGUE_ROW": "slices"}])
 def test_next_decode_candidates_compile_and_keep_the_greedy_tokens(study, monkeypatch, settings):
     """Issue 43's next candidates on the H200, each on top of the shrink in the base GEMM: the LoRA B product
     as a float32 GEMM, SDPA's memory-efficient kernel for decode attention, compiled FlexAttention, vLLM's

@@ -37,7 +37,7 @@ from triton.compiler import ASTSource
 
 spec = json.loads(sys.argv[1])
 module = __import__("rollout_lib.backends." + spec["module"], fromlist=["_kernel"])
-kernel = module._kernel()
+kernel = getattr(module, spec.get("factory", "_kernel"))()
 signature, constants, attrs = {}, dict(spec["constexprs"]), {}
 for index, name in enumerate(kernel.arg_names):
     if name in spec["constexprs"]:
@@ -76,14 +76,16 @@ print(json.dumps({"loads": Counter(re.findall(r"ld\.global(?:\.[a-z]+\d*)*\.v?\d
 """
 
 
-def _compile_for_hopper(module: str, args: dict, constexprs: dict, num_warps: int, tmp_path: Path) -> dict:
+def _compile_for_hopper(module: str, args: dict, constexprs: dict, num_warps: int, tmp_path: Path,
+                        factory: str = "_kernel") -> dict:
     """The kernel of `rollout_lib.backends.<module>` compiled for sm_90a with `args` (name -> "*fp32" / "*bf16" /
     "*i64" for a pointer, an int or a float as a launch passes them) and `constexprs`: the PTX's global loads by
     width, ptxas's registers and spill bytes, and from the SASS (nvdisasm) the global loads and how many of them
     issue before the first float32 FMA. In a fresh process: Triton's interpreter, which the kernel tests
-    switch on, and its compiler do not share one (each decides at import how `@triton.jit` functions are built)."""
+    switch on, and its compiler do not share one (each decides at import how `@triton.jit` functions are built).
+    `factory`: the module's function that defines the kernel."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    spec = {"module": module, "args": args, "constexprs": constexprs, "num_warps": num_warps}
+    spec = {"module": module, "args": args, "constexprs": constexprs, "num_warps": num_warps, "factory": factory}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec), str(tmp_path)], capture_output=True,
                           text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -116,6 +118,26 @@ def test_the_norm_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(
             "b_col": hidden}
     constexprs = {"RANK": rank, "SPLITS": splits, "ORACLE_ROUNDING": False, "BLOCK_H": hidden, "RANK_BLOCK": rank}
     result = _compile_for_hopper("norm_epilogue", args, constexprs, norm_epilogue.WARPS, tmp_path)
+    assert result["global_loads"] > 0, result
+    assert result["spill_bytes"] == 0, result
+
+
+def test_the_norm_epilogue_over_slices_compiles_for_hopper_without_spills(tmp_path):
+    """NORM_EPILOGUE_ROW "slices" at Qwen3-0.6B's o projection (8 slices of 128 features a row) at the module's
+    warps, B rank-major: it compiles for sm_90a, with its atomic count and the last program's whole-row norm,
+    without spills."""
+    from rollout_lib.backends import norm_epilogue
+
+    hidden, rank = 1024, 16
+    args = {"both_ptr": "*fp32", "b_ptr": "*fp32", "h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "sums_ptr": "*fp32", "lock_ptr": "*i32", "hidden": hidden, "split_stride": 4 * (hidden + 3 * rank),
+            "both_row": hidden + 3 * rank, "b_row": 1, "b_col": hidden, "h_row": hidden, "out_rows": 4,
+            "out_row": hidden, "scaling": 2.0, "eps": 1e-6}
+    slices = hidden // norm_epilogue.SLICE_FEATURES
+    constexprs = {"RANK": rank, "SPLITS": 1, "ORACLE_ROUNDING": False, "BLOCK_N": norm_epilogue.SLICE_FEATURES,
+                  "SLICES": slices, "SLICES_BLOCK": slices, "BLOCK_H": hidden, "RANK_BLOCK": rank}
+    result = _compile_for_hopper("norm_epilogue", args, constexprs, norm_epilogue.SLICE_WARPS, tmp_path,
+                                 factory="_slices_kernel")
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
 

@@ -110,6 +110,63 @@ def test_any_shape_goes_through_the_op():
     assert torch.equal(after.reshape(16, 256), direct[0]) and torch.equal(x.reshape(16, 256), direct[1])
 
 
+@pytest.mark.parametrize("oracle_rounding", [False, True])
+@pytest.mark.parametrize(("rows", "hidden", "rank", "slice_features", "splits"), [
+    (4, 1024, 16, 128, 1),   # Qwen3-0.6B's o projection at 4 rows: 8 slices a row
+    (16, 200, 8, 64, 1),     # 4 slices, the last one 8 features wide (a slice count off a power of two)
+    (3, 256, 8, 32, 4),      # split-K partials, 8 slices
+])
+def test_the_slices_kernel_gives_the_one_program_kernels_residual_and_its_norm(rows, hidden, rank, slice_features,
+                                                                                splits, oracle_rounding):
+    """NORM_EPILOGUE_ROW "slices": h' value for value the one-program kernel's (the same operations per feature),
+    the norm within a rounding of it (its sum of squares in another order: slices, then their sums), and every
+    counter zero again after the launch (a graph replays it)."""
+    from rollout_lib.backends import norm_epilogue
+
+    generator = torch.Generator().manual_seed(rows * hidden + splits)
+    both, lora_b, h, weight = _operands(rows, hidden, rank, generator)
+    if splits > 1:
+        both = torch.randn((splits, *both.shape), generator=generator) * both / splits
+    both, lora_b, h, weight = (t.to(DEVICE) for t in (both, lora_b.t().contiguous().t(), h, weight))
+    norm_epilogue.prepare(both.device)
+    got = norm_epilogue.launch(both, lora_b, h, weight, 2.0, EPS, oracle_rounding, slices=True,
+                               slice_features=slice_features)
+    one = norm_epilogue.launch(both, lora_b, h, weight, 2.0, EPS, oracle_rounding)
+    assert got.shape == one.shape and got.dtype == one.dtype
+    assert torch.equal(got[0], one[0])
+    step = 2 * torch.finfo(torch.bfloat16).eps
+    x, want = got[1].float().cpu(), one[1].float().cpu()
+    assert bool(((x - want).abs() <= step * want.abs() + 1e-30).all())
+    assert float((x == want).float().mean()) > 0.9
+    assert not norm_epilogue._LOCKS[norm_epilogue._key(both.device)].any()
+    # again, through the op, on the same counters
+    after, normed = norm_epilogue.residual_and_norm(both, lora_b, h, weight, 2.0, EPS, oracle_rounding,
+                                                    split_partials=splits > 1, slices=True)
+    assert torch.equal(after, one[0])
+    assert bool(((normed.float().cpu() - want).abs() <= step * want.abs() + 1e-30).all())
+
+
+def test_the_slices_kernel_refuses_to_run_before_its_counters_exist_and_leaves_a_prefill_to_the_one_program_one():
+    from rollout_lib.backends import norm_epilogue
+
+    generator = torch.Generator().manual_seed(5)
+    both, lora_b, h, weight = (t.to(DEVICE) for t in _operands(4, 64, 4, generator))
+    key = norm_epilogue._key(both.device)
+    saved = norm_epilogue._LOCKS.pop(key, None)
+    try:
+        with pytest.raises(RuntimeError, match=r"^NORM_EPILOGUE_ROW slices: norm_epilogue.prepare\(.*\) was not "
+                                               r"called before use$"):
+            norm_epilogue.launch(both, lora_b, h, weight, 2.0, EPS, slices=True)
+    finally:
+        if saved is not None:
+            norm_epilogue._LOCKS[key] = saved
+    norm_epilogue.prepare(both.device)
+    rows = norm_epilogue.SLICE_MAX_ROWS + 1  # more rows than counters: the one-program kernel, the same bits
+    both, lora_b, h, weight = (t.to(DEVICE) for t in _operands(rows, 64, 4, generator))
+    assert torch.equal(norm_epilogue.launch(both, lora_b, h, weight, 2.0, EPS, slices=True),
+                       norm_epilogue.launch(both, lora_b, h, weight, 2.0, EPS))
+
+
 def test_operands_that_are_not_one_projection_with_its_shrink_are_refused_by_name():
     from rollout_lib.backends import norm_epilogue
 
@@ -127,7 +184,10 @@ def test_operands_that_are_not_one_projection_with_its_shrink_are_refused_by_nam
                                                      ({"O_EPILOGUE": "triton", "DOWN_EPILOGUE": "triton"}, 2),
                                                      # the GEMMs' split-K partials added by the kernel
                                                      ({"O_EPILOGUE": "triton", "DOWN_EPILOGUE": "triton",
-                                                       "GEMM_SPLIT_K": "4"}, 2)])
+                                                       "GEMM_SPLIT_K": "4"}, 2),
+                                                     # each row over slices, its last program writing the norm
+                                                     ({"O_EPILOGUE": "triton", "DOWN_EPILOGUE": "triton",
+                                                       "NORM_EPILOGUE_ROW": "slices"}, 2)])
 def test_a_bf16_engine_with_the_epilogue_serves_the_policy_and_its_tokens(smoke_study, snapshot_cache, epilogues,
                                                                           per_layer):
     """The kernel inside the engine's compiled pieces (an opaque op after the o GEMM, and after the down GEMM with
@@ -143,7 +203,8 @@ def test_a_bf16_engine_with_the_epilogue_serves_the_policy_and_its_tokens(smoke_
     split = {"GEMM_SPLIT_K": epilogues["GEMM_SPLIT_K"]} if "GEMM_SPLIT_K" in epilogues else {}
     policy, runs = run_engines(smoke_study, snapshot_cache, ({"LORA_SHRINK": "in_base_gemm", **split}, {
         "LORA_SHRINK": "in_base_gemm", **epilogues}), "rollout::residual_norm_epilogue",
-        "residual_norm_epilogue_kernel")
+        "residual_norm_slices_kernel" if epilogues.get("NORM_EPILOGUE_ROW") == "slices"
+        else "residual_norm_epilogue_kernel")
     (default_identity, default, none), (identity, got, used) = runs
     layers = Workload(smoke_study).arch.num_hidden_layers
     assert identity == default_identity == policy.identity

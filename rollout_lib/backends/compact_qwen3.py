@@ -632,6 +632,11 @@ class Layer:
 #   4 rows, lease 33); "triton" (issue 43 candidate; likewise, in the compiled pieces that write the caches): one
 #   hand-written kernel from the GEMM's float32 output to q, k and v written into their caches (`qkv_epilogue`).
 #   The probe's `+qkvepilogue`.
+# - NORM_EPILOGUE_ROW "one_program" (the default): O_/DOWN_EPILOGUE "triton"'s kernel runs one program per row, which
+#   reads all of the projection's B (64 KB at 1,024 features, rank 16) on one SM; "slices" (issue 43 candidate, with
+#   O_EPILOGUE "triton"): one program per slice of SLICE_FEATURES features of a row, the row's last program to
+#   arrive writing its norm (`norm_epilogue`; lease 38's bench: 4.65 us a call with the L2 flushed, 2.52 with B in
+#   it). The probe's `+rowslices`.
 # - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
@@ -681,6 +686,8 @@ O_EPILOGUE = "inductor"
 DOWN_EPILOGUE = "inductor"
 QKV_EPILOGUE = "inductor"
 EPILOGUE_ALLOWED = ("inductor", "triton")
+NORM_EPILOGUE_ROW = "one_program"
+NORM_EPILOGUE_ROW_ALLOWED = ("one_program", "slices")
 # each "<PROJECTION>_EPILOGUE" setting: (the projection whose GEMM output its kernel reads, the kernel's module)
 EPILOGUES = {"GATE_UP_EPILOGUE": ("gate_up", "mlp_epilogue"), "O_EPILOGUE": ("o", "norm_epilogue"),
              "DOWN_EPILOGUE": ("down", "norm_epilogue"), "QKV_EPILOGUE": ("qkv", "qkv_epilogue")}
@@ -698,6 +705,8 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                                                   "its kernel returns the log-sum-exp the two halves merge by"),
                     ("ATTENTION_PLAN", "per_step"): ("ATTENTION_BACKEND", "fa3", "the plan is FA3's scheduler "
                                                      "metadata"),
+                    ("NORM_EPILOGUE_ROW", "slices"): ("O_EPILOGUE", "triton", "it is how that kernel (and "
+                                                      "DOWN_EPILOGUE triton's) is launched"),
                     **{(name, "triton"): ("LORA_SHRINK", "in_base_gemm", f"its kernel reads the shrink's rows from "
                                                                          f"the {projection} GEMM's output")
                        for name, (projection, _) in EPILOGUES.items()}}
@@ -737,7 +746,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "STEP_EDGES": STEP_EDGES_ALLOWED, "GEMM_SPLIT_K": GEMM_SPLIT_K_ALLOWED,
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
-                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, **dict.fromkeys(EPILOGUES, EPILOGUE_ALLOWED)}
+                   "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, **dict.fromkeys(EPILOGUES, EPILOGUE_ALLOWED),
+                   "NORM_EPILOGUE_ROW": NORM_EPILOGUE_ROW_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -886,6 +896,7 @@ class CompactQwen3:
         self.o_epilogue = setting("O_EPILOGUE")
         self.down_epilogue = setting("DOWN_EPILOGUE")
         self.qkv_epilogue = setting("QKV_EPILOGUE")
+        self.norm_slices = setting("NORM_EPILOGUE_ROW") == "slices"
         # B stored rank-major for a projection whose epilogue kernel reads it: each rank term's B loads are then
         # contiguous across the features a warp computes (lease 34: row-major B made the o/down kernel 10.5 us)
         self.rank_major_b = frozenset(projection for name, (projection, _) in EPILOGUES.items()
@@ -914,6 +925,10 @@ class CompactQwen3:
                 triton_ops.check_triton_runs_here(self.device, f"{name} triton")
                 # the op registered now, outside any compiled trace
                 importlib.import_module(f"rollout_lib.backends.{module}").prepare()
+        if self.norm_slices:
+            from rollout_lib.backends import norm_epilogue
+
+            norm_epilogue.prepare(self.device)  # its counters zeroed now, before any graph capture
         rotary = model.model.rotary_emb  # the model's own frequencies and scaling, as its forward uses them
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
@@ -1265,7 +1280,7 @@ class CompactQwen3:
             both = _gemm_for_epilogue(attn.reshape(batch * length, -1), o[0], self._splits(o[0], length),
                                       self._gemm(length, "o"))
             h, x = residual_and_norm(both, o[2], h, post_norm, self.scaling, self.eps, add == "bf16_like_nf4_oracle",
-                                     both.dim() == 3)
+                                     both.dim() == 3, self.norm_slices)
         else:
             h = h + _fused_linear(attn, *o, self.scaling, fused, add, expand=expand,
                                   split_k=self._splits(o[0], length), gemm=self._gemm(length, "o"))
@@ -1289,7 +1304,7 @@ class CompactQwen3:
             both = _gemm_for_epilogue(act.reshape(batch * length, -1), down[0], self._splits(down[0], length),
                                       self._gemm(length, "down"))
             return residual_and_norm(both, down[2], h, next_norm, self.scaling, self.eps,
-                                     add == "bf16_like_nf4_oracle", both.dim() == 3)
+                                     add == "bf16_like_nf4_oracle", both.dim() == 3, self.norm_slices)
         h = h + _fused_linear(act, *down, self.scaling, fused, add,
                               expand=expand, split_k=self._splits(down[0], length),
                               gemm=self._gemm(length, "down"))

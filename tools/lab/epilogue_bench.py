@@ -1,6 +1,7 @@
 """The decode step's hand-written epilogue kernels alone, under each launch configuration (issue 43): the o/down
-kernel (`norm_epilogue`: LoRA expand + residual + RMSNorm, one program per row) by its warps, on the GEMM's output
-and on its split-K partials (`o_down_splitk`: GEMM_SPLIT_K "auto"'s slices for the o projection on this GPU),
+kernel (`norm_epilogue`: LoRA expand + residual + RMSNorm, one program per row) by its warps, on the GEMM's output,
+over slices of each row (`o_down_slices`: NORM_EPILOGUE_ROW "slices", by features a program and warps) and on its
+split-K partials (`o_down_splitk`: GEMM_SPLIT_K "auto"'s slices for the o projection on this GPU),
 gate_up's (`mlp_epilogue`: both LoRA expands + SiLU product) by its features per program and warps, and qkv's
 (`qkv_epilogue`: LoRA expand + q/k norms + rotary + cache writes, one program per row and head) by its warps, at
 the study's actor's shapes and the decode step's row counts, B stored rank-major as the engine stores it.
@@ -43,11 +44,14 @@ from tools.lab.gemm_bench import (  # noqa: E402
     time_in_graph,
 )
 
-KERNELS = ("o_down", "o_down_splitk", "gate_up", "qkv")
-NORM_KERNELS = ("o_down", "o_down_splitk")  # norm_epilogue's kernel on the GEMM's output or its split-K partials
+KERNELS = ("o_down", "o_down_slices", "o_down_splitk", "gate_up", "qkv")
+# norm_epilogue's kernels: one program a row on the GEMM's output, one a slice of a row (NORM_EPILOGUE_ROW
+# "slices"), one a row on the GEMM's split-K partials
+NORM_KERNELS = ("o_down", "o_down_slices", "o_down_splitk")
 # the launch configurations timed: the o/down kernel's warps (one row of H features a program), gate_up's
 # (features per program, warps) with 16 rows a program, qkv's warps (one row's head of D features a program)
 NORM_WARPS = (4, 8, 16, 32)
+SLICE_CONFIGS = tuple((features, warps) for features in (64, 128, 256) for warps in (2, 4, 8))
 GATE_UP_CONFIGS = tuple((block_n, warps) for block_n in (32, 64, 128) for warps in (2, 4, 8))
 QKV_WARPS = (1, 2, 4, 8)
 CACHE_LENGTH = 256  # the qkv kernel's k/v caches: columns per row (it writes one, column CACHE_LENGTH // 2)
@@ -90,7 +94,8 @@ def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> torc
 
     if kernel in NORM_KERNELS:
         return norm_epilogue.launch(operands["both"], operands["lora_b"], operands["h"], operands["weight"], 2.0,
-                                    1e-6, warps=config["warps"])
+                                    1e-6, warps=config["warps"], slices=kernel == "o_down_slices",
+                                    slice_features=config.get("slice_features"))
     if kernel == "gate_up":
         return mlp_epilogue.launch(operands["both"], operands["lora_b"], 2.0, operands["inter"],
                                    block_n=config["block_n"], warps=config["warps"])
@@ -101,6 +106,8 @@ def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> torc
 
 def configs(kernel: str) -> list[dict[str, int]]:
     """The configurations timed for `kernel`, the module's default among them."""
+    if kernel == "o_down_slices":
+        return [{"slice_features": features, "warps": warps} for features, warps in SLICE_CONFIGS]
     if kernel in NORM_KERNELS:
         return [{"warps": warps} for warps in NORM_WARPS]
     if kernel == "gate_up":
@@ -111,6 +118,8 @@ def configs(kernel: str) -> list[dict[str, int]]:
 def default_config(kernel: str) -> dict[str, int]:
     from rollout_lib.backends import mlp_epilogue, norm_epilogue, qkv_epilogue
 
+    if kernel == "o_down_slices":
+        return {"slice_features": norm_epilogue.SLICE_FEATURES, "warps": norm_epilogue.SLICE_WARPS}
     if kernel in NORM_KERNELS:
         return {"warps": norm_epilogue.WARPS}
     if kernel == "gate_up":
@@ -131,6 +140,7 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
     import torch
     import triton
 
+    from rollout_lib.backends import norm_epilogue
     from rollout_lib.study.prereg import load
     from rollout_lib.study.workload import Workload
 
@@ -139,6 +149,7 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(43)
     flush = l2_flush(device)
+    norm_epilogue.prepare(device)  # the "slices" kernel's counters
     splits = o_splits(arch, rank, torch.cuda.get_device_properties(device).multi_processor_count)
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                               "triton": triton.__version__, "calls_per_graph": calls, "repeats": repeats,

@@ -116,6 +116,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # the down GEMM's float32 output to the residual stream and the next layer's input norm as that kernel
             # (lease 33: the down expand + residual and the next norm, two kernels and their gaps, ~3.7 us a layer)
             "downepilogue": ("DOWN_EPILOGUE", "triton"),
+            # the o/down kernel over slices of each row, one program a slice, the row's last one writing its norm
+            # (lease 38's bench: 4.65 us a call with the L2 flushed, each row's one program reading all of B)
+            "rowslices": ("NORM_EPILOGUE_ROW", "slices"),
             # the qkv GEMM's float32 output to q and the k/v cache writes as one Triton kernel (lease 33: the qkv
             # expand, the q/k norms with rotary and the cache writes, four kernels and their gaps, ~9 us a layer)
             "qkvepilogue": ("QKV_EPILOGUE", "triton"),
