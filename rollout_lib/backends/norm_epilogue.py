@@ -57,28 +57,25 @@ _OP = None  # the op, read by the compiled pieces as a global (dynamo does not t
 _LOCKS: dict[str, Any] = {}  # "slices": one int32 counter per row, per device, zero between launches
 
 
-lora_add = None  # the LoRA add's two roundings, a Triton function (triton_jit.lora_add), set by _kernel()
+lora_add = None  # the LoRA add's two roundings, a Triton function (triton_jit.lora_add), set by _residual()
+residual_after = None  # h' for some features of a row, a Triton function both kernels call, set by _residual()
 
 
 @functools.cache
-def _kernel():
-    """The Triton kernel, defined once per process."""
+def _residual():
+    """The Triton function both kernels share (h' for the features `n` of row `m`), defined once per process."""
     import triton
     import triton.language as tl
 
     from rollout_lib.backends import triton_jit
 
-    global lora_add  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    global lora_add, residual_after  # globals: Triton's interpreter reads a kernel's globals, not its closure
     lora_add = triton_jit.lora_add
 
     @triton.jit
-    def residual_norm_epilogue_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, hidden, split_stride, both_row, b_row,
-                                      b_col, h_row, out_rows, out_row, scaling, eps, RANK: tl.constexpr,
-                                      SPLITS: tl.constexpr, ORACLE_ROUNDING: tl.constexpr, BLOCK_H: tl.constexpr,
-                                      RANK_BLOCK: tl.constexpr):
-        m = tl.program_id(0)
-        n = tl.arange(0, BLOCK_H)
-        keep = n < hidden
+    def after_projection(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col, h_row,
+                         scaling, RANK: tl.constexpr, SPLITS: tl.constexpr, ORACLE_ROUNDING: tl.constexpr,
+                         RANK_BLOCK: tl.constexpr):
         row = both_ptr + m * both_row
         total = tl.load(row + n, mask=keep, other=0.0)
         for s in tl.static_range(1, SPLITS):  # the split-K partials, in order
@@ -102,7 +99,29 @@ def _kernel():
         low = tl.sum(xa[:, None] * b, axis=0)
         o = lora_add(base, low, scaling, ORACLE_ROUNDING)
         h = tl.load(h_ptr + m * h_row + n, mask=keep, other=0.0)
-        after = (h.to(tl.float32) + o.to(tl.float32)).to(tl.bfloat16)
+        return (h.to(tl.float32) + o.to(tl.float32)).to(tl.bfloat16)
+
+    residual_after = after_projection
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, defined once per process."""
+    import triton
+    import triton.language as tl
+
+    _residual()
+
+    @triton.jit
+    def residual_norm_epilogue_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, hidden, split_stride, both_row, b_row,
+                                      b_col, h_row, out_rows, out_row, scaling, eps, RANK: tl.constexpr,
+                                      SPLITS: tl.constexpr, ORACLE_ROUNDING: tl.constexpr, BLOCK_H: tl.constexpr,
+                                      RANK_BLOCK: tl.constexpr):
+        m = tl.program_id(0)
+        n = tl.arange(0, BLOCK_H)
+        keep = n < hidden
+        after = residual_after(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col,
+                               h_row, scaling, RANK, SPLITS, ORACLE_ROUNDING, RANK_BLOCK)
         tl.store(out_ptr + m * out_row + n, after, mask=keep)
         stream = after.to(tl.float32)
         scale = tl.rsqrt(tl.sum(stream * stream, axis=0) / hidden + eps)
@@ -120,10 +139,7 @@ def _slices_kernel():
     import triton
     import triton.language as tl
 
-    from rollout_lib.backends import triton_jit
-
-    global lora_add
-    lora_add = triton_jit.lora_add
+    _residual()
 
     @triton.jit(do_not_specialize=["out_rows"])
     def residual_norm_slices_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, sums_ptr, lock_ptr, hidden, split_stride,
@@ -135,27 +151,8 @@ def _slices_kernel():
         piece = tl.program_id(1)
         n = piece * BLOCK_N + tl.arange(0, BLOCK_N)
         keep = n < hidden
-        row = both_ptr + m * both_row
-        total = tl.load(row + n, mask=keep, other=0.0)
-        for s in tl.static_range(1, SPLITS):  # the split-K partials, in order
-            total += tl.load(row + s * split_stride + n, mask=keep, other=0.0)
-        base = total.to(tl.bfloat16)
-        shrink = row + hidden
-        r = tl.arange(0, RANK_BLOCK)
-        has = r < RANK
-        part0 = tl.load(shrink + r, mask=has, other=0.0)
-        part1 = tl.load(shrink + RANK + r, mask=has, other=0.0)
-        part2 = tl.load(shrink + 2 * RANK + r, mask=has, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            part0 += tl.load(shrink + s * split_stride + r, mask=has, other=0.0)
-            part1 += tl.load(shrink + s * split_stride + RANK + r, mask=has, other=0.0)
-            part2 += tl.load(shrink + s * split_stride + 2 * RANK + r, mask=has, other=0.0)
-        xa = (part0 + part1) + part2
-        b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=has[:, None] & keep[None, :], other=0.0)
-        low = tl.sum(xa[:, None] * b, axis=0)
-        o = lora_add(base, low, scaling, ORACLE_ROUNDING)
-        h = tl.load(h_ptr + m * h_row + n, mask=keep, other=0.0)
-        after = (h.to(tl.float32) + o.to(tl.float32)).to(tl.bfloat16)
+        after = residual_after(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col,
+                               h_row, scaling, RANK, SPLITS, ORACLE_ROUNDING, RANK_BLOCK)
         tl.store(out_ptr + m * out_row + n, after, mask=keep)
         stream = after.to(tl.float32)
         tl.store(sums_ptr + m * SLICES + piece, tl.sum(stream * stream, axis=0))
