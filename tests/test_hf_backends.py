@@ -214,9 +214,11 @@ def test_phase_statuses(smoke_study, bf16):
 def test_the_oracles_scoring_noise_rungs_on_tiny(smoke_study, snapshot_cache):
     """Issue 42's ladder, the oracle against itself: the same rows scored teacher-forced twice one by one
     (run to run: deterministic on CPU, exactly 0) and all together in one padded batch (batch
-    composition), on every scored position. The smoke actor computes in bf16; on CPU a row's scores
-    barely depend on the rows beside it (on the GPU the GEMM tiling changes with the batch: what the
-    rung measures there)."""
+    composition), on every scored position. The smoke actor computes in bf16; on a CPU whose ATen runs
+    its AVX512 kernels a row's scores barely depend on the rows beside it (< 1e-4), on one running its
+    AVX2 kernels (session 39's AMD EPYC) the bf16 GEMMs' blocking follows the batch: 0.014, a few bf16
+    steps of a logit (on the GPU the GEMM tiling changes with the batch: what the rung measures there)."""
+
     settings = ConformanceSettings(prompt_tokens=(16,), response_tokens=(8, 24))
     report = oracle_self_consistency(smoke_study, settings, device="cpu", cache_dir=snapshot_cache)
     noise = report["scoring_noise"]
@@ -224,7 +226,8 @@ def test_the_oracles_scoring_noise_rungs_on_tiny(smoke_study, snapshot_cache):
     generated = sum(row["generated_tokens"] for rows in report["cells"].values() for row in rows)
     assert sum(c["batch_composition"]["positions"] for c in noise["cells"].values()) == generated > 0
     assert noise["run_to_run_max_abs_diff"] == 0.0
-    assert 0.0 <= noise["batch_composition_max_abs_diff"] < 1e-4
+    bound = 0.05 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1e-4
+    assert 0.0 <= noise["batch_composition_max_abs_diff"] < bound
 
 
 def test_conformance_two_part_check_on_tiny(smoke_study, snapshot_cache):
