@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollout_lib.backends.triton_ops import device_key
 from tests.triton_here import (  # noqa: F401 (an autouse fixture)
     DEVICE,
     MARKS,
@@ -138,7 +139,7 @@ def test_the_slices_kernel_gives_the_one_program_kernels_residual_and_its_norm(r
     x, want = got[1].float().cpu(), one[1].float().cpu()
     assert bool(((x - want).abs() <= step * want.abs() + 1e-30).all())
     assert float((x == want).float().mean()) > 0.9
-    assert not norm_epilogue._LOCKS[norm_epilogue._key(both.device)].any()
+    assert not norm_epilogue._LOCKS[device_key(both.device)].any()
     # again, through the op, on the same counters
     after, normed = norm_epilogue.residual_and_norm(both, lora_b, h, weight, 2.0, EPS, oracle_rounding,
                                                     split_partials=splits > 1, slices=True)
@@ -151,7 +152,7 @@ def test_the_slices_kernel_refuses_to_run_before_its_counters_exist_and_leaves_a
 
     generator = torch.Generator().manual_seed(5)
     both, lora_b, h, weight = (t.to(DEVICE) for t in _operands(4, 64, 4, generator))
-    key = norm_epilogue._key(both.device)
+    key = device_key(both.device)
     saved = norm_epilogue._LOCKS.pop(key, None)
     try:
         with pytest.raises(RuntimeError, match=r"^NORM_EPILOGUE_ROW slices: norm_epilogue.prepare\(.*\) was not "

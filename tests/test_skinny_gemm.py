@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollout_lib.backends.triton_ops import device_key
 from tests.triton_here import (  # noqa: F401 (an autouse fixture)
     DEVICE,
     MARKS,
@@ -51,7 +52,7 @@ def test_the_kernel_sums_every_slice_once_in_order(rows, features, inner, splits
     got = skinny_gemm.skinny_mm_float32(x, weight)
     assert got.dtype == torch.float32 and got.shape == (rows, features)
     assert torch.equal(got.double(), _reference(x, weight))
-    assert int(skinny_gemm._LOCKS[skinny_gemm._key(DEVICE)].abs().sum()) == 0, "every counter back at zero"
+    assert int(skinny_gemm._LOCKS[device_key(DEVICE)].abs().sum()) == 0, "every counter back at zero"
     assert torch.equal(skinny_gemm.skinny_mm_float32(x, weight), got), "a second launch: the same sums"
 
 
@@ -68,7 +69,7 @@ def test_every_launch_configuration_the_bench_sweeps_sums_exactly(config):
     x, weight = _exact((5, 320), generator, 0.125), _exact((200, 320), generator, 0.25)
     got = skinny_gemm.launch(x, weight, skinny_gemm.Launch(**config))
     assert torch.equal(got.double(), _reference(x, weight))
-    assert int(skinny_gemm._LOCKS[skinny_gemm._key(DEVICE)].abs().sum()) == 0
+    assert int(skinny_gemm._LOCKS[device_key(DEVICE)].abs().sum()) == 0
 
 
 def test_on_any_values_the_kernel_is_within_float32_rounding_and_repeats_itself():
@@ -163,4 +164,4 @@ def test_a_captured_graph_replays_the_kernel_with_new_rows():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, skinny_gemm.skinny_mm_float32(x, weight)), seed
-        assert int(skinny_gemm._LOCKS[skinny_gemm._key(DEVICE)].abs().sum()) == 0
+        assert int(skinny_gemm._LOCKS[device_key(DEVICE)].abs().sum()) == 0

@@ -44,6 +44,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from rollout_lib.backends.triton_ops import device_key
+
 if TYPE_CHECKING:
     import torch
 
@@ -177,16 +179,6 @@ def _slices_kernel():
     return residual_norm_slices_kernel
 
 
-def _key(device) -> str:
-    """A device as its tensors name it ("cuda:0", not "cuda"): the key of its counters."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
-
-
 def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scaling: float,
            eps: float, oracle_rounding: bool = False, warps: int | None = None, slices: bool = False,
            slice_features: int | None = None) -> torch.Tensor:
@@ -207,7 +199,7 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: to
                          f"projection of {hidden} features with its shrink's rows")
     out = torch.empty((2, rows, hidden), dtype=torch.bfloat16, device=both.device)
     if slices and 0 < rows <= SLICE_MAX_ROWS:
-        key = _key(both.device)
+        key = device_key(both.device)
         if key not in _LOCKS:
             raise RuntimeError(f"NORM_EPILOGUE_ROW slices: norm_epilogue.prepare({both.device}) was not called "
                                "before use")
@@ -257,7 +249,7 @@ def prepare(device: Any = None) -> None:
     if device is not None:
         import torch
 
-        key = _key(device)
+        key = device_key(device)
         if key not in _LOCKS:
             _LOCKS[key] = torch.zeros(SLICE_MAX_ROWS, dtype=torch.int32, device=device)
         _slices_kernel()

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_lib.backends.triton_ops import device_key
+
 MAX_ROWS = 16  # the rows one program holds (the MMA's width); more rows: cuBLAS
 BLOCK_N = 64   # output features per program
 BLOCK_K = 128  # inner elements per loop iteration
@@ -86,23 +88,13 @@ def prepare(device) -> None:
     buffer first allocated inside a capture would be zeroed only when the graph first replays."""
     import torch
 
-    key = _key(device)
+    key = device_key(device)
     if key not in _LOCKS:
         _LOCKS[key] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
         _SMS[key] = (torch.cuda.get_device_properties(device).multi_processor_count
                      if torch.device(device).type == "cuda" else 132)
     _op()
     _kernel()  # defined now, outside any compiled trace or capture
-
-
-def _key(device) -> str:
-    """A device as its tensors name it ("cuda:0", not "cuda"): the key of its counters."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
 
 
 def _kernel():
@@ -165,7 +157,7 @@ def launch(x, weight, config: Launch = DEFAULT):
 
     rows, inner = x.shape
     features = weight.shape[0]
-    key = _key(x.device)
+    key = device_key(x.device)
     if key not in _LOCKS:
         raise RuntimeError(f"GEMM_KERNEL triton_skinny: skinny_gemm.prepare({x.device}) was not called before use")
     splits = config.splits or splits_for(features, inner, _SMS[key], config.block_n, config.block_k)
@@ -211,7 +203,7 @@ def skinny_mm_float32(x, weight):
 
     if x.shape[0] > MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return mm_float32(x, weight.t())
-    if _key(x.device) not in _LOCKS:
+    if device_key(x.device) not in _LOCKS:
         raise RuntimeError(f"GEMM_KERNEL triton_skinny: skinny_gemm.prepare({x.device}) was not called before use")
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -8,6 +8,17 @@ from collections.abc import Callable
 from typing import Any
 
 
+def device_key(device) -> str:
+    """A device as its tensors name it ("cuda:0", not "cuda"): the key of a kernel's per-device counters
+    (`skinny_gemm`, `norm_epilogue`'s "slices")."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
 def check_triton_runs_here(device, setting: str) -> None:
     """A setting whose kernel is hand-written Triton (`setting`: its name and value, e.g. "GEMM_KERNEL
     triton_skinny", "LORA_EXPAND triton") runs on a CUDA GPU with Triton installed (or, for tests, on a CPU in
