@@ -690,6 +690,29 @@ def test_an_unknown_engine_setting_is_refused_with_the_allowed_values(smoke_stud
     backend.teardown()
 
 
+def test_every_engine_setting_is_an_engine_attribute_the_environment_names_when_not_the_default(
+        smoke_study, snapshot_cache):
+    """Lease 39 ran NORM_EPILOGUE_ROW slices with no key for it in the environment (its GPU test read the key and
+    failed): each setting an `engine` option takes has an attribute on the engine and a default in hf_cached's
+    table, that default is the module's, and a default engine's environment names none of them."""
+    from rollout_lib.backends import compact_qwen3
+    from rollout_lib.backends.hf_cached import ENGINE_ENVIRONMENT_DEFAULTS
+
+    keys = {name: {"SAMPLER": "sampler_reduction"}.get(name, name.lower()) for name in compact_qwen3.ENGINE_SETTINGS}
+    assert set(keys.values()) == set(ENGINE_ENVIRONMENT_DEFAULTS)
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="bfloat16", decode="graphs",
+                             cache_dir=snapshot_cache)
+    backend.cold_start()
+    try:
+        env = backend.environment()
+        for name, key in keys.items():
+            assert getattr(compact_qwen3, name) == ENGINE_ENVIRONMENT_DEFAULTS[key], name
+            assert getattr(backend.engine, key) == ENGINE_ENVIRONMENT_DEFAULTS[key], key
+            assert key not in env, key
+    finally:
+        backend.teardown()
+
+
 def test_an_engine_with_lora_shrink_in_the_base_gemm_serves_the_policy_exactly(smoke_study, snapshot_cache,
                                                                                 monkeypatch, outputs):
     from rollout_lib.backends import compact_qwen3

@@ -896,7 +896,8 @@ class CompactQwen3:
         self.o_epilogue = setting("O_EPILOGUE")
         self.down_epilogue = setting("DOWN_EPILOGUE")
         self.qkv_epilogue = setting("QKV_EPILOGUE")
-        self.norm_slices = setting("NORM_EPILOGUE_ROW") == "slices"
+        self.norm_epilogue_row = setting("NORM_EPILOGUE_ROW")
+        self.norm_slices = self.norm_epilogue_row == "slices"
         # B stored rank-major for a projection whose epilogue kernel reads it: each rank term's B loads are then
         # contiguous across the features a warp computes (lease 34: row-major B made the o/down kernel 10.5 us)
         self.rank_major_b = frozenset(projection for name, (projection, _) in EPILOGUES.items()

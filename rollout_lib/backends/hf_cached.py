@@ -36,6 +36,15 @@ from rollout_lib.models.policy import (
 
 DECODE_PATHS = ("graphs", "eager")
 STEP_COMPILE = ("auto", "inductor", "off")  # auto: inductor on CUDA, off on a CPU (no capture there)
+# each engine setting (compact_qwen3.ENGINE_SETTINGS) as the engine's attribute and its default: the environment
+# names a setting only where it differs from the default, so a default engine's record is what it always was
+ENGINE_ENVIRONMENT_DEFAULTS = {
+    "lora_shrink": "reductions", "lora_expand": "reductions", "attention_backend": "auto", "prefill": "per_row",
+    "prefill_step": "eager", "step_pieces": "per_half_layer", "sampler_reduction": "row", "decode_prefix": "per_row",
+    "readback": "per_step", "step_edges": "eager", "gemm_split_k": "off", "autotune_rows": "first_bucket",
+    "combo_kernels": "off", "attention_plan": "per_call", "gemm_kernel": "cublas", "reduction_launch": "benchmarked",
+    "gate_up_epilogue": "inductor", "o_epilogue": "inductor", "down_epilogue": "inductor", "qkv_epilogue": "inductor",
+    "norm_epilogue_row": "one_program"}
 
 
 @register_backend
@@ -203,15 +212,7 @@ class HFCachedBackend(HFBackendBase):
                       "lm_head": self.engine.head_mode,
                       "lora_add": self.engine.lora_add,
                       # a non-default engine setting (issue 43 candidates) is named; a default adds no key
-                      **{key: getattr(self.engine, key) for key, default in (
-                          ("lora_shrink", "reductions"), ("lora_expand", "reductions"), ("attention_backend", "auto"),
-                          ("prefill", "per_row"), ("prefill_step", "eager"), ("step_pieces", "per_half_layer"),
-                          ("sampler_reduction", "row"), ("decode_prefix", "per_row"), ("readback", "per_step"),
-                          ("step_edges", "eager"), ("gemm_split_k", "off"), ("autotune_rows", "first_bucket"),
-                          ("combo_kernels", "off"), ("attention_plan", "per_call"),
-                          ("gemm_kernel", "cublas"), ("reduction_launch", "benchmarked"),
-                          ("gate_up_epilogue", "inductor"), ("o_epilogue", "inductor"),
-                          ("down_epilogue", "inductor"), ("qkv_epilogue", "inductor"))
+                      **{key: getattr(self.engine, key) for key, default in ENGINE_ENVIRONMENT_DEFAULTS.items()
                          if getattr(self.engine, key) != default},
                       **({"gemm_splits": self.engine.gemm_split_plan()} if self.engine.gemm_split_k != "off" else {}),
                       "graph_buckets": sorted(self.buckets.buckets) if self.buckets else [],
