@@ -19,7 +19,20 @@ def _cuda_available() -> bool:
         return False
 
 
+# The files that take minutes on a 2-core CPU (a real vLLM engine started a dozen times, Ray clusters, training
+# loops, executed notebooks), longest first. `make test` runs two pytest-xdist workers a file at a time: started
+# first, these overlap the many short files instead of running alone at the end.
+LONG_FILES = ("test_vllm_engine.py", "test_ray_executor.py", "test_fast_training.py", "test_notebooks.py",
+              "test_fast_path.py", "test_campaign.py", "test_runner.py", "test_report.py")
+
+
+def _long_first(item) -> int:
+    name = Path(str(item.fspath)).name
+    return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_long_first)  # stable: each file keeps its own order
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="gpu: needs a CUDA GPU; torch.cuda.is_available() is False on this machine")

