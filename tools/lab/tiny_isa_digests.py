@@ -1,0 +1,88 @@
+"""The smoke-trained tiny actor's payload digest on this CPU under each kernel setting, one fresh process each.
+
+CPU training is deterministic on one machine, but its float32 sums follow the vector kernels chosen at run time:
+ATen's CPU capability (`ATEN_CPU_CAPABILITY`) and MKL's code path (`MKL_CBWR`). The profile pins one digest, so a
+CPU that chooses other kernels refuses to measure `smoke-trained`. This tool records which settings move the
+digest here; run on two kinds of CPU, it tells whether a setting gives one digest on both (the candidate for an
+ISA-independent build and a new pin).
+
+    python tools/lab/tiny_isa_digests.py --out outputs/perf/standin-cpu-isa/digests-<cpu>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SETTINGS = {
+    "as_found": {},
+    "aten_default": {"ATEN_CPU_CAPABILITY": "default"},
+    "mkl_compatible": {"MKL_CBWR": "COMPATIBLE"},
+    "aten_default+mkl_compatible": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
+    "aten_avx2+mkl_avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
+}
+CHILD = """
+import json, sys, tempfile, time
+import torch
+from rollout_lib.models.train_standin import plan_training, train_standin
+start = time.perf_counter()
+record = train_standin(plan_training("tiny", role="actor"), tempfile.mkdtemp() + "/tiny-actor")
+print(json.dumps({"payload_digest": record["payload_digest"], "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                  "torch": torch.__version__, "wall_s": round(time.perf_counter() - start, 2)}))
+"""
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the JSON file to write (atomically)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    rows = {}
+    for name, env in SETTINGS.items():
+        child_env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")} | env
+        done = subprocess.run([sys.executable, "-c", CHILD], env=child_env, capture_output=True, text=True,
+                              timeout=900)
+        if done.returncode != 0:
+            rows[name] = {"env": env, "status": "failed", "stderr_tail": done.stderr[-2000:]}
+        else:
+            rows[name] = {"env": env, "status": "measured", **json.loads(done.stdout.strip().splitlines()[-1])}
+        print(name, rows[name].get("payload_digest", rows[name]["status"]), flush=True)
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = {f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "fma", "sse4"))}
+                break
+    except OSError:
+        pass
+    record = {"cpu_model": cpu_model(), "cpu_flags": sorted(flags), "python": platform.python_version(),
+              "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
