@@ -20,12 +20,12 @@ $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 
 setup: $(VENV)/.installed  ## CPU install path: CPU torch, no vLLM
 
-# one pytest-xdist worker per core (at most 4), a test file each at a time (module fixtures such as a started vLLM
-# engine stay in one worker), the long files first (tests/conftest.py); on a 2-core AMD EPYC .ci/run's pytest took
-# 18 min 14 s (26 min 41 s on one worker)
+# one pytest-xdist worker per core, at most 2 (as measured), a test file each at a time (module fixtures such as a
+# started vLLM engine stay in one worker), the long files first (tests/conftest.py); on a 2-core AMD EPYC .ci/run's
+# pytest took 18 min 14 s (26 min 41 s on one worker)
 test: setup  ## the README's test command: lint + every CPU test (GPU tests skip with a reason)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --numprocesses=auto --maxprocesses=4 --dist=loadfile
+	$(PY) -m pytest -q --numprocesses=auto --maxprocesses=2 --dist=loadfile
 
 test-gpu:  ## on a CUDA machine: only the gpu-marked tests
 	python3 -m pytest -q -m gpu
