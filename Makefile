@@ -22,7 +22,7 @@ setup: $(VENV)/.installed  ## CPU install path: CPU torch, no vLLM
 
 # one pytest-xdist worker per core, at most 2 (as measured), a test file each at a time (module fixtures such as a
 # started vLLM engine stay in one worker), the long files first (tests/conftest.py); on a 2-core AMD EPYC .ci/run's
-# pytest took 18 min 14 s (26 min 41 s on one worker)
+# pytest took 15 min 49 s and 18 min 14 s in two runs (26 min 41 s on one worker)
 test: setup  ## the README's test command: lint + every CPU test (GPU tests skip with a reason)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --numprocesses=auto --maxprocesses=2 --dist=loadfile
