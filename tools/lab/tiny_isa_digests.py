@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from rollout_lib.measure.host import CPUINFO, cpu_model
+from rollout_lib.safe_write import write_bytes_atomic
+
 SETTINGS = {
     "as_found": {},
     "aten_default": {"ATEN_CPU_CAPABILITY": "default"},
@@ -38,14 +41,15 @@ print(json.dumps({"payload_digest": record["payload_digest"], "cpu_capability": 
 """
 
 
-def cpu_model() -> str:
+def cpu_facts() -> dict:
+    """The CPU's model and its vector-instruction flags, from one read of /proc/cpuinfo."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = CPUINFO.read_text()
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return {"cpu_model": platform.processor() or "not_measured", "cpu_flags": "not_measured"}
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"cpu_model": cpu_model(text) or "not_measured",
+            "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "sse4")))}
 
 
 def main() -> int:
@@ -63,23 +67,9 @@ def main() -> int:
         else:
             rows[name] = {"env": env, "status": "measured", **json.loads(done.stdout.strip().splitlines()[-1])}
         print(name, rows[name].get("payload_digest", rows[name]["status"]), flush=True)
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = {f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "fma", "sse4"))}
-                break
-    except OSError:
-        pass
-    record = {"cpu_model": cpu_model(), "cpu_flags": sorted(flags), "python": platform.python_version(),
+    record = {**cpu_facts(), "python": platform.python_version(),
               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with open(tmp, "w") as handle:
-        handle.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, out)
+    write_bytes_atomic(out, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
     print(f"wrote {out}")
     return 0
 
