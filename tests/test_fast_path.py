@@ -480,6 +480,9 @@ def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_
                                "DECODE_PREFIX": "shared: needs ATTENTION_BACKEND fa3, left out in float32"}),
     ({"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}, "bfloat16",
      {"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}, {}),
+    ({"ATTENTION_BACKEND": "triton", "COMBO_KERNELS": "on"}, "float32",
+     {"COMBO_KERNELS": "on"}, {"ATTENTION_BACKEND": "triton: bfloat16 engines only (its kernel multiplies bf16 "
+                                                    "operands)"}),
     ({"ATTENTION_BACKEND": "flex", "READBACK": "pipelined"}, "float32",
      {"ATTENTION_BACKEND": "flex", "READBACK": "pipelined"}, {}),
     ({"ATTENTION_BACKEND": "fa3", "ATTENTION_PLAN": "per_step", "SAMPLER": "chunked"}, "float32",

@@ -179,3 +179,23 @@ def test_the_qkv_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(t
                                      qkv_epilogue.WARPS, tmp_path)
     assert _issues_its_loads_up_front(rank_major), rank_major
     assert rank_major["spill_bytes"] == 0
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_the_decode_attention_compiles_for_hopper_without_spills(splits, tmp_path):
+    """ATTENTION_BACKEND "triton" at Qwen3-0.6B's attention (8 kv heads of 128, two query heads each) over a
+    640-column cache, at the module's warps, with one slice (no merge) and with 8 (the merge by the last program,
+    its atomic count): it compiles for sm_90a without spills."""
+    from rollout_lib.backends import decode_attention
+
+    kv_heads, group, head_dim, columns = 8, 2, 128, 640
+    args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
+            "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
+            "q_batch": kv_heads * group * head_dim, "q_head": group * head_dim,
+            "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
+            "scale_log2": 0.1275}
+    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": decode_attention.BLOCK_G,
+                  "BLOCK_N": decode_attention.BLOCK_N, "SPLITS": splits, "INTERPRETED": False}
+    result = _compile_for_hopper("decode_attention", args, constexprs, decode_attention.WARPS, tmp_path)
+    assert result["global_loads"] > 0, result
+    assert result["spill_bytes"] == 0, result

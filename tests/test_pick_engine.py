@@ -310,3 +310,24 @@ def test_a_comparison_measured_again_in_a_later_probe_is_judged_by_the_later_mea
     assert "O_EPILOGUE" not in engine
     (line,) = [line for line in lines if line.startswith("+mlpepilogue+oepilogue+downepilogue (")]
     assert "dropped" in line and "-0.030" in line and "+0.030" not in line
+
+
+def test_a_value_kept_on_top_of_another_value_of_its_setting_replaces_it(tmp_path):
+    """Lease 40: `+tritonattn` (ATTENTION_BACKEND triton) measured on a base that runs `+fa3`: its gain is over FA3,
+    so when kept it replaces FA3 (the base's infinite precedence must not keep FA3), and what needs FA3 (the plan)
+    goes with it. Not kept, FA3 stays."""
+    base = f"{BASE}+fa3+pipelined"
+    folder = _probe(tmp_path / "decode-h200", {
+        base: ((1.60, 1.80), (40.0, 60.0)),
+        f"{base}+tritonattn": ((1.50, 1.70), (40.0, 60.0)),       # gains 0.10 / 0.10: kept
+        f"{base}+fa3plan": ((1.55, 1.75), (40.0, 60.0))})         # gains 0.05 / 0.05 on FA3
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"ATTENTION_BACKEND": "triton", "LORA_SHRINK": "in_base_gemm", "READBACK": "pipelined"}
+    said = "\n".join(lines)
+    assert "ATTENTION_BACKEND fa3: replaced by +tritonattn (ATTENTION_BACKEND triton), kept measured on top" in said
+    assert "ATTENTION_PLAN per_step: dropped, it needs ATTENTION_BACKEND fa3, which is not chosen" in said
+    slower = _probe(tmp_path / "decode-h200-slower", {
+        base: ((1.60, 1.80), (40.0, 60.0)),
+        f"{base}+tritonattn": ((1.59, 1.85), (40.0, 60.0))})      # gains 0.01 / -0.05: dropped
+    engine, _ = pick([slower], 0.02)
+    assert engine["ATTENTION_BACKEND"] == "fa3"

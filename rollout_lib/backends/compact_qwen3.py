@@ -250,7 +250,8 @@ def _attention_kernel(backend: str):
     call). Entered while the decode graph is captured; replays run the captured kernel."""
     import contextlib
 
-    if backend in ("auto", "flex", "fa3"):  # flex, fa3: the prefill's SDPA call chooses as by default
+    if backend in ("auto", "flex", "fa3", "triton"):  # flex, fa3, triton: the prefill's SDPA call chooses as by
+        # default
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -534,7 +535,10 @@ class Layer:
 #   FlexAttention for the decode steps with the boolean mask read in the kernel (`_flex_attention`; the
 #   probe's `+flex`; prefill keeps SDPA: one compilation per graph bucket, none per prompt shape); "fa3":
 #   vLLM's FlashAttention-3 decode kernel over the static cache with per-row left padding (`_fa3_decode`;
-#   Hopper, bf16, vLLM installed; the probe's `+fa3`; prefill keeps SDPA).
+#   Hopper, bf16, vLLM installed; the probe's `+fa3`; prefill keeps SDPA); "triton" (after lease 39: FA3 6.6 us
+#   a layer + its 1.8 us plan, for 0.3-1.5 MB of k/v): `decode_attention`'s one Triton kernel a layer over the
+#   static cache and the rows' column ranges, split over columns, no plan, no combine kernel (bf16, CUDA; the
+#   probe's `+tritonattn`; prefill keeps SDPA).
 # - PREFILL "per_row" (the default): every row's prompt is prefilled, also the n rows of a prompt's n
 #   samples; "shared_prompts" (issue 43 item 5, candidate): rows with identical prompts are prefilled once
 #   and the prompt's k/v columns and last logits are copied to its other rows (`prefill_rows`), so
@@ -654,7 +658,7 @@ LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
 LORA_EXPAND = "reductions"
 LORA_EXPAND_ALLOWED = ("reductions", "gemm", "unrolled", "unrolled_parts", "triton")
 ATTENTION_BACKEND = "auto"
-ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3")
+ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3", "triton")
 PREFILL = "per_row"
 PREFILL_ALLOWED = ("per_row", "shared_prompts")
 PREFILL_STEP = "eager"
@@ -716,6 +720,7 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
 BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf16 base weight as three bf16 parts",
                       **{(name, "triton"): "its kernel rounds to bf16" for name in EPILOGUES},
                       ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
+                      ("ATTENTION_BACKEND", "triton"): "its kernel multiplies bf16 operands",
                       ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands",
                       ("GEMM_KERNEL", "triton_skinny_o_down"): "its kernel multiplies bf16 operands"}
 
@@ -880,6 +885,13 @@ class CompactQwen3:
         self.attention_backend = setting("ATTENTION_BACKEND")
         if self.attention_backend == "fa3":
             _check_fa3(self.device, self.dtype)
+        if self.attention_backend == "triton":
+            from rollout_lib.backends import decode_attention
+
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"ATTENTION_BACKEND triton needs a bfloat16 engine, not {self.dtype}")
+            triton_ops.check_triton_runs_here(self.device, "ATTENTION_BACKEND triton")
+            decode_attention.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.prefill = setting("PREFILL")
         self.prefill_step = setting("PREFILL_STEP")
         self.step_pieces = setting("STEP_PIECES")
@@ -1355,6 +1367,8 @@ class CompactQwen3:
         # (row g*T + t is query position t); flex's decode steps read the boolean mask in the kernel instead
         flex = self.attention_backend == "flex" and tokens.shape[1] == 1  # prefill stays SDPA
         fa3 = self.attention_backend == "fa3" and tokens.shape[1] == 1 and pad is not None
+        # the Triton decode kernel reads each row's column range (pad, write), as FA3 does; no bias
+        triton_attention = self.attention_backend == "triton" and tokens.shape[1] == 1 and pad is not None
         allowed = mask
         if fa3:  # the rows' column ranges, as FA3 reads them: [pad, write] (int32)
             batch = tokens.shape[0]
@@ -1370,6 +1384,8 @@ class CompactQwen3:
                 prefix_used = prefix_end.to(torch.int32).expand(blocks).contiguous()
                 prefix_pad = leftpad_k[::group].contiguous()
                 own_start = prefix_end.to(torch.int32).expand(batch).contiguous()
+        elif triton_attention:
+            mask = None
         elif not flex and inputs is not None:
             mask = prepared_bias
         elif not flex:
@@ -1414,6 +1430,10 @@ class CompactQwen3:
                 attn = _fa3_decode(q.reshape(batch, 1, self.heads, self.head_dim),
                                    cache.k[index].transpose(1, 2), cache.v[index].transpose(1, 2), seqused_k,
                                    leftpad_k, scale, plan).reshape(q.shape)
+            elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
+                from rollout_lib.backends.decode_attention import attend
+
+                attn = attend(q, cache.k[index], cache.v[index], pad, write, scale)
             else:
                 with _attention_kernel(self.attention_backend):
                     attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
@@ -1520,7 +1540,7 @@ def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor,
         engine.mark_rows(tokens, pad)
         # the bias the default attention path adds (flex reads the boolean mask, fa3 the rows' ranges)
         bias_groups = (engine.heads // engine.kv_heads
-                       if engine.attention_backend not in ("flex", "fa3") else 0)
+                       if engine.attention_backend not in ("flex", "fa3", "triton") else 0)
         h, cos, sin, mask, bias = engine.decode_inputs(tokens, write, pad, columns, engine.embed, engine.inv_freq,
                                                        engine.rope_scaling, engine.dtype, bias_groups)
         logits = engine.forward(tokens[:, None], None, StaticCache(k, v), write, mask, compiled=engine.compiled,

@@ -20,8 +20,9 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
 - The probes' base (the suffixes of each folder's first variant, e.g. `+shrinkgemm`, measured against the
   default engine before) is kept.
 - One value per setting: where two values of one setting are kept (e.g. ATTENTION_BACKEND flex and fa3), the
-  larger mean gain wins. A value whose requirement is not kept is dropped (the engine's SETTING_REQUIRES, e.g.
-  DECODE_PREFIX shared needs ATTENTION_BACKEND fa3).
+  larger mean gain wins, unless one was kept measured on top of the other (its parent ran the other value, e.g.
+  `+tritonattn` on a base with `+fa3`): its gain is over the other, so it replaces it. A value whose requirement
+  is not kept is dropped (the engine's SETTING_REQUIRES, e.g. DECODE_PREFIX shared needs ATTENTION_BACKEND fa3).
 - Inductor options (`+pdl`, `+maxat`, `+cdt`, ...) are not engine settings: reported, never chosen (`+combo` is
   one since lease 30: COMBO_KERNELS). `+again` / `+again2` (the same source compiled again) are not candidates:
   a source's compilations are read as one, by their mean per cell (lease 31: one pair of compilations of one
@@ -255,8 +256,14 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
     def reachable(suffix: str) -> list[dict[str, Any]]:
         return _where_it_runs([r for r in records if r["suffix"] == suffix and r["parent_suffixes"] <= kept_parts])
 
-    def keep(suffix: str, gain: float) -> None:
+    replaced: dict[str, str] = {}  # a kept part -> the candidate kept on top of it with another value of its setting
+
+    def keep(suffix: str, gain: float, where: list[dict[str, Any]]) -> None:
         gains[suffix] = gain
+        names = {setting_of[m][0] for m in suffix.split("+") if m in setting_of}
+        for part in set().union(*(r["parent_suffixes"] for r in where)):  # what it was measured on top of
+            if part in setting_of and setting_of[part][0] in names and part not in suffix.split("+"):
+                replaced[part] = suffix
         kept_parts.update(suffix.split("+"))
 
     def judge(pending: list[str], settings_of: dict[str, tuple[str, str]]) -> bool:
@@ -284,7 +291,7 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
             for suffix, (gain, line) in verdicts.items():
                 lines.append(line)
                 if gain is not None:
-                    keep(suffix, gain)
+                    keep(suffix, gain, ready[suffix])
                 else:
                     dropped_at[suffix] = (len(ready[suffix][0]["parent_suffixes"]), len(lines) - 1,
                                           settings_of[suffix])
@@ -307,7 +314,7 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
             dropped_at[suffix] = (len(mine[0]["parent_suffixes"]), at, setting)
             if gain is not None:
                 del dropped_at[suffix]
-                keep(suffix, gain)
+                keep(suffix, gain, mine)
                 return True
         return False
 
@@ -331,8 +338,11 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
         lines.append(f"+{suffix} ({' '.join(bundle_of[suffix])}): dropped, measured only on top of "
                      "candidates not kept")
     chosen: dict[str, tuple[str, float]] = {}
+    for part, by in sorted(replaced.items()):
+        named = " ".join(bundle_of.get(by) or setting_of[by])
+        lines.append(f"{' '.join(setting_of[part])}: replaced by +{by} ({named}), kept measured on top of it")
     for suffix in sorted(bases | set(gains), key=lambda s: -gains.get(s, float("inf"))):
-        members = [m for m in suffix.split("+") if m in setting_of]
+        members = [m for m in suffix.split("+") if m in setting_of and m not in replaced]
         if "+" not in suffix and suffix not in setting_of:
             continue
         clash = [(setting_of[m][0], chosen[setting_of[m][0]][0]) for m in members
