@@ -4,7 +4,10 @@ over slices of each row (`o_down_slices`: NORM_EPILOGUE_ROW "slices", by feature
 split-K partials (`o_down_splitk`: GEMM_SPLIT_K "auto"'s slices for the o projection on this GPU),
 gate_up's (`mlp_epilogue`: both LoRA expands + SiLU product) by its features per program and warps, and qkv's
 (`qkv_epilogue`: LoRA expand + q/k norms + rotary + cache writes, one program per row and head) by its warps, at
-the study's actor's shapes and the decode step's row counts, B stored rank-major as the engine stores it.
+the study's actor's shapes and the decode step's row counts, B stored rank-major as the engine stores it; and the
+decode attention kernel (`decode_attention`, ATTENTION_BACKEND "triton") by its slices, columns per iteration and
+warps, over a p128 cell's cache (`attention`: 192 columns, 160 in use) and a p512 cell's (`attention_long`: 768,
+640 in use).
 
     python tools/lab/epilogue_bench.py --out outputs/perf/decode-warps/epilogue-bench.json [--rows 4 16] \
         [--calls 56] [--layers 28]
@@ -44,7 +47,7 @@ from tools.lab.gemm_bench import (  # noqa: E402
     time_in_graph,
 )
 
-KERNELS = ("o_down", "o_down_slices", "o_down_splitk", "gate_up", "qkv")
+KERNELS = ("o_down", "o_down_slices", "o_down_splitk", "gate_up", "qkv", "attention", "attention_long")
 # norm_epilogue's kernels: one program a row on the GEMM's output, one a slice of a row (NORM_EPILOGUE_ROW
 # "slices"), one a row on the GEMM's split-K partials
 NORM_KERNELS = ("o_down", "o_down_slices", "o_down_splitk")
@@ -55,6 +58,11 @@ SLICE_CONFIGS = tuple((features, warps) for features in (64, 128, 256) for warps
 GATE_UP_CONFIGS = tuple((block_n, warps) for block_n in (32, 64, 128) for warps in (2, 4, 8))
 QKV_WARPS = (1, 2, 4, 8)
 CACHE_LENGTH = 256  # the qkv kernel's k/v caches: columns per row (it writes one, column CACHE_LENGTH // 2)
+# the attention kernel's caches: (columns, the column this step writes) of a p128-r64 and a p512-r256 cell's step
+ATTENTION_CACHES = {"attention": (192, 159), "attention_long": (768, 639)}
+# its launch configurations: slices ("auto": decode_attention.splits_for's), columns per iteration, warps
+ATTENTION_CONFIGS = tuple((splits, block_n, warps) for splits in ("auto", 1, 2, 4, 8, 16) for block_n in (32, 64)
+                          for warps in (2, 4, 8))
 
 
 def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any, splits: int = 1) -> dict[str, Any]:
@@ -78,6 +86,13 @@ def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any, spli
         return {"both": randn(rows, 2 * inner + 6 * rank), "lora_b": (randn(2 * rank, 2 * inner) * 0.02).t(),
                 "inter": inner}
     heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    if kernel in ATTENTION_CACHES:
+        columns, write = ATTENTION_CACHES[kernel]
+        return {"q": randn(rows, kv_heads, heads // kv_heads, head_dim).bfloat16(),
+                "cache_k": randn(rows, kv_heads, columns, head_dim).bfloat16(),
+                "cache_v": randn(rows, kv_heads, columns, head_dim).bfloat16(),
+                "pad": torch.zeros(rows, dtype=torch.long, device=device),
+                "write": torch.tensor([write], dtype=torch.long, device=device)}
     features = (heads + 2 * kv_heads) * head_dim
     angle = randn(rows, head_dim // 2)
     cache = torch.zeros(rows, kv_heads, CACHE_LENGTH, head_dim, dtype=torch.bfloat16, device=device)
@@ -89,9 +104,14 @@ def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any, spli
             "write": torch.tensor([CACHE_LENGTH // 2], dtype=torch.long, device=device)}
 
 
-def _call(kernel: str, operands: dict[str, Any], config: dict[str, int]) -> torch.Tensor:
-    from rollout_lib.backends import mlp_epilogue, norm_epilogue, qkv_epilogue
+def _call(kernel: str, operands: dict[str, Any], config: dict[str, Any]) -> torch.Tensor:
+    from rollout_lib.backends import decode_attention, mlp_epilogue, norm_epilogue, qkv_epilogue
 
+    if kernel in ATTENTION_CACHES:
+        launch = decode_attention.Launch(block_n=config["block_n"], warps=config["warps"],
+                                         splits=None if config["splits"] == "auto" else config["splits"])
+        return decode_attention.attend(operands["q"], operands["cache_k"], operands["cache_v"], operands["pad"],
+                                       operands["write"], 1.0 / operands["q"].shape[-1] ** 0.5, launch)
     if kernel in NORM_KERNELS:
         return norm_epilogue.launch(operands["both"], operands["lora_b"], operands["h"], operands["weight"], 2.0,
                                     1e-6, warps=config["warps"], slices=kernel == "o_down_slices",
@@ -112,12 +132,16 @@ def configs(kernel: str) -> list[dict[str, int]]:
         return [{"warps": warps} for warps in NORM_WARPS]
     if kernel == "gate_up":
         return [{"block_n": block_n, "warps": warps} for block_n, warps in GATE_UP_CONFIGS]
+    if kernel in ATTENTION_CACHES:
+        return [{"splits": splits, "block_n": block_n, "warps": warps} for splits, block_n, warps in ATTENTION_CONFIGS]
     return [{"warps": warps} for warps in QKV_WARPS]
 
 
 def default_config(kernel: str) -> dict[str, int]:
-    from rollout_lib.backends import mlp_epilogue, norm_epilogue, qkv_epilogue
+    from rollout_lib.backends import decode_attention, mlp_epilogue, norm_epilogue, qkv_epilogue
 
+    if kernel in ATTENTION_CACHES:
+        return {"splits": "auto", "block_n": decode_attention.BLOCK_N, "warps": decode_attention.WARPS}
     if kernel == "o_down_slices":
         return {"slice_features": norm_epilogue.SLICE_FEATURES, "warps": norm_epilogue.SLICE_WARPS}
     if kernel in NORM_KERNELS:
@@ -140,7 +164,7 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
     import torch
     import triton
 
-    from rollout_lib.backends import norm_epilogue
+    from rollout_lib.backends import decode_attention, norm_epilogue
     from rollout_lib.study.prereg import load
     from rollout_lib.study.workload import Workload
 
@@ -150,6 +174,7 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
     generator = torch.Generator(device=device).manual_seed(43)
     flush = l2_flush(device)
     norm_epilogue.prepare(device)  # the "slices" kernel's counters
+    decode_attention.prepare(device)  # the attention kernel's
     splits = o_splits(arch, rank, torch.cuda.get_device_properties(device).multi_processor_count)
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                               "triton": triton.__version__, "calls_per_graph": calls, "repeats": repeats,
