@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rollout_lib.backends.triton_ops import device_key
+from rollout_lib.backends.triton_ops import check_launch, device_key, zeroed_counters
 
 if TYPE_CHECKING:
     import torch
@@ -58,14 +58,7 @@ class Launch:
     splits: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n {self.block_n} is not allowed; allowed: a power of two >= 16 (tl.dot's tiles)")
-        if self.warps not in (1, 2, 4, 8) or not 1 <= self.stages <= 8:
-            raise ValueError(f"warps/stages {self.warps}/{self.stages} is not allowed; allowed: warps 1, 2, 4 or 8, "
-                             f"stages 1-8")
-        if self.splits is not None and not 1 <= self.splits <= MAX_SPLITS:
-            raise ValueError(f"splits {self.splits} is not allowed; allowed: 1-{MAX_SPLITS} or None (splits_for)")
-
+        check_launch({"block_n": self.block_n}, self.warps, self.stages, self.splits, MAX_SPLITS)
 
 DEFAULT = Launch()
 
@@ -83,13 +76,10 @@ def splits_for(programs: int, columns: int, multiprocessors: int, block_n: int =
 def prepare(device) -> None:
     """The device's counters, zeroed now (before any CUDA graph capture: a buffer first allocated inside a capture
     is zeroed only when the graph first replays), and the kernel defined now, outside any capture."""
-    import torch
 
     key = device_key(device)
     if key not in _LOCKS:
-        _LOCKS[key] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
-        _SMS[key] = (torch.cuda.get_device_properties(device).multi_processor_count
-                     if torch.device(device).type == "cuda" else 132)
+        _LOCKS[key], _SMS[key] = zeroed_counters(device, LOCK_SLOTS)
     _kernel()
 
 

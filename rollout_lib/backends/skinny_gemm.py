@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_lib.backends.triton_ops import device_key
+from rollout_lib.backends.triton_ops import check_launch, device_key, zeroed_counters
 
 MAX_ROWS = 16  # the rows one program holds (the MMA's width); more rows: cuBLAS
 BLOCK_N = 64   # output features per program
@@ -56,16 +56,8 @@ class Launch:
     splits: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} {value} is not allowed; allowed: a power of two >= 16 (tl.dot's tiles)")
-        if self.warps not in (1, 2, 4, 8) or not 1 <= self.stages <= 8:
-            raise ValueError(f"warps/stages {self.warps}/{self.stages} is not allowed; allowed: warps 1, 2, 4 or 8, "
-                             f"stages 1-8")
-        if self.splits is not None and not 1 <= self.splits <= MAX_SPLITS:
-            raise ValueError(f"splits {self.splits} is not allowed; allowed: 1-{MAX_SPLITS} or None (splits_for)")
-
+        check_launch({"block_n": self.block_n, "block_k": self.block_k}, self.warps, self.stages, self.splits,
+                     MAX_SPLITS)
 
 DEFAULT = Launch()
 
@@ -86,13 +78,10 @@ def splits_for(features: int, inner: int, multiprocessors: int, block_n: int = B
 def prepare(device) -> None:
     """The device's counter buffer, zeroed now: before any CUDA graph capture (the engine's construction), since a
     buffer first allocated inside a capture would be zeroed only when the graph first replays."""
-    import torch
 
     key = device_key(device)
     if key not in _LOCKS:
-        _LOCKS[key] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
-        _SMS[key] = (torch.cuda.get_device_properties(device).multi_processor_count
-                     if torch.device(device).type == "cuda" else 132)
+        _LOCKS[key], _SMS[key] = zeroed_counters(device, LOCK_SLOTS)
     _op()
     _kernel()  # defined now, outside any compiled trace or capture
 

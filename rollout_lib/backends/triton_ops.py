@@ -19,6 +19,31 @@ def device_key(device) -> str:
     return str(device)
 
 
+def zeroed_counters(device, slots: int) -> tuple[Any, int]:
+    """(int32 counters zeroed now, the device's SM count: 132 for a CPU in Triton's interpreter) for a kernel whose
+    last program to arrive finishes a tile (`skinny_gemm`, `decode_attention`): made before any CUDA graph capture,
+    since a buffer first allocated inside one is zeroed only when the graph first replays."""
+    import torch
+
+    device = torch.device(device)
+    multiprocessors = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+                       else 132)
+    return torch.zeros(slots, dtype=torch.int32, device=device), multiprocessors
+
+
+def check_launch(tiles: dict[str, int], warps: int, stages: int, splits: int | None, max_splits: int) -> None:
+    """A hand-written kernel's launch configuration (`skinny_gemm.Launch`, `decode_attention.Launch`): each tile
+    size of `tiles` (name -> value) a power of two >= 16 (tl.dot's smallest), warps 1, 2, 4 or 8, stages 1-8, and
+    slices 1-`max_splits` or None (the module's own choice); refused in one line naming the field."""
+    for name, value in tiles.items():
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} {value} is not allowed; allowed: a power of two >= 16 (tl.dot's tiles)")
+    if warps not in (1, 2, 4, 8) or not 1 <= stages <= 8:
+        raise ValueError(f"warps/stages {warps}/{stages} is not allowed; allowed: warps 1, 2, 4 or 8, stages 1-8")
+    if splits is not None and not 1 <= splits <= max_splits:
+        raise ValueError(f"splits {splits} is not allowed; allowed: 1-{max_splits} or None (splits_for)")
+
+
 def check_triton_runs_here(device, setting: str) -> None:
     """A setting whose kernel is hand-written Triton (`setting`: its name and value, e.g. "GEMM_KERNEL
     triton_skinny", "LORA_EXPAND triton") runs on a CUDA GPU with Triton installed (or, for tests, on a CPU in
