@@ -95,3 +95,56 @@ def test_a_bf16_engine_with_the_kernel_serves_the_policy_and_its_tokens(smoke_st
     assert identity == default_identity == policy.identity
     assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers
     assert_parts_only_after_close_logprobs(default, got, 0.05 if DEVICE == "cuda" else 0.1)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("oracle_rounding", [False, True])
+def test_attention_from_the_qkv_projection_is_the_epilogue_then_the_attention(splits, oracle_rounding):
+    """ATTENTION_BACKEND "triton_qkv": from the qkv GEMM's output the kernel writes the new k and v into the caches
+    bit for bit as QKV_EPILOGUE's kernel does (the same operations), leaves every other column alone, and attends
+    as that kernel's q over the caches does, but for the new column taken from registers first (float32 sums in
+    another order): within a bf16 step or two of values of order 1."""
+    from rollout_lib.backends import decode_attention, qkv_epilogue
+    from tests.test_qkv_epilogue import EPS
+    from tests.test_qkv_epilogue import _operands as projection_operands
+
+    batch, heads, kv_heads, head_dim, rank, columns = 3, 4, 2, 32, 4, 80
+    generator = torch.Generator().manual_seed(5)
+    both, lora_b, (q_norm, k_norm), cos, sin = projection_operands(batch, 1, heads, kv_heads, head_dim, rank,
+                                                                   generator)
+    lora_b = lora_b.t().contiguous().t()  # rank-major, as the engine stores it
+    cache_k = torch.randn(batch, kv_heads, columns, head_dim, generator=generator).bfloat16()
+    cache_v = torch.randn(batch, kv_heads, columns, head_dim, generator=generator).bfloat16()
+    pad, write = torch.tensor([0, 9, 70]), torch.tensor([66])
+    decode_attention.prepare(DEVICE)
+    on = {name: t.to(DEVICE) for name, t in dict(both=both, lora_b=lora_b, q_norm=q_norm, k_norm=k_norm, cos=cos,
+                                                 sin=sin, pad=pad, write=write).items()}
+    want_k, want_v = cache_k.clone().to(DEVICE), cache_v.clone().to(DEVICE)
+    q = qkv_epilogue.launch(on["both"], on["lora_b"], on["q_norm"], on["k_norm"], on["cos"], on["sin"], want_k,
+                            want_v, on["write"], heads, 1, 2.0, EPS, oracle_rounding)
+    config = decode_attention.Launch(splits=splits)
+    want = decode_attention.attend(q, want_k, want_v, on["pad"], on["write"], 0.17, config)
+    got_k, got_v = cache_k.clone().to(DEVICE), cache_v.clone().to(DEVICE)
+    got = decode_attention.attend_from_projection(on["both"], on["lora_b"], on["q_norm"], on["k_norm"], on["cos"],
+                                                  on["sin"], got_k, got_v, on["pad"], on["write"], heads, 2.0, EPS,
+                                                  0.17, oracle_rounding, config)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert not torch.equal(got_k[:, :, 66], cache_k[:, :, 66].to(DEVICE))  # the column was written
+    assert got.shape == q.shape and (got.float() - want.float()).abs().max() <= 0.01
+    assert int(decode_attention._LOCKS[decode_attention.device_key(DEVICE)].abs().sum()) == 0
+
+
+def test_a_bf16_engine_with_the_qkv_epilogue_inside_attention_serves_the_policy_and_its_tokens(smoke_study,
+                                                                                             snapshot_cache):
+    """ATTENTION_BACKEND "triton_qkv" with the qkv epilogue it absorbs, against that epilogue with SDPA: the synced
+    policy's identity; the decode steps' layers all called the kernel and the epilogue's op no more (its calls are
+    the prefill's); tokens and log-probabilities alike but for bf16 roundings in another order."""
+    from rollout_lib.study.workload import Workload
+
+    epilogue = {"LORA_SHRINK": "in_base_gemm", "QKV_EPILOGUE": "triton"}
+    policy, runs = run_engines(smoke_study, snapshot_cache, (epilogue, {**epilogue, "ATTENTION_BACKEND": "triton_qkv"}),
+                               "rollout::decode_attention_qkv", "projected_attention_kernel")
+    (default_identity, default, none), (identity, got, used) = runs
+    assert identity == default_identity == policy.identity
+    assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers
+    assert_parts_only_after_close_logprobs(default, got, 0.05 if DEVICE == "cuda" else 0.1)

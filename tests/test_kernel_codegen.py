@@ -199,3 +199,27 @@ def test_the_decode_attention_compiles_for_hopper_without_spills(splits, tmp_pat
     result = _compile_for_hopper("decode_attention", args, constexprs, decode_attention.WARPS, tmp_path)
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_the_decode_attention_from_the_qkv_projection_compiles_for_hopper_without_spills(splits, tmp_path):
+    """ATTENTION_BACKEND "triton_qkv" at Qwen3-0.6B's qkv and attention (16 query heads, 8 kv heads of 128, rank 16
+    a part, B rank-major) over a 640-column cache, at the module's warps, with one slice and with 8: it compiles for
+    sm_90a without spills."""
+    from rollout_lib.backends import decode_attention
+
+    heads, kv_heads, head_dim, rank, columns = 16, 8, 128, 16, 640
+    features = (heads + 2 * kv_heads) * head_dim
+    args = {"both_ptr": "*fp32", "b_ptr": "*fp32", "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16", "cos_ptr": "*bf16",
+            "sin_ptr": "*bf16", "cache_k_ptr": "*bf16", "cache_v_ptr": "*bf16", "pad_ptr": "*i64",
+            "write_ptr": "*i64", "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
+            "both_row": features + 9 * rank, "b_row": 1, "b_col": features, "cos_row": head_dim,
+            "sin_row": head_dim, "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim,
+            "cache_column": head_dim, "scaling": 2.0, "eps": 1e-6, "scale_log2": 0.1275}
+    constexprs = {"HEADS": heads, "KV_HEADS": kv_heads, "GROUP": heads // kv_heads, "HEAD_DIM": head_dim,
+                  "RANK": rank, "RANK_BLOCK": rank, "ORACLE_ROUNDING": False, "BLOCK_G": decode_attention.BLOCK_G,
+                  "BLOCK_N": decode_attention.BLOCK_N, "SPLITS": splits, "INTERPRETED": False}
+    result = _compile_for_hopper("decode_attention", args, constexprs, decode_attention.WARPS, tmp_path,
+                                 factory="_fused_kernel")
+    assert result["global_loads"] > 0, result
+    assert result["spill_bytes"] == 0, result

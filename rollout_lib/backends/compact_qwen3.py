@@ -538,7 +538,9 @@ class Layer:
 #   Hopper, bf16, vLLM installed; the probe's `+fa3`; prefill keeps SDPA); "triton" (after lease 39: FA3 6.6 us
 #   a layer + its 1.8 us plan, for 0.3-1.5 MB of k/v): `decode_attention`'s one Triton kernel a layer over the
 #   static cache and the rows' column ranges, split over columns, no plan, no combine kernel (bf16, CUDA; the
-#   probe's `+tritonattn`; prefill keeps SDPA).
+#   probe's `+tritonattn`; prefill keeps SDPA); "triton_qkv" (with QKV_EPILOGUE "triton"): that kernel doing the
+#   qkv epilogue's work too (`attend_from_projection`: q, and the new k/v written into the caches, from the qkv
+#   GEMM's output), one kernel a layer fewer (the probe's `+tritonqkv`).
 # - PREFILL "per_row" (the default): every row's prompt is prefilled, also the n rows of a prompt's n
 #   samples; "shared_prompts" (issue 43 item 5, candidate): rows with identical prompts are prefilled once
 #   and the prompt's k/v columns and last logits are copied to its other rows (`prefill_rows`), so
@@ -658,7 +660,7 @@ LORA_SHRINK_ALLOWED = ("reductions", "in_base_gemm")
 LORA_EXPAND = "reductions"
 LORA_EXPAND_ALLOWED = ("reductions", "gemm", "unrolled", "unrolled_parts", "triton")
 ATTENTION_BACKEND = "auto"
-ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3", "triton")
+ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3", "triton", "triton_qkv")
 PREFILL = "per_row"
 PREFILL_ALLOWED = ("per_row", "shared_prompts")
 PREFILL_STEP = "eager"
@@ -709,6 +711,8 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                                                   "its kernel returns the log-sum-exp the two halves merge by"),
                     ("ATTENTION_PLAN", "per_step"): ("ATTENTION_BACKEND", "fa3", "the plan is FA3's scheduler "
                                                      "metadata"),
+                    ("ATTENTION_BACKEND", "triton_qkv"): ("QKV_EPILOGUE", "triton", "its kernel does that epilogue's "
+                                                          "work on the same GEMM output"),
                     ("NORM_EPILOGUE_ROW", "slices"): ("O_EPILOGUE", "triton", "it is how that kernel (and "
                                                       "DOWN_EPILOGUE triton's) is launched"),
                     **{(name, "triton"): ("LORA_SHRINK", "in_base_gemm", f"its kernel reads the shrink's rows from "
@@ -721,6 +725,7 @@ BF16_ONLY_SETTINGS = {("LORA_SHRINK", "in_base_gemm"): "A is appended to the bf1
                       **{(name, "triton"): "its kernel rounds to bf16" for name in EPILOGUES},
                       ("ATTENTION_BACKEND", "fa3"): "FA3's kernels take bf16 or fp16 only",
                       ("ATTENTION_BACKEND", "triton"): "its kernel multiplies bf16 operands",
+                      ("ATTENTION_BACKEND", "triton_qkv"): "its kernel multiplies bf16 operands",
                       ("GEMM_KERNEL", "triton_skinny"): "its kernel multiplies bf16 operands",
                       ("GEMM_KERNEL", "triton_skinny_o_down"): "its kernel multiplies bf16 operands"}
 
@@ -885,12 +890,13 @@ class CompactQwen3:
         self.attention_backend = setting("ATTENTION_BACKEND")
         if self.attention_backend == "fa3":
             _check_fa3(self.device, self.dtype)
-        if self.attention_backend == "triton":
+        if self.attention_backend in ("triton", "triton_qkv"):
             from rollout_lib.backends import decode_attention
 
             if self.dtype != torch.bfloat16:
-                raise ValueError(f"ATTENTION_BACKEND triton needs a bfloat16 engine, not {self.dtype}")
-            triton_ops.check_triton_runs_here(self.device, "ATTENTION_BACKEND triton")
+                raise ValueError(f"ATTENTION_BACKEND {self.attention_backend} needs a bfloat16 engine, not "
+                                 f"{self.dtype}")
+            triton_ops.check_triton_runs_here(self.device, f"ATTENTION_BACKEND {self.attention_backend}")
             decode_attention.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.prefill = setting("PREFILL")
         self.prefill_step = setting("PREFILL_STEP")
@@ -1234,12 +1240,15 @@ class CompactQwen3:
                           q_norm: torch.Tensor, k_norm: torch.Tensor, weight: torch.Tensor,
                           lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, fused: bool = False,
                           cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None,
-                          write: torch.Tensor | None = None, normed: torch.Tensor | None = None):
+                          write: torch.Tensor | None = None, normed: torch.Tensor | None = None,
+                          projection_only: bool = False):
         """h [B, T, hidden] -> q [B, kv_heads, groups * T, D] (grouped query rows), k, v [B, kv_heads, T, D].
         `fused`: traced by inductor (LoRA products as reductions, see _fused_linear). With `cache_k`,
         `cache_v`, `write`: k and v are written into the caches at columns `write` here (inside the
         compiled piece: inductor stores them from the kernel that computes them) and returned as None. `normed`
-        (DOWN_EPILOGUE "triton"): h's input norm, computed by the previous layer's down epilogue."""
+        (DOWN_EPILOGUE "triton"): h's input norm, computed by the previous layer's down epilogue.
+        `projection_only` (ATTENTION_BACKEND "triton_qkv", with QKV_EPILOGUE's path): the qkv GEMM's float32 output
+        with the shrink's rows in q's place, the caches left to the attention kernel."""
         batch, length, _ = h.shape
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         x = _rms(h, input_norm, self.eps) if normed is None else normed
@@ -1248,6 +1257,8 @@ class CompactQwen3:
 
             both = _gemm_float32(x.reshape(batch * length, -1), weight, self._splits(weight, length),
                                  self._gemm(length, "qkv"))
+            if projection_only:
+                return both, None, None
             return queries_and_cache_write(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write,
                                            self.heads, self.scaling, self.eps,
                                            self.lora_add == "bf16_like_nf4_oracle"), None, None
@@ -1368,7 +1379,8 @@ class CompactQwen3:
         flex = self.attention_backend == "flex" and tokens.shape[1] == 1  # prefill stays SDPA
         fa3 = self.attention_backend == "fa3" and tokens.shape[1] == 1 and pad is not None
         # the Triton decode kernel reads each row's column range (pad, write), as FA3 does; no bias
-        triton_attention = self.attention_backend == "triton" and tokens.shape[1] == 1 and pad is not None
+        triton_attention = (self.attention_backend in ("triton", "triton_qkv") and tokens.shape[1] == 1
+                            and pad is not None)
         allowed = mask
         if fa3:  # the rows' column ranges, as FA3 reads them: [pad, write] (int32)
             batch = tokens.shape[0]
@@ -1392,6 +1404,10 @@ class CompactQwen3:
             mask = _attention_bias(mask, self.dtype, self.heads // self.kv_heads)
         scale = 1.0 / math.sqrt(self.head_dim)
         inside = compiled and self.cache_write == "inside"
+        # ATTENTION_BACKEND "triton_qkv": the qkv epilogue's work inside the attention kernel, where the compiled
+        # piece would run that epilogue (k/v written inside, the LoRA B of a synced policy); else "triton"'s kernel
+        projected = (triton_attention and self.attention_backend == "triton_qkv" and inside
+                     and self.qkv_epilogue == "triton" and between is None)
 
         def cache_args(index: int) -> dict[str, torch.Tensor]:
             # CACHE_WRITE "inside": the compiled piece writes k/v; otherwise index_copy_ between the pieces
@@ -1406,6 +1422,8 @@ class CompactQwen3:
                     write_inside["normed"] = normed
                 if compiled:
                     self.mark_rows(h, cos, sin, write_inside.get("cache_k"), write_inside.get("cache_v"), normed)
+                if projected:
+                    write_inside["projection_only"] = True
                 q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
                                  fused=compiled, **write_inside)
             # else: q, k, v come from the previous layer's `between` piece
@@ -1430,6 +1448,14 @@ class CompactQwen3:
                 attn = _fa3_decode(q.reshape(batch, 1, self.heads, self.head_dim),
                                    cache.k[index].transpose(1, 2), cache.v[index].transpose(1, 2), seqused_k,
                                    leftpad_k, scale, plan).reshape(q.shape)
+            elif projected and q.dtype == torch.float32:  # q: the qkv GEMM's output (no LoRA B: SDPA's path)
+                from rollout_lib.backends.decode_attention import attend_from_projection
+
+                rows = tokens.shape[0]
+                attn = attend_from_projection(
+                    q, layer.tensors("qkv")[2], layer.q_norm, layer.k_norm, cos.reshape(rows, -1),
+                    sin.reshape(rows, -1), cache.k[index], cache.v[index], pad, write, self.heads, self.scaling,
+                    self.eps, scale, self.lora_add == "bf16_like_nf4_oracle")
             elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
                 from rollout_lib.backends.decode_attention import attend
 

@@ -20,7 +20,16 @@ divides and stores; with several, each stores its float32 partial (output, maxim
 (row, kv head) to arrive (an atomic counter, as `skinny_gemm`'s) merges the slices in slice order 0, 1, ...: the
 same float32 operations in the same order whichever program arrives last, so the result does not depend on
 scheduling. Its launch configuration is fixed, nothing drawn. bf16 only; CUDA, or a CPU in Triton's interpreter
-(tests)."""
+(tests).
+
+ATTENTION_BACKEND "triton_qkv" (`attend_from_projection`): the same kernel with QKV_EPILOGUE's work inside it, one
+kernel a layer fewer (lease 39: qkv's epilogue 2.6 us a call and a ~0.55 us gap before attention). Each program
+computes its G query heads from the qkv GEMM's float32 output as `qkv_epilogue` does (the LoRA term over the
+shrink's parts, Qwen3's q norm, the rotary embedding, each rounding where that kernel rounds: the same q bits), and
+the program of a row's last slice also computes the kv head's new k and v and writes them into the caches at
+column `write`. No program reads that column from the cache: the last slice's loop stops before it and takes the
+new column from its registers as the first step of its online softmax, so nothing reads what the same launch
+writes."""
 
 from __future__ import annotations
 
@@ -43,6 +52,8 @@ LOG2_E = 1.4426950408889634
 
 _KERNEL = None
 columns_block = None  # the kernel's loop body, a Triton function set by _kernel()
+finish = None  # its end: the slice's output or partial, and the merge; set by _kernel()
+lora_add = None  # the LoRA add's two roundings (triton_jit.lora_add), set by _fused_kernel()
 _LOCKS: dict[str, torch.Tensor] = {}
 _SMS: dict[str, int] = {}
 
@@ -91,7 +102,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global columns_block  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    global columns_block, finish  # globals: Triton's interpreter reads a kernel's globals, not its closure
 
     @triton.jit
     def columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2, maximum, total, acc,
@@ -118,6 +129,39 @@ def _kernel():
         acc = tl.dot(weights, v, acc * rescale[:, None])
         return new_maximum, total, acc
 
+
+    @triton.jit
+    def finish(acc, maximum, total, out_at, part_ptr, stat_ptr, lock_ptr, pair, split, g, d, keep_g,
+               HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr):
+        """A slice's running (output, maximum, sum) to the output: divided and stored with one slice; with several,
+        stored as the (row, kv head) `pair`'s partial, and the last program of the pair to arrive merges them."""
+        if SPLITS == 1:
+            tl.store(out_at, (acc / total[:, None]).to(tl.bfloat16), mask=keep_g[:, None])
+        else:
+            slot = (pair * SPLITS + split) * BLOCK_G
+            tl.store(part_ptr + (slot + g[:, None]) * HEAD_DIM + d[None, :], acc)
+            tl.store(stat_ptr + (slot + g) * 2, maximum)
+            tl.store(stat_ptr + (slot + g) * 2 + 1, total)
+            # the partial stored by every thread before the count (the barrier), the count released at GPU scope,
+            # acquired by the last program (it then sees every slice's partial)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(lock_ptr + pair, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                first = pair * SPLITS * BLOCK_G
+                overall = tl.load(stat_ptr + (first + g) * 2, cache_modifier=".cg")
+                for index in tl.static_range(1, SPLITS):
+                    overall = tl.maximum(overall, tl.load(stat_ptr + (first + index * BLOCK_G + g) * 2,
+                                                          cache_modifier=".cg"))
+                merged_total = tl.zeros((BLOCK_G,), dtype=tl.float32)
+                merged = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+                for index in tl.static_range(0, SPLITS):
+                    slot = first + index * BLOCK_G
+                    weight = tl.exp2(tl.load(stat_ptr + (slot + g) * 2, cache_modifier=".cg") - overall)
+                    merged_total += weight * tl.load(stat_ptr + (slot + g) * 2 + 1, cache_modifier=".cg")
+                    merged += weight[:, None] * tl.load(part_ptr + (slot + g[:, None]) * HEAD_DIM + d[None, :],
+                                                        cache_modifier=".cg")
+                tl.store(out_at, (merged / merged_total[:, None]).to(tl.bfloat16), mask=keep_g[:, None])
+                tl.atomic_xchg(lock_ptr + pair, 0)  # zero again for the next launch (or graph replay)
 
     @triton.jit
     def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, write_ptr, out_ptr, part_ptr, stat_ptr, lock_ptr,
@@ -158,38 +202,131 @@ def _kernel():
             for start in range(low, high, BLOCK_N):
                 maximum, total, acc = columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2,
                                                     maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
-        out_at = out_ptr + q_at
-        if SPLITS == 1:
-            tl.store(out_at, (acc / total[:, None]).to(tl.bfloat16), mask=keep_g[:, None])
-        else:
-            pair = b * kv_heads + kv  # the (row, kv head): its counter and its slices' partials
-            slot = (pair * SPLITS + split) * BLOCK_G
-            tl.store(part_ptr + (slot + g[:, None]) * HEAD_DIM + d[None, :], acc)
-            tl.store(stat_ptr + (slot + g) * 2, maximum)
-            tl.store(stat_ptr + (slot + g) * 2 + 1, total)
-            # the partial stored by every thread before the count (the barrier), the count released at GPU scope,
-            # acquired by the last program (it then sees every slice's partial)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(lock_ptr + pair, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
-                first = pair * SPLITS * BLOCK_G
-                overall = tl.load(stat_ptr + (first + g) * 2, cache_modifier=".cg")
-                for index in tl.static_range(1, SPLITS):
-                    overall = tl.maximum(overall, tl.load(stat_ptr + (first + index * BLOCK_G + g) * 2,
-                                                          cache_modifier=".cg"))
-                merged_total = tl.zeros((BLOCK_G,), dtype=tl.float32)
-                merged = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-                for index in tl.static_range(0, SPLITS):
-                    slot = first + index * BLOCK_G
-                    weight = tl.exp2(tl.load(stat_ptr + (slot + g) * 2, cache_modifier=".cg") - overall)
-                    merged_total += weight * tl.load(stat_ptr + (slot + g) * 2 + 1, cache_modifier=".cg")
-                    merged += weight[:, None] * tl.load(part_ptr + (slot + g[:, None]) * HEAD_DIM + d[None, :],
-                                                        cache_modifier=".cg")
-                tl.store(out_at, (merged / merged_total[:, None]).to(tl.bfloat16), mask=keep_g[:, None])
-                tl.atomic_xchg(lock_ptr + pair, 0)  # zero again for the next launch (or graph replay)
+        finish(acc, maximum, total, out_ptr + q_at, part_ptr, stat_ptr, lock_ptr, b * kv_heads + kv, split, g, d,
+               keep_g, HEAD_DIM, BLOCK_G, SPLITS)
 
     _KERNEL = decode_attention_kernel
     return _KERNEL
+
+
+_FUSED_KERNEL = None
+projected_head = None  # one head's rows from the qkv GEMM's output, a Triton function set by _fused_kernel()
+
+
+def _fused_kernel():
+    """The kernel of ATTENTION_BACKEND "triton_qkv", defined once per process."""
+    global _FUSED_KERNEL, projected_head
+    if _FUSED_KERNEL is not None:
+        return _FUSED_KERNEL
+    import triton
+    import triton.language as tl
+
+    from rollout_lib.backends import triton_jit
+
+    _kernel()  # columns_block, finish
+    global lora_add
+    lora_add = triton_jit.lora_add
+
+    @triton.jit
+    def projected_head(row, b_ptr, norm_ptr, cos_row, sin_row, slot, part, b_row, b_col, scaling, eps,
+                       FEATURES: tl.constexpr, HEAD_DIM: tl.constexpr, RANK: tl.constexpr,
+                       RANK_BLOCK: tl.constexpr, ORACLE_ROUNDING: tl.constexpr, NORMED: tl.constexpr):
+        """Head `slot` of one row of the qkv GEMM's float32 output (`row`: its first feature): the projection with
+        its LoRA term, rounded to bf16 (v: that, as bf16); with NORMED (q, k) the head's norm with weights
+        `norm_ptr` and the rotary embedding, as `qkv_epilogue` computes them: bf16 [HEAD_DIM]. The rotary's
+        partner of feature d (d + D / 2 below the half, d - D / 2 above) is computed alongside, from the same
+        loads, so the head is one vector."""
+        d = tl.arange(0, HEAD_DIM)
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM
+        first = slot * HEAD_DIM + d
+        second = slot * HEAD_DIM + partner
+        r = tl.arange(0, RANK_BLOCK)
+        has = r < RANK
+        column = part * RANK + r
+        shrink = row + FEATURES
+        xa = (tl.load(shrink + column, mask=has, other=0.0) + tl.load(shrink + 3 * RANK + column, mask=has,
+                                                                      other=0.0)) \
+            + tl.load(shrink + 6 * RANK + column, mask=has, other=0.0)
+        b1 = tl.load(b_ptr + first[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+        x1 = lora_add(tl.load(row + first).to(tl.bfloat16), tl.sum(xa[:, None] * b1, axis=0), scaling,
+                      ORACLE_ROUNDING)
+        if NORMED:
+            b2 = tl.load(b_ptr + second[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+            x2 = lora_add(tl.load(row + second).to(tl.bfloat16), tl.sum(xa[:, None] * b2, axis=0), scaling,
+                          ORACLE_ROUNDING)
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            scale = tl.rsqrt(tl.sum(f1 * f1, axis=0) / HEAD_DIM + eps)
+            y1 = tl.load(norm_ptr + d).to(tl.float32) * (f1 * scale).to(tl.bfloat16).to(tl.float32)
+            y2 = tl.load(norm_ptr + partner).to(tl.float32) * (f2 * scale).to(tl.bfloat16).to(tl.float32)
+            sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+            out = (y1 * tl.load(cos_row + d).to(tl.float32)
+                   + (sign * y2) * tl.load(sin_row + d).to(tl.float32)).to(tl.bfloat16)
+        else:
+            out = x1
+        return out
+
+    @triton.jit
+    def projected_attention_kernel(both_ptr, b_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, cache_k_ptr,
+                                   cache_v_ptr, pad_ptr, write_ptr, out_ptr, part_ptr, stat_ptr, lock_ptr,
+                                   both_row, b_row, b_col, cos_row, sin_row, cache_batch, cache_head, cache_column,
+                                   scaling, eps, scale_log2, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, RANK: tl.constexpr,
+                                   RANK_BLOCK: tl.constexpr, ORACLE_ROUNDING: tl.constexpr, BLOCK_G: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
+        b = tl.program_id(0)
+        kv = tl.program_id(1)
+        split = tl.program_id(2)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        keep_g = g < GROUP
+        features = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+        row = both_ptr + b * both_row
+        cos_at, sin_at = cos_ptr + b * cos_row, sin_ptr + b * sin_row
+        q = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+        for index in tl.static_range(GROUP):  # the G query heads of kv head kv: rows of the MMA tile
+            head = projected_head(row, b_ptr, q_norm_ptr, cos_at, sin_at, kv * GROUP + index, 0, b_row, b_col,
+                                  scaling, eps, features, HEAD_DIM, RANK, RANK_BLOCK, ORACLE_ROUNDING, True)
+            q = tl.where(g[:, None] == index, head.to(tl.float32)[None, :], q)
+        q = q.to(tl.bfloat16)
+        if INTERPRETED:  # Triton 3.5's CPU interpreter multiplies bf16 tiles as raw bits: their exact upcasts
+            q = q.to(tl.float32)
+        one = tl.arange(0, 1)  # scalars loaded as one-element vectors and summed (see decode_attention_kernel)
+        write = tl.sum(tl.load(write_ptr + one), axis=0).to(tl.int32)
+        begin = tl.minimum(tl.sum(tl.load(pad_ptr + b + one), axis=0).to(tl.int32), write)
+        share = tl.cdiv(tl.cdiv(write + 1 - begin, SPLITS), BLOCK_N) * BLOCK_N
+        low = begin + split * share
+        high = tl.minimum(low + share, write)  # the new column, `write`, from registers below, not the cache
+        cache = b * cache_batch + kv * cache_head
+        maximum = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+        total = tl.zeros((BLOCK_G,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
+        if split == SPLITS - 1:  # the row's new k and v: into the caches, and into this slice's softmax as its
+            # first column (weight exp2(0) = 1, exact in bf16)
+            k_new = projected_head(row, b_ptr, k_norm_ptr, cos_at, sin_at, HEADS + kv, 1, b_row, b_col, scaling,
+                                   eps, features, HEAD_DIM, RANK, RANK_BLOCK, ORACLE_ROUNDING, True)
+            v_new = projected_head(row, b_ptr, k_norm_ptr, cos_at, sin_at, HEADS + KV_HEADS + kv, 2, b_row, b_col,
+                                   scaling, eps, features, HEAD_DIM, RANK, RANK_BLOCK, ORACLE_ROUNDING, False)
+            tl.store(cache_k_ptr + cache + write * cache_column + d, k_new)
+            tl.store(cache_v_ptr + cache + write * cache_column + d, v_new)
+            maximum = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
+            total = tl.full((BLOCK_G,), 1.0, dtype=tl.float32)
+            acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32) + v_new.to(tl.float32)[None, :]
+        if INTERPRETED:
+            start = low
+            while start < high:
+                maximum, total, acc = columns_block(q, cache_k_ptr, cache_v_ptr, cache, start, high, cache_column,
+                                                    scale_log2, maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+                start += BLOCK_N
+        else:
+            for start in range(low, high, BLOCK_N):
+                maximum, total, acc = columns_block(q, cache_k_ptr, cache_v_ptr, cache, start, high, cache_column,
+                                                    scale_log2, maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+        q_at = ((b * KV_HEADS + kv) * GROUP + g[:, None]) * HEAD_DIM + d[None, :]
+        finish(acc, maximum, total, out_ptr + q_at, part_ptr, stat_ptr, lock_ptr, b * KV_HEADS + kv, split, g, d,
+               keep_g, HEAD_DIM, BLOCK_G, SPLITS)
+
+    _FUSED_KERNEL = projected_attention_kernel
+    return _FUSED_KERNEL
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: torch.Tensor, write: torch.Tensor,
@@ -215,7 +352,7 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: t
     if batch * kv_heads > LOCK_SLOTS:
         raise ValueError(f"ATTENTION_BACKEND triton: {batch} rows x {kv_heads} kv heads need more than "
                          f"{LOCK_SLOTS} counters")
-    if q.stride(3) != 1 or q.stride(2) != head_dim:
+    if not q.is_contiguous():  # the output is contiguous and stored at q's offsets
         q = q.contiguous()
     splits = config.splits or splits_for(batch * kv_heads, cache_k.shape[2], _SMS[key], config.block_n)
     out = torch.empty((batch, kv_heads, group, head_dim), dtype=torch.bfloat16, device=q.device)
@@ -231,6 +368,58 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: t
                 cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(scale) * LOG2_E, GROUP=group,
                 HEAD_DIM=head_dim, BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, SPLITS=splits,
                 INTERPRETED=q.device.type == "cpu", num_warps=config.warps, num_stages=config.stages)
+    return out
+
+
+def attend_from_projection(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                           pad: torch.Tensor, write: torch.Tensor, heads: int, scaling: float, eps: float,
+                           scale: float, oracle_rounding: bool = False, config: Launch = DEFAULT) -> torch.Tensor:
+    """ATTENTION_BACKEND "triton_qkv": one decode step's attention from the qkv GEMM's float32 output `both` [B,
+    (H + 2 KV) D + 9 rank] (with the shrink's parts, as QKV_EPILOGUE reads it), B [(H + 2 KV) D, 3 rank] float32,
+    the q/k norms' weights [D], cos and sin [B, D] bf16: k and v written into the caches [B, KV, L, D] at column
+    `write` [1], and the attention of the B rows' query heads over columns min(pad[b], write) <= j <= write: bf16
+    [B, KV, G, D] (the grouped query rows' layout, as `attend` returns it). `prepare(device)` first."""
+    import torch
+    import triton
+
+    rows, width = both.shape
+    batch, kv_heads, columns, head_dim = cache_k.shape
+    features, low = lora_b.shape
+    key = device_key(both.device)
+    if key not in _LOCKS:
+        raise RuntimeError(f"ATTENTION_BACKEND triton_qkv: decode_attention.prepare({both.device}) was not called "
+                           "before use")
+    if (features != (heads + 2 * kv_heads) * head_dim or low % 3 or width != features + 3 * low or rows != batch
+            or heads % kv_heads or heads // kv_heads > BLOCK_G or head_dim & (head_dim - 1) or head_dim < 16
+            or cache_k.dtype != torch.bfloat16 or cache_k.shape != cache_v.shape or cache_k.stride(3) != 1
+            or cache_v.stride() != cache_k.stride() or tuple(cos.shape) != (rows, head_dim) or cos.shape != sin.shape
+            or tuple(pad.shape) != (batch,) or write.numel() != 1 or both.stride(1) != 1):
+        raise ValueError(f"ATTENTION_BACKEND triton_qkv: the GEMM output {tuple(both.shape)}, B "
+                         f"{tuple(lora_b.shape)}, the caches {tuple(cache_k.shape)} {cache_k.dtype}, cos "
+                         f"{tuple(cos.shape)}, pad {tuple(pad.shape)} and write {tuple(write.shape)} are not one "
+                         f"decode step's qkv projection of {heads} query heads with its shrink's rows over its caches")
+    if batch * kv_heads > LOCK_SLOTS:
+        raise ValueError(f"ATTENTION_BACKEND triton_qkv: {batch} rows x {kv_heads} kv heads need more than "
+                         f"{LOCK_SLOTS} counters")
+    group = heads // kv_heads
+    splits = config.splits or splits_for(batch * kv_heads, columns, _SMS[key], config.block_n)
+    out = torch.empty((batch, kv_heads, group, head_dim), dtype=torch.bfloat16, device=both.device)
+    if splits > 1:
+        parts = torch.empty(batch * kv_heads * splits * BLOCK_G * head_dim, dtype=torch.float32, device=both.device)
+        stats = torch.empty(batch * kv_heads * splits * BLOCK_G * 2, dtype=torch.float32, device=both.device)
+    else:
+        parts = stats = out  # not read with one slice
+    if batch:
+        with torch.profiler.record_function("rollout::decode_attention_qkv"):  # the CPU tests count its calls
+            _fused_kernel()[(batch, kv_heads, splits)](
+                both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, pad, write, out, parts, stats,
+                _LOCKS[key], both.stride(0), lora_b.stride(0), lora_b.stride(1), cos.stride(0), sin.stride(0),
+                cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(scaling), float(eps),
+                float(scale) * LOG2_E, HEADS=heads, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim,
+                RANK=low // 3, RANK_BLOCK=triton.next_power_of_2(low // 3), ORACLE_ROUNDING=oracle_rounding,
+                BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, SPLITS=splits, INTERPRETED=both.device.type == "cpu",
+                num_warps=config.warps, num_stages=config.stages)
     return out
 
 

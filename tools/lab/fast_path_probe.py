@@ -87,6 +87,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # decode attention as one hand-written Triton kernel a layer, split over the cache's columns and merged
             # by the last program (lease 39: FA3 6.6 us a layer + its 1.8 us plan, for under 0.5 us of k/v bytes)
             "tritonattn": ("ATTENTION_BACKEND", "triton"),
+            # that kernel with the qkv epilogue's work inside it (q, the new k/v into the caches): one kernel a
+            # layer fewer (lease 39: the qkv epilogue 2.6 us a call and its gap before attention)
+            "tritonqkv": ("ATTENTION_BACKEND", "triton_qkv"),
             # with +fa3: FA3's scheduler metadata once per step for all 28 layers (lease 32: a 1.9 us
             # prepare_varlen_num_blocks kernel before each attention kernel)
             "fa3plan": ("ATTENTION_PLAN", "per_step"),
