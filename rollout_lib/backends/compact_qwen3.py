@@ -250,8 +250,8 @@ def _attention_kernel(backend: str):
     call). Entered while the decode graph is captured; replays run the captured kernel."""
     import contextlib
 
-    if backend in ("auto", "flex", "fa3", "triton"):  # flex, fa3, triton: the prefill's SDPA call chooses as by
-        # default
+    if backend in ("auto", "flex", "fa3", "triton", "triton_qkv"):  # the others: the prefill's SDPA call chooses
+        # as by default
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
