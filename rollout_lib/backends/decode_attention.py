@@ -53,6 +53,7 @@ LOG2_E = 1.4426950408889634
 _KERNEL = None
 columns_block = None  # the kernel's loop body, a Triton function set by _kernel()
 finish = None  # its end: the slice's output or partial, and the merge; set by _kernel()
+row_slice = None  # a program's share of its row's columns; set by _kernel()
 lora_add = None  # the LoRA add's two roundings (triton_jit.lora_add), set by _fused_kernel()
 _LOCKS: dict[str, torch.Tensor] = {}
 _SMS: dict[str, int] = {}
@@ -102,7 +103,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global columns_block, finish  # globals: Triton's interpreter reads a kernel's globals, not its closure
+    global columns_block, finish, row_slice  # globals: Triton's interpreter reads a kernel's globals, not its closure
 
     @triton.jit
     def columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2, maximum, total, acc,
@@ -129,6 +130,19 @@ def _kernel():
         acc = tl.dot(weights, v, acc * rescale[:, None])
         return new_maximum, total, acc
 
+
+    @triton.jit
+    def row_slice(pad_ptr, write_ptr, b, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(first column, end of the share, the column this step writes) of slice `split` of row b's columns
+        min(pad[b], write) <= j <= write: an equal share of whole BLOCK_N iterations per slice (the end is not
+        capped at write + 1: the caller caps it)."""
+        one = tl.arange(0, 1)  # scalars loaded as one-element vectors and summed (Triton's interpreter loads a
+        # pointer's scalar as a one-element array, which a loop bound cannot take)
+        write = tl.sum(tl.load(write_ptr + one), axis=0).to(tl.int32)
+        begin = tl.minimum(tl.sum(tl.load(pad_ptr + b + one), axis=0).to(tl.int32), write)
+        share = tl.cdiv(tl.cdiv(write + 1 - begin, SPLITS), BLOCK_N) * BLOCK_N
+        low = begin + split * share
+        return low, low + share, write
 
     @triton.jit
     def finish(acc, maximum, total, out_at, part_ptr, stat_ptr, lock_ptr, pair, split, g, d, keep_g,
@@ -180,14 +194,8 @@ def _kernel():
         q = tl.load(q_ptr + q_at, mask=keep_g[:, None], other=0.0)
         if INTERPRETED:  # Triton 3.5's CPU interpreter multiplies bf16 tiles as raw bits: their exact upcasts
             q = q.to(tl.float32)
-        one = tl.arange(0, 1)  # scalars loaded as one-element vectors and summed (Triton's interpreter loads a
-        # pointer's scalar as a one-element array, which a loop bound cannot take)
-        write = tl.sum(tl.load(write_ptr + one), axis=0).to(tl.int32)
-        begin = tl.minimum(tl.sum(tl.load(pad_ptr + b + one), axis=0).to(tl.int32), write)
-        end = write + 1
-        share = tl.cdiv(tl.cdiv(end - begin, SPLITS), BLOCK_N) * BLOCK_N  # whole iterations per slice
-        low = begin + split * share
-        high = tl.minimum(low + share, end)
+        low, high, write = row_slice(pad_ptr, write_ptr, b, split, SPLITS, BLOCK_N)
+        high = tl.minimum(high, write + 1)
         cache = b * cache_batch + kv * cache_head
         maximum = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         total = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -290,12 +298,8 @@ def _fused_kernel():
         q = q.to(tl.bfloat16)
         if INTERPRETED:  # Triton 3.5's CPU interpreter multiplies bf16 tiles as raw bits: their exact upcasts
             q = q.to(tl.float32)
-        one = tl.arange(0, 1)  # scalars loaded as one-element vectors and summed (see decode_attention_kernel)
-        write = tl.sum(tl.load(write_ptr + one), axis=0).to(tl.int32)
-        begin = tl.minimum(tl.sum(tl.load(pad_ptr + b + one), axis=0).to(tl.int32), write)
-        share = tl.cdiv(tl.cdiv(write + 1 - begin, SPLITS), BLOCK_N) * BLOCK_N
-        low = begin + split * share
-        high = tl.minimum(low + share, write)  # the new column, `write`, from registers below, not the cache
+        low, high, write = row_slice(pad_ptr, write_ptr, b, split, SPLITS, BLOCK_N)
+        high = tl.minimum(high, write)  # the new column, `write`, from registers below, not the cache
         cache = b * cache_batch + kv * cache_head
         maximum = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         total = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -329,6 +333,25 @@ def _fused_kernel():
     return _FUSED_KERNEL
 
 
+def _launch_buffers(setting: str, batch: int, kv_heads: int, group: int, columns: int, head_dim: int, device,
+                    config: Launch) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slices, the output [B, KV, G, D] bf16, the slices' partial outputs and (maximum, sum) pairs) of one launch;
+    with one slice the partials are not read (the output stands in). More (row, kv head) pairs than counters are
+    refused by name."""
+    import torch
+
+    if batch * kv_heads > LOCK_SLOTS:
+        raise ValueError(f"ATTENTION_BACKEND {setting}: {batch} rows x {kv_heads} kv heads need more than "
+                         f"{LOCK_SLOTS} counters")
+    splits = config.splits or splits_for(batch * kv_heads, columns, _SMS[device_key(device)], config.block_n)
+    out = torch.empty((batch, kv_heads, group, head_dim), dtype=torch.bfloat16, device=device)
+    if splits == 1:
+        return splits, out, out, out
+    slots = batch * kv_heads * splits * BLOCK_G
+    return (splits, out, torch.empty(slots * head_dim, dtype=torch.float32, device=device),
+            torch.empty(slots * 2, dtype=torch.float32, device=device))
+
+
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: torch.Tensor, write: torch.Tensor,
            scale: float, config: Launch = DEFAULT) -> torch.Tensor:
     """Attention of the grouped query rows q [B, KV, G, D] (bf16) over the caches [B, KV, L, D] (bf16, last
@@ -349,18 +372,10 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: t
                          f"{tuple(cache_k.shape)} {cache_k.dtype} with pad {tuple(pad.shape)} and write "
                          f"{tuple(write.shape)} are not one decode step's grouped query rows (bf16, at most "
                          f"{BLOCK_G} query heads per kv head, a power-of-two head size) over its caches")
-    if batch * kv_heads > LOCK_SLOTS:
-        raise ValueError(f"ATTENTION_BACKEND triton: {batch} rows x {kv_heads} kv heads need more than "
-                         f"{LOCK_SLOTS} counters")
     if not q.is_contiguous():  # the output is contiguous and stored at q's offsets
         q = q.contiguous()
-    splits = config.splits or splits_for(batch * kv_heads, cache_k.shape[2], _SMS[key], config.block_n)
-    out = torch.empty((batch, kv_heads, group, head_dim), dtype=torch.bfloat16, device=q.device)
-    if splits > 1:
-        parts = torch.empty(batch * kv_heads * splits * BLOCK_G * head_dim, dtype=torch.float32, device=q.device)
-        stats = torch.empty(batch * kv_heads * splits * BLOCK_G * 2, dtype=torch.float32, device=q.device)
-    else:
-        parts = stats = out  # not read with one slice
+    splits, out, parts, stats = _launch_buffers("triton", batch, kv_heads, group, cache_k.shape[2], head_dim,
+                                                q.device, config)
     if batch:
         with torch.profiler.record_function("rollout::decode_attention"):  # the CPU tests count its calls by this
             _kernel()[(batch, kv_heads, splits)](
@@ -399,17 +414,9 @@ def attend_from_projection(both: torch.Tensor, lora_b: torch.Tensor, q_norm: tor
                          f"{tuple(lora_b.shape)}, the caches {tuple(cache_k.shape)} {cache_k.dtype}, cos "
                          f"{tuple(cos.shape)}, pad {tuple(pad.shape)} and write {tuple(write.shape)} are not one "
                          f"decode step's qkv projection of {heads} query heads with its shrink's rows over its caches")
-    if batch * kv_heads > LOCK_SLOTS:
-        raise ValueError(f"ATTENTION_BACKEND triton_qkv: {batch} rows x {kv_heads} kv heads need more than "
-                         f"{LOCK_SLOTS} counters")
     group = heads // kv_heads
-    splits = config.splits or splits_for(batch * kv_heads, columns, _SMS[key], config.block_n)
-    out = torch.empty((batch, kv_heads, group, head_dim), dtype=torch.bfloat16, device=both.device)
-    if splits > 1:
-        parts = torch.empty(batch * kv_heads * splits * BLOCK_G * head_dim, dtype=torch.float32, device=both.device)
-        stats = torch.empty(batch * kv_heads * splits * BLOCK_G * 2, dtype=torch.float32, device=both.device)
-    else:
-        parts = stats = out  # not read with one slice
+    splits, out, parts, stats = _launch_buffers("triton_qkv", batch, kv_heads, group, columns, head_dim,
+                                                both.device, config)
     if batch:
         with torch.profiler.record_function("rollout::decode_attention_qkv"):  # the CPU tests count its calls
             _fused_kernel()[(batch, kv_heads, splits)](
