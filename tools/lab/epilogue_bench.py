@@ -5,9 +5,9 @@ split-K partials (`o_down_splitk`: GEMM_SPLIT_K "auto"'s slices for the o projec
 gate_up's (`mlp_epilogue`: both LoRA expands + SiLU product) by its features per program and warps, and qkv's
 (`qkv_epilogue`: LoRA expand + q/k norms + rotary + cache writes, one program per row and head) by its warps, at
 the study's actor's shapes and the decode step's row counts, B stored rank-major as the engine stores it; and the
-decode attention kernel (`decode_attention`, ATTENTION_BACKEND "triton") by its slices, columns per iteration and
-warps, over a p128 cell's cache (`attention`: 192 columns, 160 in use) and a p512 cell's (`attention_long`: 768,
-640 in use).
+decode attention kernel (`decode_attention`, ATTENTION_BACKEND "triton") by its slices, columns per iteration,
+warps and software-pipeline stages, over a p128 cell's cache (`attention`: 192 columns, 160 in use) and a p512
+cell's (`attention_long`: 768, 640 in use).
 
     python tools/lab/epilogue_bench.py --out outputs/perf/decode-warps/epilogue-bench.json [--rows 4 16] \
         [--calls 56] [--layers 28]
@@ -60,9 +60,12 @@ QKV_WARPS = (1, 2, 4, 8)
 CACHE_LENGTH = 256  # the qkv kernel's k/v caches: columns per row (it writes one, column CACHE_LENGTH // 2)
 # the attention kernel's caches: (columns, the column this step writes) of a p128-r64 and a p512-r256 cell's step
 ATTENTION_CACHES = {"attention": (192, 159), "attention_long": (768, 639)}
-# its launch configurations: slices ("auto": decode_attention.splits_for's), columns per iteration, warps
-ATTENTION_CONFIGS = tuple((splits, block_n, warps) for splits in ("auto", 1, 2, 4, 8, 16) for block_n in (32, 64)
-                          for warps in (2, 4, 8))
+# its launch configurations: slices ("auto": decode_attention.splits_for's), columns per iteration, warps, stages
+ATTENTION_CONFIGS = tuple((splits, block_n, warps, 2) for splits in ("auto", 1, 2, 4, 8, 16) for block_n in (32, 64)
+                          for warps in (2, 4, 8)) \
+    + tuple(("auto", block_n, warps, stages) for block_n, stages in ((64, 1), (64, 3), (64, 4), (128, 1), (128, 2),
+                                                                     (128, 3)) for warps in (2, 4))
+# (lease 40: ~2 us a loop iteration whatever the slices; 128 columns at 4 stages would need 256 KiB of shared memory)
 
 
 def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any, splits: int = 1) -> dict[str, Any]:
@@ -108,7 +111,7 @@ def _call(kernel: str, operands: dict[str, Any], config: dict[str, Any]) -> torc
     from rollout_lib.backends import decode_attention, mlp_epilogue, norm_epilogue, qkv_epilogue
 
     if kernel in ATTENTION_CACHES:
-        launch = decode_attention.Launch(block_n=config["block_n"], warps=config["warps"],
+        launch = decode_attention.Launch(block_n=config["block_n"], warps=config["warps"], stages=config["stages"],
                                          splits=None if config["splits"] == "auto" else config["splits"])
         return decode_attention.attend(operands["q"], operands["cache_k"], operands["cache_v"], operands["pad"],
                                        operands["write"], 1.0 / operands["q"].shape[-1] ** 0.5, launch)
@@ -133,7 +136,8 @@ def configs(kernel: str) -> list[dict[str, int]]:
     if kernel == "gate_up":
         return [{"block_n": block_n, "warps": warps} for block_n, warps in GATE_UP_CONFIGS]
     if kernel in ATTENTION_CACHES:
-        return [{"splits": splits, "block_n": block_n, "warps": warps} for splits, block_n, warps in ATTENTION_CONFIGS]
+        return [{"splits": splits, "block_n": block_n, "warps": warps, "stages": stages}
+                for splits, block_n, warps, stages in ATTENTION_CONFIGS]
     return [{"warps": warps} for warps in QKV_WARPS]
 
 
@@ -141,7 +145,8 @@ def default_config(kernel: str) -> dict[str, int]:
     from rollout_lib.backends import decode_attention, mlp_epilogue, norm_epilogue, qkv_epilogue
 
     if kernel in ATTENTION_CACHES:
-        return {"splits": "auto", "block_n": decode_attention.BLOCK_N, "warps": decode_attention.WARPS}
+        return {"splits": "auto", "block_n": decode_attention.BLOCK_N, "warps": decode_attention.WARPS,
+                "stages": decode_attention.STAGES}
     if kernel == "o_down_slices":
         return {"slice_features": norm_epilogue.SLICE_FEATURES, "warps": norm_epilogue.SLICE_WARPS}
     if kernel in NORM_KERNELS:
