@@ -247,15 +247,15 @@ def _sum_in_order(terms: list[torch.Tensor]) -> torch.Tensor:
 def _attention_kernel(backend: str):
     """ATTENTION_BACKEND as a context for one SDPA call: "auto" lets SDPA choose (a no-op context),
     otherwise only that SDPA backend may run (an error, not a silent fallback, where it cannot take the
-    call). Entered while the decode graph is captured; replays run the captured kernel."""
+    call). Entered while the decode graph is captured; replays run the captured kernel. The backends that are
+    not SDPA's (flex, fa3, triton, triton_qkv) leave the prefill's SDPA call to choose, as "auto" does."""
     import contextlib
 
-    if backend in ("auto", "flex", "fa3", "triton", "triton_qkv"):  # the others: the prefill's SDPA call chooses
-        # as by default
+    if backend not in SDPA_BACKENDS:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([{"efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]])
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])])
 
 
 def _flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -661,6 +661,10 @@ LORA_EXPAND = "reductions"
 LORA_EXPAND_ALLOWED = ("reductions", "gemm", "unrolled", "unrolled_parts", "triton")
 ATTENTION_BACKEND = "auto"
 ATTENTION_BACKEND_ALLOWED = ("auto", "efficient", "cudnn", "flex", "fa3", "triton", "triton_qkv")
+# the values that pin one SDPA backend (torch.nn.attention.SDPBackend's member names)
+SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+# the decode attention paths that take no additive bias: flex reads the boolean mask, the others the rows' ranges
+NO_BIAS_BACKENDS = ("flex", "fa3", "triton", "triton_qkv")
 PREFILL = "per_row"
 PREFILL_ALLOWED = ("per_row", "shared_prompts")
 PREFILL_STEP = "eager"
@@ -1398,6 +1402,7 @@ class CompactQwen3:
                 own_start = prefix_end.to(torch.int32).expand(batch).contiguous()
         elif triton_attention:
             mask = None
+            from rollout_lib.backends.decode_attention import attend, attend_from_projection
         elif not flex and inputs is not None:
             mask = prepared_bias
         elif not flex:
@@ -1449,16 +1454,12 @@ class CompactQwen3:
                                    cache.k[index].transpose(1, 2), cache.v[index].transpose(1, 2), seqused_k,
                                    leftpad_k, scale, plan).reshape(q.shape)
             elif projected and q.dtype == torch.float32:  # q: the qkv GEMM's output (no LoRA B: SDPA's path)
-                from rollout_lib.backends.decode_attention import attend_from_projection
-
                 rows = tokens.shape[0]
                 attn = attend_from_projection(
                     q, layer.tensors("qkv")[2], layer.q_norm, layer.k_norm, cos.reshape(rows, -1),
                     sin.reshape(rows, -1), cache.k[index], cache.v[index], pad, write, self.heads, self.scaling,
                     self.eps, scale, self.lora_add == "bf16_like_nf4_oracle")
             elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
-                from rollout_lib.backends.decode_attention import attend
-
                 attn = attend(q, cache.k[index], cache.v[index], pad, write, scale)
             else:
                 with _attention_kernel(self.attention_backend):
@@ -1564,9 +1565,8 @@ def decode_step(engine: CompactQwen3, tokens: torch.Tensor, write: torch.Tensor,
     forward pass, and the in-graph sampler. A pure function of its tensors (what is captured)."""
     if engine.step_edges == "compiled":
         engine.mark_rows(tokens, pad)
-        # the bias the default attention path adds (flex reads the boolean mask, fa3 the rows' ranges)
-        bias_groups = (engine.heads // engine.kv_heads
-                       if engine.attention_backend not in ("flex", "fa3", "triton") else 0)
+        # the bias the default attention path adds (none for NO_BIAS_BACKENDS)
+        bias_groups = engine.heads // engine.kv_heads if engine.attention_backend not in NO_BIAS_BACKENDS else 0
         h, cos, sin, mask, bias = engine.decode_inputs(tokens, write, pad, columns, engine.embed, engine.inv_freq,
                                                        engine.rope_scaling, engine.dtype, bias_groups)
         logits = engine.forward(tokens[:, None], None, StaticCache(k, v), write, mask, compiled=engine.compiled,

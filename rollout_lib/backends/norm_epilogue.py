@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from rollout_lib.backends.triton_ops import device_key
+from rollout_lib.backends.triton_ops import device_key, zeroed_counters
 
 if TYPE_CHECKING:
     import torch
@@ -247,11 +247,9 @@ def prepare(device: Any = None) -> None:
     _op()
     _kernel()
     if device is not None:
-        import torch
-
         key = device_key(device)
         if key not in _LOCKS:
-            _LOCKS[key] = torch.zeros(SLICE_MAX_ROWS, dtype=torch.int32, device=device)
+            _LOCKS[key] = zeroed_counters(device, SLICE_MAX_ROWS)[0]
         _slices_kernel()
 
 

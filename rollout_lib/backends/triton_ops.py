@@ -21,8 +21,9 @@ def device_key(device) -> str:
 
 def zeroed_counters(device, slots: int) -> tuple[Any, int]:
     """(int32 counters zeroed now, the device's SM count: 132 for a CPU in Triton's interpreter) for a kernel whose
-    last program to arrive finishes a tile (`skinny_gemm`, `decode_attention`): made before any CUDA graph capture,
-    since a buffer first allocated inside one is zeroed only when the graph first replays."""
+    last program to arrive finishes a tile (`skinny_gemm`, `decode_attention`, `norm_epilogue`'s slices): made
+    before any CUDA graph capture, since a buffer first allocated inside one is zeroed only when the graph first
+    replays."""
     import torch
 
     device = torch.device(device)
