@@ -57,6 +57,28 @@ def test_attention_is_softmax_over_each_rows_columns(batch, kv_heads, group, hea
     assert int(decode_attention._LOCKS[decode_attention.device_key(DEVICE)].abs().sum()) == 0  # left zero
 
 
+@pytest.mark.parametrize(("columns", "pad", "write"), [
+    (192, [0, 5, 64, 130], 150),    # p128-r64's cache: SHORT_CACHE, one slice of two 128-column iterations
+    (255, [0, 1, 200, 254], 254),   # the last short length: a row of one column, another ending the cache
+    (768, [0, 5, 300, 600], 700),   # p512-r256's: LONG_CACHE, slices of 64-column iterations over 3 stages
+])
+def test_the_launch_chosen_by_the_cache_length_is_softmax_over_each_rows_columns(columns, pad, write):
+    """ATTENTION_LAUNCH "by_columns": each of its launch configurations at Qwen3-0.6B's heads computes what DEFAULT
+    does (the reference within the same bf16 tolerance), deterministically, its counters left at zero."""
+    from rollout_lib.backends import decode_attention
+
+    config = decode_attention.launch_for(columns)
+    assert config == (decode_attention.SHORT_CACHE if columns < 256 else decode_attention.LONG_CACHE)
+    q, k, v, pad_t, write_t = _operands(4, 8, 2, 128, columns, pad, write, columns)
+    decode_attention.prepare(DEVICE)
+    on = [t.to(DEVICE) for t in (q, k, v, pad_t, write_t)]
+    out = decode_attention.attend(*on, 0.125, config)
+    want = decode_attention.reference(q, k, v, pad_t, write_t, 0.125)
+    assert (out.float().cpu() - want.float()).abs().max() <= 0.02
+    assert torch.equal(decode_attention.attend(*on, 0.125, config), out)
+    assert int(decode_attention._LOCKS[decode_attention.device_key(DEVICE)].abs().sum()) == 0
+
+
 def test_the_slices_fill_the_gpu_and_keep_a_block_of_columns_each():
     from rollout_lib.backends.decode_attention import MAX_SPLITS, splits_for
 
@@ -95,6 +117,29 @@ def test_a_bf16_engine_with_the_kernel_serves_the_policy_and_its_tokens(smoke_st
     assert identity == default_identity == policy.identity
     assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers
     assert_parts_only_after_close_logprobs(default, got, 0.05 if DEVICE == "cuda" else 0.1)
+
+
+def test_an_engine_launches_the_kernel_as_the_cache_length_chooses(smoke_study, snapshot_cache, monkeypatch):
+    """ATTENTION_LAUNCH "by_columns" in the engine: every decode step's attention runs at `launch_for`'s choice for
+    the engine's cache (recorded by a spy on it), and the tokens and log-probabilities are the fixed launch's but
+    for bf16 roundings in another order (another number of columns an iteration)."""
+    from rollout_lib.backends import decode_attention
+
+    chosen = []
+    launch_for = decode_attention.launch_for
+    monkeypatch.setattr(decode_attention, "launch_for", lambda columns: chosen.append(columns) or launch_for(columns))
+    seen = []
+    attend = decode_attention.attend
+    monkeypatch.setattr(decode_attention, "attend", lambda *args: seen.append(args[-1]) or attend(*args))
+    triton = {"ATTENTION_BACKEND": "triton"}
+    policy, runs = run_engines(smoke_study, snapshot_cache, (triton, {**triton, "ATTENTION_LAUNCH": "by_columns"}),
+                               "rollout::decode_attention", "decode_attention_kernel")
+    (fixed_identity, fixed, _), (identity, got, used) = runs
+    assert identity == fixed_identity == policy.identity and used
+    # the fixed engine never asks; the other asks for its cache and launches every layer at the answer
+    assert chosen and set(seen) == {decode_attention.DEFAULT} | {launch_for(columns) for columns in chosen}
+    assert decode_attention.DEFAULT not in {launch_for(columns) for columns in chosen}
+    assert_parts_only_after_close_logprobs(fixed, got, 0.05 if DEVICE == "cuda" else 0.1)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3])

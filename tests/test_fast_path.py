@@ -494,6 +494,9 @@ def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_
      {"LORA_SHRINK": "in_base_gemm: bfloat16 engines only (A is appended to the bf16 base weight as three bf16 parts)",
       "O_EPILOGUE": "triton: needs LORA_SHRINK in_base_gemm, left out in float32",
       "NORM_EPILOGUE_ROW": "slices: needs O_EPILOGUE triton, left out in float32"}),
+    ({"ATTENTION_BACKEND": "triton", "ATTENTION_LAUNCH": "by_columns"}, "float32", {},
+     {"ATTENTION_BACKEND": "triton: bfloat16 engines only (its kernel multiplies bf16 operands)",
+      "ATTENTION_LAUNCH": "by_columns: needs ATTENTION_BACKEND triton, left out in float32"}),
 ])
 def test_an_engine_mapping_for_a_dtype_keeps_what_that_dtype_runs(engine, dtype, kept, left_out):
     from rollout_lib.backends.compact_qwen3 import settings_for_dtype
@@ -1117,6 +1120,9 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
     ({"NORM_EPILOGUE_ROW": "slices", "LORA_SHRINK": "in_base_gemm", "DOWN_EPILOGUE": "triton"}, "bfloat16",
      r"NORM_EPILOGUE_ROW slices needs O_EPILOGUE triton \(it is how that kernel \(and DOWN_EPILOGUE triton's\) is "
      r"launched\); this engine: O_EPILOGUE inductor"),
+    ({"ATTENTION_LAUNCH": "by_columns"}, "bfloat16",
+     r"ATTENTION_LAUNCH by_columns needs ATTENTION_BACKEND triton \(it chooses that kernel's launch configuration\); "
+     r"this engine: ATTENTION_BACKEND auto"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):

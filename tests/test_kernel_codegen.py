@@ -58,7 +58,7 @@ for index, name in enumerate(kernel.arg_names):
         if value % 16 == 0 and not free:
             attrs[(index,)] = [["tt.divisibility", 16]]
 compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": spec["num_warps"]})
+                          options={"num_warps": spec["num_warps"], **spec.get("options", {})})
 ptx = compiled.asm["ptx"]
 bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 report = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "-", "-o", "/dev/null"], input=ptx,
@@ -77,15 +77,17 @@ print(json.dumps({"loads": Counter(re.findall(r"ld\.global(?:\.[a-z]+\d*)*\.v?\d
 
 
 def _compile_for_hopper(module: str, args: dict, constexprs: dict, num_warps: int, tmp_path: Path,
-                        factory: str = "_kernel") -> dict:
+                        factory: str = "_kernel", num_stages: int | None = None) -> dict:
     """The kernel of `rollout_lib.backends.<module>` compiled for sm_90a with `args` (name -> "*fp32" / "*bf16" /
     "*i64" for a pointer, an int or a float as a launch passes them) and `constexprs`: the PTX's global loads by
     width, ptxas's registers and spill bytes, and from the SASS (nvdisasm) the global loads and how many of them
     issue before the first float32 FMA. In a fresh process: Triton's interpreter, which the kernel tests
     switch on, and its compiler do not share one (each decides at import how `@triton.jit` functions are built).
-    `factory`: the module's function that defines the kernel."""
+    `factory`: the module's function that defines the kernel; `num_stages`: its software pipeline's (None:
+    Triton's default)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    spec = {"module": module, "args": args, "constexprs": constexprs, "num_warps": num_warps, "factory": factory}
+    spec = {"module": module, "args": args, "constexprs": constexprs, "num_warps": num_warps, "factory": factory,
+            "options": {} if num_stages is None else {"num_stages": num_stages}}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec), str(tmp_path)], capture_output=True,
                           text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -197,6 +199,30 @@ def test_the_decode_attention_compiles_for_hopper_without_spills(splits, tmp_pat
     constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": decode_attention.BLOCK_G,
                   "BLOCK_N": decode_attention.BLOCK_N, "SPLITS": splits, "INTERPRETED": False}
     result = _compile_for_hopper("decode_attention", args, constexprs, decode_attention.WARPS, tmp_path)
+    assert result["global_loads"] > 0, result
+    assert result["spill_bytes"] == 0, result
+
+
+@pytest.mark.parametrize("columns", [192, 768])
+def test_the_decode_attention_at_the_launch_its_cache_length_chooses_compiles_without_spills(columns, tmp_path):
+    """ATTENTION_LAUNCH "by_columns" at Qwen3-0.6B's attention: the short cache's launch (128 columns an iteration,
+    4 warps, 3 stages, one slice) and the long cache's (64 columns, 2 warps, 3 stages, the slices `splits_for` gives
+    4 rows on 132 SMs) compile for sm_90a without spills."""
+    from rollout_lib.backends import decode_attention
+
+    kv_heads, group, head_dim = 8, 2, 128
+    config = decode_attention.launch_for(columns)
+    splits = decode_attention.splits_for(4 * kv_heads, columns, 132, config.block_n)
+    args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
+            "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
+            "q_batch": kv_heads * group * head_dim, "q_head": group * head_dim,
+            "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
+            "scale_log2": 0.1275}
+    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": decode_attention.BLOCK_G,
+                  "BLOCK_N": config.block_n, "SPLITS": splits, "INTERPRETED": False}
+    result = _compile_for_hopper("decode_attention", args, constexprs, config.warps, tmp_path,
+                                 num_stages=config.stages)
+    assert (splits == 1) == (columns < decode_attention.SHORT_CACHE_COLUMNS)
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
 

@@ -331,3 +331,29 @@ def test_a_value_kept_on_top_of_another_value_of_its_setting_replaces_it(tmp_pat
         f"{base}+tritonattn": ((1.59, 1.85), (40.0, 60.0))})      # gains 0.01 / -0.05: dropped
     engine, _ = pick([slower], 0.02)
     assert engine["ATTENTION_BACKEND"] == "fa3"
+
+
+def test_a_bundle_partner_goes_with_a_part_whose_requirement_is_dropped(tmp_path):
+    """Lease 41: +fa3plan+skinnyodown was kept on a base with FA3, +tritonattn replaced FA3, so the plan went; the
+    skinny o/down GEMM, kept only for the bundle's gain (measured with the plan) and dropped alone, must go too."""
+    base = f"{BASE}+fa3+pipelined"
+    folder = _probe(tmp_path / "decode-h200", {
+        base: ((1.60, 1.80), (40.0, 60.0)),
+        f"{base}+tritonattn": ((1.50, 1.70), (40.0, 60.0)),               # gains 0.10 / 0.10: kept
+        f"{base}+skinnyodown": ((1.59, 1.79), (40.0, 60.0)),              # gains 0.01 / 0.01: dropped
+        f"{base}+fa3plan": ((1.59, 1.79), (40.0, 60.0)),                  # gains 0.01 / 0.01: dropped
+        f"{base}+fa3plan+skinnyodown": ((1.55, 1.75), (40.0, 60.0))})     # gains 0.05 / 0.05: kept as a bundle
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"ATTENTION_BACKEND": "triton", "LORA_SHRINK": "in_base_gemm", "READBACK": "pipelined"}
+    said = "\n".join(lines)
+    assert "+fa3plan+skinnyodown (ATTENTION_PLAN+GEMM_KERNEL per_step+triton_skinny_o_down): kept" in said
+    assert "ATTENTION_PLAN per_step: dropped, it needs ATTENTION_BACKEND fa3, which is not chosen" in said
+    assert ("GEMM_KERNEL triton_skinny_o_down: dropped, kept only in the bundle +fa3plan+skinnyodown, measured "
+            "with ATTENTION_PLAN per_step") in said
+    kept_alone = _probe(tmp_path / "decode-h200-alone", {                 # the partner's own gain keeps it
+        base: ((1.60, 1.80), (40.0, 60.0)),
+        f"{base}+tritonattn": ((1.50, 1.70), (40.0, 60.0)),
+        f"{base}+skinnyodown": ((1.55, 1.75), (40.0, 60.0)),
+        f"{base}+tritonattn+skinnyodown": ((1.45, 1.65), (40.0, 60.0))})
+    engine, _ = pick([kept_alone], 0.02)
+    assert engine["GEMM_KERNEL"] == "triton_skinny_o_down" and engine["ATTENTION_BACKEND"] == "triton"

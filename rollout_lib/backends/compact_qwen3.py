@@ -643,6 +643,10 @@ class Layer:
 #   O_EPILOGUE "triton"): one program per slice of SLICE_FEATURES features of a row, the row's last program to
 #   arrive writing its norm (`norm_epilogue`; lease 38's bench: 4.65 us a call with the L2 flushed, 2.52 with B in
 #   it). The probe's `+rowslices`.
+# - ATTENTION_LAUNCH "fixed" (the default): ATTENTION_BACKEND "triton"'s kernel at one launch configuration (64
+#   columns an iteration, 2 warps, 2 stages); "by_columns" (issue 43 candidate, after lease 41's bench: 1.0-1.7 us a
+#   call off at 192 and 768 columns): one chosen by the static cache's length (`decode_attention.launch_for`).
+#   The probe's `+attnlaunch`.
 # - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
@@ -698,6 +702,8 @@ QKV_EPILOGUE = "inductor"
 EPILOGUE_ALLOWED = ("inductor", "triton")
 NORM_EPILOGUE_ROW = "one_program"
 NORM_EPILOGUE_ROW_ALLOWED = ("one_program", "slices")
+ATTENTION_LAUNCH = "fixed"
+ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns")
 # each "<PROJECTION>_EPILOGUE" setting: (the projection whose GEMM output its kernel reads, the kernel's module)
 EPILOGUES = {"GATE_UP_EPILOGUE": ("gate_up", "mlp_epilogue"), "O_EPILOGUE": ("o", "norm_epilogue"),
              "DOWN_EPILOGUE": ("down", "norm_epilogue"), "QKV_EPILOGUE": ("qkv", "qkv_epilogue")}
@@ -719,6 +725,8 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                                                           "work on the same GEMM output"),
                     ("NORM_EPILOGUE_ROW", "slices"): ("O_EPILOGUE", "triton", "it is how that kernel (and "
                                                       "DOWN_EPILOGUE triton's) is launched"),
+                    ("ATTENTION_LAUNCH", "by_columns"): ("ATTENTION_BACKEND", "triton", "it chooses that kernel's "
+                                                         "launch configuration"),
                     **{(name, "triton"): ("LORA_SHRINK", "in_base_gemm", f"its kernel reads the shrink's rows from "
                                                                          f"the {projection} GEMM's output")
                        for name, (projection, _) in EPILOGUES.items()}}
@@ -761,7 +769,7 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
                    "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, **dict.fromkeys(EPILOGUES, EPILOGUE_ALLOWED),
-                   "NORM_EPILOGUE_ROW": NORM_EPILOGUE_ROW_ALLOWED}
+                   "NORM_EPILOGUE_ROW": NORM_EPILOGUE_ROW_ALLOWED, "ATTENTION_LAUNCH": ATTENTION_LAUNCH_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -920,6 +928,7 @@ class CompactQwen3:
         self.qkv_epilogue = setting("QKV_EPILOGUE")
         self.norm_epilogue_row = setting("NORM_EPILOGUE_ROW")
         self.norm_slices = self.norm_epilogue_row == "slices"
+        self.attention_launch = setting("ATTENTION_LAUNCH")
         # B stored rank-major for a projection whose epilogue kernel reads it: each rank term's B loads are then
         # contiguous across the features a warp computes (lease 34: row-major B made the o/down kernel 10.5 us)
         self.rank_major_b = frozenset(projection for name, (projection, _) in EPILOGUES.items()
@@ -1402,7 +1411,9 @@ class CompactQwen3:
                 own_start = prefix_end.to(torch.int32).expand(batch).contiguous()
         elif triton_attention:
             mask = None
-            from rollout_lib.backends.decode_attention import attend, attend_from_projection
+            from rollout_lib.backends.decode_attention import DEFAULT, attend, attend_from_projection, launch_for
+
+            attention_launch = launch_for(cache.k[0].shape[2]) if self.attention_launch == "by_columns" else DEFAULT
         elif not flex and inputs is not None:
             mask = prepared_bias
         elif not flex:
@@ -1460,7 +1471,7 @@ class CompactQwen3:
                     sin.reshape(rows, -1), cache.k[index], cache.v[index], pad, write, self.heads, self.scaling,
                     self.eps, scale, self.lora_add == "bf16_like_nf4_oracle")
             elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
-                attn = attend(q, cache.k[index], cache.v[index], pad, write, scale)
+                attn = attend(q, cache.k[index], cache.v[index], pad, write, scale, attention_launch)
             else:
                 with _attention_kernel(self.attention_backend):
                     attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],

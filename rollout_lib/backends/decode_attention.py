@@ -19,8 +19,8 @@ probabilities rounded to bf16 for the product with v (float32 sums), as FlashAtt
 divides and stores; with several, each stores its float32 partial (output, maximum, sum), and the last program of a
 (row, kv head) to arrive (an atomic counter, as `skinny_gemm`'s) merges the slices in slice order 0, 1, ...: the
 same float32 operations in the same order whichever program arrives last, so the result does not depend on
-scheduling. Its launch configuration is fixed, nothing drawn. bf16 only; CUDA, or a CPU in Triton's interpreter
-(tests).
+scheduling. Its launch configuration is fixed, nothing drawn: DEFAULT, or with ATTENTION_LAUNCH "by_columns" one
+chosen by the cache's length (`launch_for`). bf16 only; CUDA, or a CPU in Triton's interpreter (tests).
 
 ATTENTION_BACKEND "triton_qkv" (`attend_from_projection`): the same kernel with QKV_EPILOGUE's work inside it, one
 kernel a layer fewer (lease 39: qkv's epilogue 2.6 us a call and a ~0.55 us gap before attention). Each program
@@ -74,6 +74,21 @@ class Launch:
         check_launch({"block_n": self.block_n}, self.warps, self.stages, self.splits, MAX_SPLITS)
 
 DEFAULT = Launch()
+
+# ATTENTION_LAUNCH "by_columns" (lease 41's bench, H100, `outputs/perf/decode-h200/epilogue-bench.json`; us a call,
+# DEFAULT -> the launch below): a cache under SHORT_CACHE_COLUMNS in one slice of 128 columns an iteration on 4
+# warps, 3 stages (192 columns: 7.47 -> 5.77 at 4 rows, 9.58 -> 8.14 at 16: no merge, two loop iterations); a
+# longer cache at DEFAULT's 64 columns on 2 warps with 3 stages (768 columns: 10.75 -> 9.78, 21.27 -> 20.25; 128
+# columns on 4 warps took 22.94 at 16 rows there)
+SHORT_CACHE_COLUMNS = 256
+SHORT_CACHE = Launch(block_n=128, warps=4, stages=3)
+LONG_CACHE = Launch(stages=3)
+
+
+def launch_for(columns: int) -> Launch:
+    """ATTENTION_LAUNCH "by_columns": the launch configuration for a static cache of `columns` (fixed for the
+    engine's graphs, since the cache's length is)."""
+    return SHORT_CACHE if columns < SHORT_CACHE_COLUMNS else LONG_CACHE
 
 
 def splits_for(programs: int, columns: int, multiprocessors: int, block_n: int = BLOCK_N) -> int:

@@ -22,7 +22,8 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
 - One value per setting: where two values of one setting are kept (e.g. ATTENTION_BACKEND flex and fa3), the
   larger mean gain wins, unless one was kept measured on top of the other (its parent ran the other value, e.g.
   `+tritonattn` on a base with `+fa3`): its gain is over the other, so it replaces it. A value whose requirement
-  is not kept is dropped (the engine's SETTING_REQUIRES, e.g. DECODE_PREFIX shared needs ATTENTION_BACKEND fa3).
+  is not kept is dropped (the engine's SETTING_REQUIRES, e.g. DECODE_PREFIX shared needs ATTENTION_BACKEND fa3),
+  and with it the partners of a bundle it was kept in (the bundle's gain was measured with it).
 - Inductor options (`+pdl`, `+maxat`, `+cdt`, ...) are not engine settings: reported, never chosen (`+combo` is
   one since lease 30: COMBO_KERNELS). `+again` / `+again2` (the same source compiled again) are not candidates:
   a source's compilations are read as one, by their mean per cell (lease 31: one pair of compilations of one
@@ -337,7 +338,7 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
     for suffix in bundles:
         lines.append(f"+{suffix} ({' '.join(bundle_of[suffix])}): dropped, measured only on top of "
                      "candidates not kept")
-    chosen: dict[str, tuple[str, float]] = {}
+    chosen: dict[str, tuple[str, float, str]] = {}  # setting -> (value, the gain it was kept for, its suffix)
     for part, by in sorted(replaced.items()):
         named = " ".join(bundle_of.get(by) or setting_of[by])
         lines.append(f"{' '.join(setting_of[part])}: replaced by +{by} ({named}), kept measured on top of it")
@@ -353,14 +354,34 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
             continue
         for m in members:
             name, value = setting_of[m]
-            chosen.setdefault(name, (value, gains.get(suffix, float("inf"))))
-    for (name, value), (needs, needed, _) in SETTING_REQUIRES.items():
-        if chosen.get(name, (None,))[0] == value and chosen.get(needs, (None,))[0] != needed:
-            del chosen[name]
-            lines.append(f"{name} {value}: dropped, it needs {needs} {needed}, which is not chosen")
-    engine = {name: value for name, (value, _) in sorted(chosen.items())}
+            chosen.setdefault(name, (value, gains.get(suffix, float("inf")), suffix))
+    _drop_unmet_requirements(chosen, lines)
+    engine = {name: value for name, (value, _, _) in sorted(chosen.items())}
     check_engine_settings(engine)
     return engine, lines
+
+
+def _drop_unmet_requirements(chosen: dict[str, tuple[str, float, str]], lines: list[str]) -> None:
+    """Drop each chosen value whose requirement is not chosen (SETTING_REQUIRES), and with it the partners of the
+    bundle it was kept in: the bundle's gain was measured with it, so a partner kept only for that gain is
+    unmeasured without it (lease 41: +fa3plan+skinnyodown kept on FA3, FA3 replaced by +tritonattn, the plan
+    dropped, and the skinny o/down GEMM, dropped when judged alone, stayed in the engine). Repeated until nothing
+    more is dropped (a partner's going may leave another value's requirement unmet)."""
+    while True:
+        unmet = [(name, value, needs, needed) for (name, value), (needs, needed, _) in SETTING_REQUIRES.items()
+                 if chosen.get(name, (None,))[0] == value and chosen.get(needs, (None,))[0] != needed]
+        if not unmet:
+            return
+        for name, value, needs, needed in unmet:
+            if chosen.get(name, (None,))[0] != value:
+                continue  # dropped above as a partner
+            source = chosen.pop(name)[2]
+            lines.append(f"{name} {value}: dropped, it needs {needs} {needed}, which is not chosen")
+            for other, (other_value, _, other_source) in sorted(chosen.items()):
+                if "+" in source and other_source == source:
+                    del chosen[other]
+                    lines.append(f"{other} {other_value}: dropped, kept only in the bundle +{source}, measured "
+                                 f"with {name} {value}")
 
 
 def build_parser() -> argparse.ArgumentParser:
