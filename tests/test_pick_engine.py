@@ -357,3 +357,32 @@ def test_a_bundle_partner_goes_with_a_part_whose_requirement_is_dropped(tmp_path
         f"{base}+tritonattn+skinnyodown": ((1.45, 1.65), (40.0, 60.0))})
     engine, _ = pick([kept_alone], 0.02)
     assert engine["GEMM_KERNEL"] == "triton_skinny_o_down" and engine["ATTENTION_BACKEND"] == "triton"
+
+
+def test_a_later_probes_base_value_wins_whatever_the_hash_seed(tmp_path):
+    """Lease 42: its probe's base ran the Triton attention, the earlier probes' bases FA3; both are bases, and the
+    picker chose between them by a set's order, which PYTHONHASHSEED draws (FA3 on the device, the Triton kernel
+    here). The later probe's base wins, in every process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    earlier = _probe(tmp_path / "decode-h200", {
+        f"{BASE}+fa3+pipelined": ((1.60, 1.80), (40.0, 60.0)),
+        f"{BASE}+fa3+pipelined+fa3plan": ((1.55, 1.75), (40.0, 60.0))})    # kept on FA3: goes with it
+    later = _probe(tmp_path / "decode-launch", {
+        f"{BASE}+tritonattn+pipelined": ((1.50, 1.70), (40.0, 60.0)),
+        f"{BASE}+tritonattn+pipelined+skinnyodown": ((1.49, 1.69), (40.0, 60.0))})
+    engine, lines = pick([earlier, later], 0.02)
+    assert engine == {"ATTENTION_BACKEND": "triton", "LORA_SHRINK": "in_base_gemm", "READBACK": "pipelined"}
+    assert "+fa3 (ATTENTION_BACKEND fa3): dropped, ATTENTION_BACKEND triton: a later probe's base runs it" in lines
+    assert pick([later, earlier], 0.02)[0]["ATTENTION_BACKEND"] == "fa3"  # the order given decides, nothing else
+    root = Path(__file__).resolve().parents[1]
+    picked = set()
+    for seed in range(8):
+        done = subprocess.run([sys.executable, "tools/lab/pick_engine.py", str(earlier), str(later)], cwd=root,
+                              capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        picked.add(done.stdout.strip())
+    assert picked == {json.dumps(engine, sort_keys=True)}

@@ -18,7 +18,8 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   worse by more than `--min-gain-ms`, which the decode step's draw alone could break). A variant that failed,
   or a candidate measured only on top of candidates not kept, is not kept.
 - The probes' base (the suffixes of each folder's first variant, e.g. `+shrinkgemm`, measured against the
-  default engine before) is kept.
+  default engine before) is kept; where two folders' bases run two values of one setting, the later folder's (the
+  engine a later probe was built on; lease 42's base ran the Triton attention, earlier ones FA3).
 - One value per setting: where two values of one setting are kept (e.g. ATTENTION_BACKEND flex and fa3), the
   larger mean gain wins, unless one was kept measured on top of the other (its parent ran the other value, e.g.
   `+tritonattn` on a base with `+fa3`): its gain is over the other, so it replaces it. A value whose requirement
@@ -236,14 +237,16 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
     suffixes = _suffixes()
     setting_of = {s: (name, value) for s, (name, value) in suffixes.items() if name in ENGINE_SETTINGS}
     bases: set[str] = set()
+    base_at: dict[str, int] = {}  # a base suffix -> the latest folder (its index) whose base runs it
     records: list[dict[str, Any]] = []
     lines: list[str] = []
-    for folder in folders:
+    for index, folder in enumerate(folders):
         if skip_missing and not (folder / "probe.json").exists():
             lines.append(f"{folder}: no probe.json, left out (--skip-missing)")
             continue
         base, found = comparisons(folder, read_probe(folder))
         bases |= base
+        base_at.update(dict.fromkeys(base, index))
         records += found
     records = _latest_measurements(records)
     singles = sorted({r["suffix"] for r in records if "+" not in r["suffix"]} - bases)
@@ -342,15 +345,20 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
     for part, by in sorted(replaced.items()):
         named = " ".join(bundle_of.get(by) or setting_of[by])
         lines.append(f"{' '.join(setting_of[part])}: replaced by +{by} ({named}), kept measured on top of it")
-    for suffix in sorted(bases | set(gains), key=lambda s: -gains.get(s, float("inf"))):
+    # the bases first, a later probe's before an earlier one's (two bases may run two values of one setting: lease
+    # 42's ran the Triton attention where earlier ones ran FA3, and the set's order, which the hash seed draws,
+    # chose between them), then the kept candidates by gain; ties by name, so the order is the same in every run
+    for suffix in sorted(bases | set(gains), key=lambda s: (-gains.get(s, float("inf")), -base_at.get(s, -1), s)):
         members = [m for m in suffix.split("+") if m in setting_of and m not in replaced]
         if "+" not in suffix and suffix not in setting_of:
             continue
-        clash = [(setting_of[m][0], chosen[setting_of[m][0]][0]) for m in members
+        clash = [(setting_of[m][0], *chosen[setting_of[m][0]]) for m in members
                  if setting_of[m][0] in chosen and chosen[setting_of[m][0]][0] != setting_of[m][1]]
         if clash:
+            name, value, _, by = clash[0]
+            why = ": a later probe's base runs it" if suffix in bases and by in bases else " gains more"
             lines.append(f"+{suffix} ({' '.join(bundle_of.get(suffix) or setting_of[suffix])}): dropped, "
-                         f"{clash[0][0]} {clash[0][1]} gains more")
+                         f"{name} {value}{why}")
             continue
         for m in members:
             name, value = setting_of[m]
