@@ -183,45 +183,44 @@ def test_the_qkv_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(t
     assert rank_major["spill_bytes"] == 0
 
 
-@pytest.mark.parametrize("splits", [1, 8])
-def test_the_decode_attention_compiles_for_hopper_without_spills(splits, tmp_path):
-    """ATTENTION_BACKEND "triton" at Qwen3-0.6B's attention (8 kv heads of 128, two query heads each) over a
-    640-column cache, at the module's warps, with one slice (no merge) and with 8 (the merge by the last program,
-    its atomic count): it compiles for sm_90a without spills."""
+def _compile_decode_attention(columns: int, splits: int, block_n: int, warps: int, tmp_path: Path,
+                              num_stages: int | None = None) -> dict:
+    """The decode attention kernel at Qwen3-0.6B's attention (8 kv heads of 128, two query heads each) over a cache
+    of `columns`, compiled for sm_90a (`_compile_for_hopper`)."""
     from rollout_lib.backends import decode_attention
 
-    kv_heads, group, head_dim, columns = 8, 2, 128, 640
+    kv_heads, group, head_dim = 8, 2, 128
     args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
             "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
             "q_batch": kv_heads * group * head_dim, "q_head": group * head_dim,
             "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
             "scale_log2": 0.1275}
-    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": decode_attention.BLOCK_G,
-                  "BLOCK_N": decode_attention.BLOCK_N, "SPLITS": splits, "INTERPRETED": False}
-    result = _compile_for_hopper("decode_attention", args, constexprs, decode_attention.WARPS, tmp_path)
+    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": decode_attention.BLOCK_G, "BLOCK_N": block_n,
+                  "SPLITS": splits, "INTERPRETED": False}
+    return _compile_for_hopper("decode_attention", args, constexprs, warps, tmp_path, num_stages=num_stages)
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_the_decode_attention_compiles_for_hopper_without_spills(splits, tmp_path):
+    """ATTENTION_BACKEND "triton" over a 640-column cache, at the module's warps, with one slice (no merge) and with
+    8 (the merge by the last program, its atomic count): it compiles for sm_90a without spills."""
+    from rollout_lib.backends import decode_attention
+
+    result = _compile_decode_attention(640, splits, decode_attention.BLOCK_N, decode_attention.WARPS, tmp_path)
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
 
 
 @pytest.mark.parametrize("columns", [192, 768])
 def test_the_decode_attention_at_the_launch_its_cache_length_chooses_compiles_without_spills(columns, tmp_path):
-    """ATTENTION_LAUNCH "by_columns" at Qwen3-0.6B's attention: the short cache's launch (128 columns an iteration,
-    4 warps, 3 stages, one slice) and the long cache's (64 columns, 2 warps, 3 stages, the slices `splits_for` gives
-    4 rows on 132 SMs) compile for sm_90a without spills."""
+    """ATTENTION_LAUNCH "by_columns": the short cache's launch (128 columns an iteration, 4 warps, 3 stages, one
+    slice) and the long cache's (64 columns, 2 warps, 3 stages, the slices `splits_for` gives 4 rows on 132 SMs)
+    compile for sm_90a without spills."""
     from rollout_lib.backends import decode_attention
 
-    kv_heads, group, head_dim = 8, 2, 128
     config = decode_attention.launch_for(columns)
-    splits = decode_attention.splits_for(4 * kv_heads, columns, 132, config.block_n)
-    args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
-            "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
-            "q_batch": kv_heads * group * head_dim, "q_head": group * head_dim,
-            "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
-            "scale_log2": 0.1275}
-    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": decode_attention.BLOCK_G,
-                  "BLOCK_N": config.block_n, "SPLITS": splits, "INTERPRETED": False}
-    result = _compile_for_hopper("decode_attention", args, constexprs, config.warps, tmp_path,
-                                 num_stages=config.stages)
+    splits = decode_attention.splits_for(4 * 8, columns, 132, config.block_n)
+    result = _compile_decode_attention(columns, splits, config.block_n, config.warps, tmp_path, config.stages)
     assert (splits == 1) == (columns < decode_attention.SHORT_CACHE_COLUMNS)
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
