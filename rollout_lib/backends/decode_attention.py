@@ -53,6 +53,7 @@ LOG2_E = 1.4426950408889634
 
 _KERNEL = None
 columns_block = None  # the kernel's loop body, a Triton function set by _kernel()
+columns = None  # its loop over a slice's columns; set by _kernel()
 finish = None  # its end: the slice's output or partial, and the merge; set by _kernel()
 row_slice = None  # a program's share of its row's columns; set by _kernel()
 lora_add = None  # the LoRA add's two roundings (triton_jit.lora_add), set by _fused_kernel()
@@ -119,7 +120,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global columns_block, finish, row_slice  # globals: Triton's interpreter reads a kernel's globals, not its closure
+    # globals: Triton's interpreter reads a kernel's globals, not its closure
+    global columns_block, columns, finish, row_slice
 
     @triton.jit
     def columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2, maximum, total, acc,
@@ -145,6 +147,23 @@ def _kernel():
             weights = weights.to(tl.float32)
         acc = tl.dot(weights, v, acc * rescale[:, None])
         return new_maximum, total, acc
+
+    @triton.jit
+    def columns(q, k_ptr, v_ptr, cache, low, high, cache_column, scale_log2, maximum, total, acc, HEAD_DIM, BLOCK_N,
+                INTERPRETED):
+        """Columns [low, high) BLOCK_N at a time (`columns_block`) into the running (maximum, sum, output); the last
+        three are the caller's constexprs (not annotated: `tl` is not in this body's closure)."""
+        if INTERPRETED:  # the interpreter's scalars are one-element arrays, which range() cannot take as bounds
+            start = low
+            while start < high:
+                maximum, total, acc = columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2,
+                                                    maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+                start += BLOCK_N
+        else:
+            for start in range(low, high, BLOCK_N):
+                maximum, total, acc = columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2,
+                                                    maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+        return maximum, total, acc
 
 
     @triton.jit
@@ -216,16 +235,8 @@ def _kernel():
         maximum = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         total = tl.zeros((BLOCK_G,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32)
-        if INTERPRETED:  # the interpreter's scalars are one-element arrays, which range() cannot take as bounds
-            start = low
-            while start < high:
-                maximum, total, acc = columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2,
-                                                    maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
-                start += BLOCK_N
-        else:
-            for start in range(low, high, BLOCK_N):
-                maximum, total, acc = columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2,
-                                                    maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+        maximum, total, acc = columns(q, k_ptr, v_ptr, cache, low, high, cache_column, scale_log2, maximum, total,
+                                      acc, HEAD_DIM, BLOCK_N, INTERPRETED)
         finish(acc, maximum, total, out_ptr + q_at, part_ptr, stat_ptr, lock_ptr, b * kv_heads + kv, split, g, d,
                keep_g, HEAD_DIM, BLOCK_G, SPLITS)
 
@@ -247,7 +258,7 @@ def _fused_kernel():
 
     from rollout_lib.backends import triton_jit
 
-    _kernel()  # columns_block, finish
+    _kernel()  # columns, finish
     global lora_add
     lora_add = triton_jit.lora_add
 
@@ -331,16 +342,8 @@ def _fused_kernel():
             maximum = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
             total = tl.full((BLOCK_G,), 1.0, dtype=tl.float32)
             acc = tl.zeros((BLOCK_G, HEAD_DIM), dtype=tl.float32) + v_new.to(tl.float32)[None, :]
-        if INTERPRETED:
-            start = low
-            while start < high:
-                maximum, total, acc = columns_block(q, cache_k_ptr, cache_v_ptr, cache, start, high, cache_column,
-                                                    scale_log2, maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
-                start += BLOCK_N
-        else:
-            for start in range(low, high, BLOCK_N):
-                maximum, total, acc = columns_block(q, cache_k_ptr, cache_v_ptr, cache, start, high, cache_column,
-                                                    scale_log2, maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+        maximum, total, acc = columns(q, cache_k_ptr, cache_v_ptr, cache, low, high, cache_column, scale_log2,
+                                      maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
         q_at = ((b * KV_HEADS + kv) * GROUP + g[:, None]) * HEAD_DIM + d[None, :]
         finish(acc, maximum, total, out_ptr + q_at, part_ptr, stat_ptr, lock_ptr, b * KV_HEADS + kv, split, g, d,
                keep_g, HEAD_DIM, BLOCK_G, SPLITS)
