@@ -117,9 +117,30 @@ def notebook_kernel_options() -> Iterator[dict[str, Any]]:
 
     folder = tempfile.mkdtemp(prefix="rollout-kernel-")
     try:
-        yield {"config": Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "kernel")}})}
+        yield {"config": Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "kernel")}}),
+               "kernel_manager_class": _shutdown_without_interrupt_manager()}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _shutdown_without_interrupt_manager() -> type:
+    """jupyter_client's AsyncKernelManager, except that shutting the kernel down sends it no SIGINT.
+
+    jupyter_client interrupts the kernel before every shutdown request. When the last cell has just
+    replied, the kernel may still be inside that request's handler, where ipykernel turns the signal into
+    a KeyboardInterrupt and logs "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel." on the run's
+    stderr: a race, seen on a loaded CI machine. The shutdown request alone stops an idle kernel; a busy
+    one (a failed or cancelled run) is still ended by jupyter_client's SIGTERM and kill after its wait.
+    An interrupt asked for while the kernel is not shutting down (nbclient's cell timeout) is unchanged."""
+    from jupyter_client import AsyncKernelManager
+
+    class ShutdownWithoutInterrupt(AsyncKernelManager):
+        async def _async_interrupt_kernel(self) -> None:
+            if self.shutting_down:
+                return
+            await super()._async_interrupt_kernel()
+
+    return ShutdownWithoutInterrupt
 
 
 class CanonicalJSONError(ValueError):

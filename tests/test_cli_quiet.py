@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from rollout_lib.core import KNOWN_HARMLESS_LOG_MESSAGES, quiet_known_warnings
+from rollout_lib.core import KNOWN_HARMLESS_LOG_MESSAGES, notebook_kernel_options, quiet_known_warnings
 
 from .conftest import REPO, SMOKE
 
@@ -44,3 +44,54 @@ def test_only_the_named_messages_are_filtered(caplog):
             logger.warning("another warning of the same library")
         assert [r.getMessage() for r in caplog.records if r.name == name] == ["another warning of the same library"]
         caplog.clear()
+
+
+def _sigints_at_shutdown(manager_class: type, folder) -> str:
+    """Start a kernel, leave it busy in a cell that records every SIGINT, shut it down; what it recorded."""
+    import asyncio
+    import time
+
+    started, record = folder / "started", folder / "sigint"
+
+    async def run() -> None:
+        with notebook_kernel_options() as options:
+            manager = manager_class(config=options["config"], kernel_name="python3")
+            manager.shutdown_wait_time = 2.0
+            await manager.start_kernel(cwd=str(folder))
+            client = manager.client()
+            client.start_channels()
+            try:
+                await client.wait_for_ready(timeout=120)
+                # the handler is set inside the cell: ipykernel restores its own after each request
+                client.execute(f"import signal, time, pathlib\n"
+                               f"note = lambda *_: pathlib.Path({str(record)!r}).write_text('SIGINT')\n"
+                               f"signal.signal(signal.SIGINT, note)\n"
+                               f"pathlib.Path({str(started)!r}).write_text('')\n"
+                               f"time.sleep(30)\n")
+                deadline = time.monotonic() + 60
+                while not started.exists():
+                    assert time.monotonic() < deadline, "the cell never started"
+                    await asyncio.sleep(0.05)
+            finally:
+                client.stop_channels()
+                await manager.shutdown_kernel()
+            assert not manager.has_kernel
+
+    asyncio.run(run())
+    return record.read_text() if record.exists() else ""
+
+
+def test_the_notebook_kernel_is_shut_down_without_an_interrupt(tmp_path):
+    """jupyter_client interrupts a kernel before shutting it down; a kernel still inside a request logs the
+    KeyboardInterrupt on the run's stderr (CI saw "[IPKernelApp] ERROR | KeyboardInterrupt caught in kernel."
+    after the last cell). The notebook runs' kernel manager shuts down without that SIGINT, and a busy
+    kernel still ends; jupyter_client's own manager, on the same kernel, sends it."""
+    from jupyter_client import AsyncKernelManager
+
+    with notebook_kernel_options() as options:
+        manager_class = options["kernel_manager_class"]
+    assert issubclass(manager_class, AsyncKernelManager) and manager_class is not AsyncKernelManager
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "stock").mkdir()
+    assert _sigints_at_shutdown(manager_class, tmp_path / "ours") == ""
+    assert _sigints_at_shutdown(AsyncKernelManager, tmp_path / "stock") == "SIGINT"
