@@ -79,6 +79,73 @@ def test_the_launch_chosen_by_the_cache_length_is_softmax_over_each_rows_columns
     assert int(decode_attention._LOCKS[decode_attention.device_key(DEVICE)].abs().sum()) == 0
 
 
+def _shared_operands(blocks, rows, kv_heads, group, head_dim, columns, pads, prefix_end, write, seed):
+    """Blocks of `rows` rows sharing one prompt (one pad per block): (the operands, in which the prompt's columns of
+    every row but a block's first are NaN, and the caches a per-row attention would read, where they are copies of
+    the first row's)."""
+    batch = blocks * rows
+    q, k, v, pad, write_t = _operands(batch, kv_heads, group, head_dim, columns,
+                                      [p for p in pads for _ in range(rows)], write, seed)
+    copied_k, copied_v = k.clone(), v.clone()
+    for block in range(blocks):
+        first = block * rows
+        for row in range(first + 1, first + rows):
+            copied_k[row, :, :prefix_end] = k[first, :, :prefix_end]
+            copied_v[row, :, :prefix_end] = v[first, :, :prefix_end]
+            k[row, :, :prefix_end] = float("nan")  # a read of another row's prompt copy poisons the output
+            v[row, :, :prefix_end] = float("nan")
+    return (q, k, v, pad, write_t, torch.tensor([prefix_end])), (copied_k, copied_v)
+
+
+@pytest.mark.parametrize(("blocks", "rows", "kv_heads", "group", "head_dim", "columns", "pads", "prefix_end",
+                          "write", "splits"), [
+    (4, 4, 8, 2, 128, 192, [0, 5, 64, 100], 128, 150, None),  # Qwen3-0.6B at 16 rows in 4 GRPO groups of 4
+    (4, 4, 8, 2, 128, 192, [0, 5, 64, 100], 128, 150, 1),     # one slice: no merge
+    (2, 2, 2, 2, 64, 300, [17, 59], 60, 260, 3),              # slices that hold only other rows' own columns
+    (1, 3, 1, 4, 32, 50, [0], 30, 49, 16),                    # more slices than entries: empty slices merged
+    (2, 8, 1, 8, 32, 40, [3, 9], 20, 20, None),               # a 64-row tile; the first decode column alone
+    (2, 2, 1, 2, 32, 40, [10, 10], 10, 25, 2),                # no prompt column (pad at the prefix's end)
+])
+def test_attention_over_a_shared_prompt_reads_it_from_the_blocks_first_row(blocks, rows, kv_heads, group, head_dim,
+                                                                           columns, pads, prefix_end, write, splits):
+    """DECODE_PREFIX "shared" (`attend_shared`): each row's softmax over the block's prompt, read from the block's
+    first row (the other rows' copies are NaN here), and its own columns: what `attend` and the float32 reference
+    compute on caches where every row holds the prompt, within the bf16 tolerance; deterministic, counters zero."""
+    from rollout_lib.backends import decode_attention
+
+    operands, (copied_k, copied_v) = _shared_operands(blocks, rows, kv_heads, group, head_dim, columns, pads,
+                                                      prefix_end, write, blocks * rows + columns)
+    q, _, _, pad, write_t, _ = operands
+    decode_attention.prepare(DEVICE)
+    on = [t.to(DEVICE) for t in operands]
+    config = decode_attention.Launch(splits=splits)
+    out = decode_attention.attend_shared(*on, rows, 0.125, config)
+    want = decode_attention.reference(q, copied_k, copied_v, pad, write_t, 0.125)
+    per_row = decode_attention.attend(*[t.to(DEVICE) for t in (q, copied_k, copied_v, pad, write_t)], 0.125, config)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert (out.float().cpu() - want.float()).abs().max() <= 0.02
+    assert (out.float() - per_row.float()).abs().max() <= 0.02
+    assert torch.equal(decode_attention.attend_shared(*on, rows, 0.125, config), out)
+    assert int(decode_attention._LOCKS[decode_attention.device_key(DEVICE)].abs().sum()) == 0
+
+
+def test_a_shared_prompt_that_is_not_blocks_of_rows_is_refused_by_name():
+    from rollout_lib.backends import decode_attention
+
+    decode_attention.prepare(DEVICE)
+    q = torch.zeros(6, 2, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    cache = torch.zeros(6, 2, 8, 16, dtype=torch.bfloat16, device=DEVICE)
+    pad, one = torch.zeros(6, dtype=torch.long, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^DECODE_PREFIX shared: q \(6, 2, 2, 16\) .* in blocks of 4 \(bf16, "
+                                         r"blocks x query heads per kv head at most 64"):
+        decode_attention.attend_shared(q, cache, cache.clone(), pad, one, one, 4, 0.25)
+    wide = torch.zeros(66, 1, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    wide_cache = torch.zeros(66, 1, 8, 16, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"in blocks of 33 "):  # 66 query rows: past the tile's 64
+        decode_attention.attend_shared(wide, wide_cache, wide_cache.clone(), torch.zeros(66, dtype=torch.long,
+                                       device=DEVICE), one, one, 33, 0.25)
+
+
 def test_the_slices_fill_the_gpu_and_keep_a_block_of_columns_each():
     from rollout_lib.backends.decode_attention import MAX_SPLITS, splits_for
 
@@ -140,6 +207,22 @@ def test_an_engine_launches_the_kernel_as_the_cache_length_chooses(smoke_study, 
     assert chosen and set(seen) == {decode_attention.DEFAULT} | {launch_for(columns) for columns in chosen}
     assert decode_attention.DEFAULT not in {launch_for(columns) for columns in chosen}
     assert_parts_only_after_close_logprobs(fixed, got, 0.05 if DEVICE == "cuda" else 0.1)
+
+
+def test_a_bf16_engine_reads_each_groups_prompt_once_and_serves_the_per_row_tokens(smoke_study, snapshot_cache):
+    """DECODE_PREFIX "shared" with the Triton kernel in the engine: the n2 cells' decode steps call `attend_shared`
+    in every layer (their rows are blocks of 2 with one prompt), and the tokens and log-probabilities are the
+    per-row kernel's but for bf16 roundings in another order (the prompt's columns and the row's own in other
+    loop iterations): log-probabilities close, tokens apart only after that."""
+    from rollout_lib.study.workload import Workload
+
+    triton = {"ATTENTION_BACKEND": "triton"}
+    policy, runs = run_engines(smoke_study, snapshot_cache, (triton, {**triton, "DECODE_PREFIX": "shared"}),
+                               "rollout::decode_attention_shared", "shared_prefix_kernel")
+    (per_row_identity, per_row, none), (identity, got, used) = runs
+    assert identity == per_row_identity == policy.identity
+    assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers
+    assert_parts_only_after_close_logprobs(per_row, got, 0.05 if DEVICE == "cuda" else 0.1)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3])

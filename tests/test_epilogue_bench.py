@@ -43,15 +43,19 @@ def test_every_configuration_computes_what_the_default_computes(kernel, rows):
                     "lora_b": exact_values((rank, hidden), generator, 0.125).t(),
                     "h": exact_values((rows, hidden), generator, 1.0).bfloat16(),
                     "weight": (1 + exact_values((hidden,), generator, 0.0625)).bfloat16()}
-    elif kernel in ("attention", "attention_long"):
+    elif kernel.startswith("attention"):
         from rollout_lib.backends import decode_attention
 
         decode_attention.prepare(DEVICE)
-        columns = 40 if kernel == "attention" else 150
+        columns = 150 if kernel.endswith("_long") else 40
+        shared = kernel.startswith("attention_shared")  # GRPO groups of 4 rows: one prompt (one pad) each
         operands = {"q": torch.randn(rows, kv_heads, heads // kv_heads, head_dim, generator=generator).bfloat16(),
                     "cache_k": torch.randn(rows, kv_heads, columns, head_dim, generator=generator).bfloat16(),
                     "cache_v": torch.randn(rows, kv_heads, columns, head_dim, generator=generator).bfloat16(),
-                    "pad": torch.arange(rows) % 7, "write": torch.tensor([columns - 3])}
+                    "pad": (torch.arange(rows) // 4 if shared else torch.arange(rows)) % 7,
+                    "write": torch.tensor([columns - 3])}
+        if shared:
+            operands["prefix_end"] = torch.tensor([columns // 2])
     elif kernel == "gate_up":
         operands = {"both": exact_values((rows, 2 * inner + 6 * rank), generator, 0.25),
                     "lora_b": exact_values((2 * rank, 2 * inner), generator, 0.125).t(), "inter": inner}
@@ -76,7 +80,7 @@ def test_every_configuration_computes_what_the_default_computes(kernel, rows):
         if kernel == "gate_up":
             assert torch.equal(got, want), config
             continue
-        if kernel in ("attention", "attention_long"):  # slices and blocks change where the weights round to bf16
+        if kernel.startswith("attention"):  # slices and blocks change where the weights round to bf16
             assert (got.float() - want.float()).abs().max() <= 0.02, config
             continue
         tolerance = 2 * torch.finfo(torch.bfloat16).eps  # a norm's sum of squares: float32 in each one's order
@@ -98,6 +102,32 @@ def test_bad_input_is_refused_by_the_benches_shared_check_naming_its_own_option(
     assert exit_info.value.code == 2
     assert "--layers: 57 is not allowed; allowed: 1 to --calls (56)" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_an_unknown_kernel_is_refused_by_name_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", "x.json", "--kernels", "attention_long", "attention_sharedlong"])
+    assert exit_info.value.code == 2
+    assert "--kernels: attention_sharedlong is not allowed; allowed: o_down, " in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_shared_prompt_kernels_time_the_per_row_kernels_caches_in_groups_of_four():
+    """`attention_shared_long` reads the cache `attention_long` reads (768 columns, 640 in use), its rows in groups
+    of 4 sharing a 512-column prompt: the two times compare the same attention read two ways."""
+    from tools.lab.epilogue_bench import ATTENTION_CACHES, SHARED_PREFIX_END, SHARED_ROWS, _operands
+
+    arch = SimpleNamespace(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16)
+    assert ATTENTION_CACHES["attention_shared_long"] == ATTENTION_CACHES["attention_long"]
+    assert ATTENTION_CACHES["attention_shared"] == ATTENTION_CACHES["attention"] and SHARED_ROWS == 4
+    shared = _operands("attention_shared_long", arch, 4, 16, torch.Generator().manual_seed(0))
+    per_row = _operands("attention_long", arch, 4, 16, torch.Generator().manual_seed(0))
+    assert shared["prefix_end"].tolist() == [SHARED_PREFIX_END["attention_shared_long"]] == [512]
+    assert {name: t.shape for name, t in per_row.items()} == {name: t.shape for name, t in shared.items()
+                                                              if name != "prefix_end"}
+    assert shared["write"].tolist() == per_row["write"].tolist() == [639]
 
 
 def test_its_operands_have_the_engines_shapes_and_b_rank_major():

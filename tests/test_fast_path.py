@@ -477,9 +477,15 @@ def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_
     ({"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared", "COMBO_KERNELS": "on"}, "float32",
      {"COMBO_KERNELS": "on"}, {"ATTENTION_BACKEND": "fa3: bfloat16 engines only (FA3's kernels take bf16 or fp16 "
                                                     "only)",
-                               "DECODE_PREFIX": "shared: needs ATTENTION_BACKEND fa3, left out in float32"}),
+                               "DECODE_PREFIX": "shared: needs ATTENTION_BACKEND fa3 or triton, left out in "
+                                                "float32"}),
     ({"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}, "bfloat16",
      {"ATTENTION_BACKEND": "fa3", "DECODE_PREFIX": "shared"}, {}),
+    ({"ATTENTION_BACKEND": "triton", "DECODE_PREFIX": "shared"}, "float32",
+     {}, {"ATTENTION_BACKEND": "triton: bfloat16 engines only (its kernel multiplies bf16 operands)",
+          "DECODE_PREFIX": "shared: needs ATTENTION_BACKEND fa3 or triton, left out in float32"}),
+    ({"ATTENTION_BACKEND": "triton", "DECODE_PREFIX": "shared"}, "bfloat16",
+     {"ATTENTION_BACKEND": "triton", "DECODE_PREFIX": "shared"}, {}),
     ({"ATTENTION_BACKEND": "triton", "COMBO_KERNELS": "on"}, "float32",
      {"COMBO_KERNELS": "on"}, {"ATTENTION_BACKEND": "triton: bfloat16 engines only (its kernel multiplies bf16 "
                                                     "operands)"}),
@@ -1088,7 +1094,7 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
      r"LORA_SHRINK in_base_gemm needs a bfloat16 engine, not torch\.float32"),
     ({"ATTENTION_BACKEND": "fa3"}, "bfloat16", r"ATTENTION_BACKEND fa3 needs a bf16 engine on a Hopper GPU .*cpu"),
     ({"DECODE_PREFIX": "shared"}, "float32",
-     r"DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 .*; this engine: ATTENTION_BACKEND auto"),
+     r"DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 or triton \(.*\); this engine: ATTENTION_BACKEND auto"),
     ({"LORA_EXPAND": "triton"}, "float32", r"LORA_EXPAND triton needs a CUDA GPU and Triton; this engine: cpu"),
     ({"GEMM_KERNEL": "triton_skinny"}, "float32", r"GEMM_KERNEL triton_skinny needs a bfloat16 engine, not "),
     ({"GEMM_KERNEL": "triton_skinny", "GEMM_SPLIT_K": "4"}, "bfloat16",

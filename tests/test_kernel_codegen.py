@@ -248,3 +248,25 @@ def test_the_decode_attention_from_the_qkv_projection_compiles_for_hopper_withou
                                  factory="_fused_kernel")
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
+
+
+@pytest.mark.parametrize(("rows", "splits"), [(4, 1), (4, 8), (8, 8)])
+def test_the_shared_prompt_decode_attention_compiles_for_hopper_without_spills(rows, splits, tmp_path):
+    """DECODE_PREFIX "shared" with the Triton kernel at Qwen3-0.6B's attention over a 768-column cache (p512-r256),
+    blocks of 4 rows (a 16-row tile: the n4 cells) and of 8 (the same tile, full), with one slice and with 8, at
+    the module's launch: it compiles for sm_90a without spills."""
+    from rollout_lib.backends import decode_attention
+
+    kv_heads, group, head_dim, columns = 8, 2, 128, 768
+    args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
+            "prefix_ptr": "*i64", "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
+            "q_batch": kv_heads * group * head_dim, "q_head": group * head_dim,
+            "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
+            "scale_log2": 0.1275}
+    constexprs = {"ROWS": rows, "GROUP": group, "HEAD_DIM": head_dim,
+                  "BLOCK_T": max(decode_attention.BLOCK_G, rows * group), "BLOCK_N": decode_attention.BLOCK_N,
+                  "SPLITS": splits, "INTERPRETED": False}
+    result = _compile_for_hopper("decode_attention", args, constexprs, decode_attention.WARPS, tmp_path,
+                                 factory="_shared_kernel")
+    assert result["global_loads"] > 0, result
+    assert result["spill_bytes"] == 0, result

@@ -172,7 +172,18 @@ def test_a_kept_setting_whose_requirement_loses_its_setting_is_dropped(tmp_path)
         f"{BASE}+fa3+sharedprefix": ((1.9, 2.1), (40.0, 60.0))})  # kept on top of fa3, which flex displaces
     engine, lines = pick([folder], 0.02)
     assert engine == {"ATTENTION_BACKEND": "flex", "LORA_SHRINK": "in_base_gemm"}
-    assert "DECODE_PREFIX shared: dropped, it needs ATTENTION_BACKEND fa3, which is not chosen" in lines
+    assert "DECODE_PREFIX shared: dropped, it needs ATTENTION_BACKEND fa3 or triton, which is not chosen" in lines
+
+
+def test_a_kept_setting_with_one_of_its_allowed_requirements_stays(tmp_path):
+    """DECODE_PREFIX shared runs with FA3 or the Triton kernel: kept on top of +tritonattn, it stays with it."""
+    folder = _probe(tmp_path / "p", {
+        BASE: ((2.1, 2.4), (40.0, 60.0)),
+        f"{BASE}+tritonattn": ((2.0, 2.3), (40.0, 60.0)),
+        f"{BASE}+tritonattn+sharedprefix": ((1.95, 2.1), (40.0, 60.0))})
+    engine, lines = pick([folder], 0.02)
+    assert engine == {"ATTENTION_BACKEND": "triton", "DECODE_PREFIX": "shared", "LORA_SHRINK": "in_base_gemm"}
+    assert not any("dropped, it needs" in line for line in lines), lines
 
 
 def test_the_command_prints_the_mapping_alone_on_stdout(folders, capsys):

@@ -562,14 +562,17 @@ class Layer:
 #   candidate): the same noise and formulas with every vocabulary reduction split into up to 128 chunks
 #   (`counter_noise.sample_chunked`). The probe's `+chunkedsampler`.
 # - DECODE_PREFIX "per_row" (the default): each row's decode attention reads its own copy of its prompt's k/v;
-#   "shared" (issue 43 item 5, candidate; with ATTENTION_BACKEND "fa3" only): when a batch's rows come in
+#   "shared" (issue 43 item 5, candidate; with ATTENTION_BACKEND "fa3" or "triton"): when a batch's rows come in
 #   blocks of n consecutive rows with one prompt each (a GRPO group, the workload's n > 1 cells), each
-#   decode step attends once per block to the prompt's columns, held by the block's first row, with the
-#   block's n rows as n query positions, and once per row to its own generated columns; the two halves merge
-#   by their log-sum-exp (`merge_attention_states`, cascade attention as vLLM does it for shared prefixes).
-#   The prompt's k/v is read once per block instead of n times (at p512-r512-n4, 16 rows: about half the
-#   step's cache reads); the price is a second FA3 call and a merge per layer. One graph per (rows, length,
-#   n). Other batches decode per row.
+#   decode step reads the prompt's columns, held by the block's first row, once per block, and each row's own
+#   generated columns once. The prompt's k/v is read once per block instead of n times (at p512-r512-n4, 16
+#   rows: about half the step's cache reads). With fa3: two FA3 calls per layer, the block's n rows as n query
+#   positions over the prompt and each row over its own columns, merged by their log-sum-exp
+#   (`merge_attention_states`, cascade attention as vLLM does it for shared prefixes); lease 31: the second call
+#   and the merge cost more than the reads saved. With triton: one kernel a layer (`decode_attention.
+#   attend_shared`: the block's rows as one MMA tile over the prompt's columns and each row's own, one softmax,
+#   no merge kernel; the probe's `+tritonattn+sharedprefix`). One graph per (rows, length, n). Other batches
+#   decode per row.
 # - READBACK "per_step" (the default): after each step's graph replay the host reads its tokens (a blocking
 #   copy), checks the stops, then replays the next step, so the GPU waits for the host between steps (72-105 us a
 #   step in lease 23's traces: the copy, the Python bookkeeping, the launch); "pipelined" (issue 43 candidate):
@@ -716,9 +719,10 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-# a setting's value that runs only with another setting's value (the engine refuses it otherwise)
-SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
-                                                  "its kernel returns the log-sum-exp the two halves merge by"),
+# a setting's value that runs only with another setting's value, or one of several (the engine refuses it otherwise)
+SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", ("fa3", "triton"),
+                                                  "FA3's kernel returns the log-sum-exp the two halves merge by; "
+                                                  "the Triton kernel reads the shared columns itself"),
                     ("ATTENTION_PLAN", "per_step"): ("ATTENTION_BACKEND", "fa3", "the plan is FA3's scheduler "
                                                      "metadata"),
                     ("ATTENTION_BACKEND", "triton_qkv"): ("QKV_EPILOGUE", "triton", "its kernel does that epilogue's "
@@ -730,6 +734,16 @@ SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", "fa3",
                     **{(name, "triton"): ("LORA_SHRINK", "in_base_gemm", f"its kernel reads the shrink's rows from "
                                                                          f"the {projection} GEMM's output")
                        for name, (projection, _) in EPILOGUES.items()}}
+
+
+def requirement_met(value: str | None, needed: str | tuple[str, ...]) -> bool:
+    """Whether a setting's `value` is what a SETTING_REQUIRES entry needs (`needed`: one value or several)."""
+    return value in needed if isinstance(needed, tuple) else value == needed
+
+
+def requirement_text(needed: str | tuple[str, ...]) -> str:
+    """A SETTING_REQUIRES entry's needed value(s) in a message: "fa3", or "fa3 or triton"."""
+    return " or ".join(needed) if isinstance(needed, tuple) else needed
 
 
 # a setting's value that runs in a bfloat16 engine only (the engine refuses it in float32, by name)
@@ -754,8 +768,8 @@ def settings_for_dtype(settings: dict[str, str], dtype: str) -> tuple[dict[str, 
             if settings.get(name) == value:
                 left_out[name] = f"{value}: bfloat16 engines only ({why})"
         for (name, value), (needs, needed, _) in SETTING_REQUIRES.items():
-            if settings.get(name) == value and needs in left_out and settings.get(needs) == needed:
-                left_out[name] = f"{value}: needs {needs} {needed}, left out in {dtype}"
+            if settings.get(name) == value and needs in left_out and requirement_met(settings.get(needs), needed):
+                left_out[name] = f"{value}: needs {needs} {requirement_text(needed)}, left out in {dtype}"
     return {k: v for k, v in settings.items() if k not in left_out}, left_out
 
 
@@ -949,9 +963,9 @@ class CompactQwen3:
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)
         for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():
-            if setting(name) == value and setting(needs) != needed:
-                raise ValueError(f"{name} {value} needs {needs} {needed} ({why}); this engine: {needs} "
-                                 f"{setting(needs)}")
+            if setting(name) == value and not requirement_met(setting(needs), needed):
+                raise ValueError(f"{name} {value} needs {needs} {requirement_text(needed)} ({why}); this engine: "
+                                 f"{needs} {setting(needs)}")
         for name, (_, module) in EPILOGUES.items():
             if setting(name) == "triton":
                 triton_ops.check_triton_runs_here(self.device, f"{name} triton")
@@ -1021,7 +1035,7 @@ class CompactQwen3:
                 in_chunks=compile(counter_noise.sample_in_chunks) if self.compiled else None)
         # DECODE_PREFIX "shared": the merge of the two attention halves as one kernel per layer, not ~10
         self.merge = (compile(merge_attention_states) if self.compiled and self.decode_prefix == "shared"
-                      else merge_attention_states)
+                      and self.attention_backend == "fa3" else merge_attention_states)
         # STEP_EDGES "compiled": the decode step's work outside its layers as three pieces (decode_step)
         edges = self.compiled and self.step_edges == "compiled"
         self.decode_inputs = compile(_decode_inputs) if edges else _decode_inputs
@@ -1372,8 +1386,9 @@ class CompactQwen3:
         per-layer pieces through inductor (the decode step; the prefill too with PREFILL_STEP "compiled_graph";
         see __init__). `pad` [B]: each row's
         left padding, which a decode step passes for ATTENTION_BACKEND "fa3" (the mask, in columns). `group` > 1
-        (DECODE_PREFIX "shared", fa3): rows come in blocks of `group` sharing one prompt, whose k/v columns
-        [pad, prefix_end) the block's first row holds; attention is then cascaded (see DECODE_PREFIX). `inputs`
+        (DECODE_PREFIX "shared", fa3 or triton): rows come in blocks of `group` sharing one prompt, whose k/v columns
+        [pad, prefix_end) the block's first row holds; attention then reads them once per block (see
+        DECODE_PREFIX). `inputs`
         (STEP_EDGES "compiled", decode steps): the embedded tokens, cos, sin and the additive bias (None where the
         attention kernel takes no bias), computed by `decode_inputs` from the same tensors."""
         import torch
@@ -1411,7 +1426,13 @@ class CompactQwen3:
                 own_start = prefix_end.to(torch.int32).expand(batch).contiguous()
         elif triton_attention:
             mask = None
-            from rollout_lib.backends.decode_attention import DEFAULT, attend, attend_from_projection, launch_for
+            from rollout_lib.backends.decode_attention import (
+                DEFAULT,
+                attend,
+                attend_from_projection,
+                attend_shared,
+                launch_for,
+            )
 
             attention_launch = launch_for(cache.k[0].shape[2]) if self.attention_launch == "by_columns" else DEFAULT
         elif not flex and inputs is not None:
@@ -1470,6 +1491,9 @@ class CompactQwen3:
                     q, layer.tensors("qkv")[2], layer.q_norm, layer.k_norm, cos.reshape(rows, -1),
                     sin.reshape(rows, -1), cache.k[index], cache.v[index], pad, write, self.heads, self.scaling,
                     self.eps, scale, self.lora_add == "bf16_like_nf4_oracle")
+            elif triton_attention and group > 1 and prefix_end is not None:  # a block's prompt read once for it
+                attn = attend_shared(q, cache.k[index], cache.v[index], pad, write, prefix_end, group, scale,
+                                     attention_launch)
             elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
                 attn = attend(q, cache.k[index], cache.v[index], pad, write, scale, attention_launch)
             else:
@@ -1986,7 +2010,7 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
     width = max(len(r.prompt_token_ids) for r in requests)
     longest = max(r.max_new_tokens for r in requests)
     group = (prompt_blocks([r.prompt_token_ids for r in requests])
-             if engine.decode_prefix == "shared" and engine.attention_backend == "fa3" else 1)
+             if engine.decode_prefix == "shared" and engine.attention_backend in ("fa3", "triton") else 1)
     bucket = buckets.get(rows, bucket_length(width, longest), group)
     # PREFILL "shared_prompts": each distinct prompt's first row and each row's distinct prompt (None: per row)
     pick, spread = (distinct_prompts([r.prompt_token_ids for r in requests]) if engine.prefill == "shared_prompts"

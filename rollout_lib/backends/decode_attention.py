@@ -30,7 +30,18 @@ the program of a row's last slice also computes the kv head's new k and v and wr
 column `write`. No program reads that column from the cache: the last slice's loop stops before it and takes the
 new column from its registers as the first step of its online softmax, so nothing reads what the same launch
 writes. Lease 40 (H100): +0.11 to +0.17 ms a step against "triton" (13.4 us a call against 6.8 + 2.8: every slice
-computes its query heads before its first k/v load), so it stays off (docs/perf-notes.md, "Decode step")."""
+computes its query heads before its first k/v load), so it stays off (docs/perf-notes.md, "Decode step").
+
+DECODE_PREFIX "shared" with ATTENTION_BACKEND "triton" (`attend_shared`; issue 43 item 5): the rows come in blocks of
+n consecutive rows sharing one prompt (a GRPO group), whose k/v columns [pad, prefix_end) the block's first row holds;
+each row's own columns are [prefix_end, write]. One program per (block, kv head, slice) keeps the block's n rows' G
+query heads as the rows of one MMA tile (n G padded to 16 or more) and walks one list of columns: the prompt's once,
+then each row's own, split into equal slices. A prompt column's k/v is loaded once for the n rows (n times in
+`attend`): at p512-r512 with n 4, about half the bytes a 16-row step's attention reads. A tile row's score counts
+where the column is the prompt's or its own row's; the others are -inf, and a tile row that has seen no column yet
+keeps a zero sum (its base 0, not -inf, so no NaN: the operations on every counted score are `attend`'s). The slices
+merge as `attend`'s do. FA3's cascade (two calls and a merge kernel per layer) lost at 16 rows (lease 31); this
+is one launch a layer, like `attend`."""
 
 from __future__ import annotations
 
@@ -48,7 +59,8 @@ BLOCK_N = 64  # columns per loop iteration
 WARPS = 2  # lease 40 bench (H100): 0.1-0.6 us a call under 4 warps at 4 and 16 rows, 192 and 768 columns
 STAGES = 2
 MAX_SPLITS = 16
-LOCK_SLOTS = 4096  # counters per device: one per (row, kv head)
+LOCK_SLOTS = 4096  # counters per device: one per (row, kv head), or per (block, kv head) in `attend_shared`
+MAX_TILE_ROWS = 64  # `attend_shared`: a block's rows x query heads per kv head, at most (the MMA tile's height)
 LOG2_E = 1.4426950408889634
 
 _KERNEL = None
@@ -244,6 +256,114 @@ def _kernel():
     return _KERNEL
 
 
+_SHARED_KERNEL = None
+shared_block = None  # the shared-prefix kernel's loop body, a Triton function set by _shared_kernel()
+shared_columns = None  # its loop over a slice of the block's column list; set by _shared_kernel()
+
+
+def _shared_kernel():
+    """The kernel of DECODE_PREFIX "shared" with ATTENTION_BACKEND "triton", defined once per process."""
+    global _SHARED_KERNEL, shared_block, shared_columns
+    if _SHARED_KERNEL is not None:
+        return _SHARED_KERNEL
+    import triton
+    import triton.language as tl
+
+    _kernel()  # finish
+
+    @triton.jit
+    def shared_block(q, k_ptr, v_ptr, first_row, head_at, start, high, begin, shared, own_start, own, row_of_t,
+                     cache_batch, cache_column, scale_log2, maximum, total, acc, HEAD_DIM: tl.constexpr,
+                     BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Entries [start, start + BLOCK_N) below `high` of the block's column list (the prompt's `shared` columns
+        from `begin`, in the block's first row; then row r's `own` columns from `own_start`, for r = 0, 1, ...)
+        into the running (maximum, sum, output) of each tile row, which counts the prompt's and its own row's."""
+        d = tl.arange(0, HEAD_DIM)
+        n = start + tl.arange(0, BLOCK_N)
+        keep_n = n < high
+        prompt = n < shared
+        after = tl.maximum(n - shared, 0)
+        owner = tl.where(prompt, 0, after // own)  # the block's row whose cache holds the entry
+        column = tl.where(prompt, begin + n, own_start + after % own)
+        at = ((first_row + owner) * cache_batch + column * cache_column)[:, None] + head_at + d[None, :]
+        k = tl.load(k_ptr + at, mask=keep_n[:, None], other=0.0)
+        v = tl.load(v_ptr + at, mask=keep_n[:, None], other=0.0)
+        if INTERPRETED:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_T, BLOCK_N]
+        counted = keep_n[None, :] & (prompt[None, :] | (owner[None, :] == row_of_t[:, None]))
+        scores = tl.where(counted, scores, float("-inf"))
+        new_maximum = tl.maximum(maximum, tl.max(scores, axis=1))
+        base = tl.where(new_maximum == float("-inf"), 0.0, new_maximum)  # a row with nothing counted yet: no NaN
+        rescale = tl.exp2(maximum - base)
+        weights = tl.exp2(scores - base[:, None])
+        total = total * rescale + tl.sum(weights, axis=1)
+        weights = weights.to(tl.bfloat16)  # as FlashAttention multiplies them with v
+        if INTERPRETED:
+            weights = weights.to(tl.float32)
+        acc = tl.dot(weights, v, acc * rescale[:, None])
+        return new_maximum, total, acc
+
+    @triton.jit
+    def shared_columns(q, k_ptr, v_ptr, first_row, head_at, low, high, begin, shared, own_start, own, row_of_t,
+                       cache_batch, cache_column, scale_log2, maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED):
+        """Entries [low, high) of the block's column list BLOCK_N at a time (`shared_block`), as `columns` walks
+        a row's columns."""
+        if INTERPRETED:
+            start = low
+            while start < high:
+                maximum, total, acc = shared_block(q, k_ptr, v_ptr, first_row, head_at, start, high, begin, shared,
+                                                   own_start, own, row_of_t, cache_batch, cache_column, scale_log2,
+                                                   maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+                start += BLOCK_N
+        else:
+            for start in range(low, high, BLOCK_N):
+                maximum, total, acc = shared_block(q, k_ptr, v_ptr, first_row, head_at, start, high, begin, shared,
+                                                   own_start, own, row_of_t, cache_batch, cache_column, scale_log2,
+                                                   maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+        return maximum, total, acc
+
+    @triton.jit
+    def shared_prefix_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, write_ptr, prefix_ptr, out_ptr, part_ptr, stat_ptr,
+                             lock_ptr, q_batch, q_head, cache_batch, cache_head, cache_column, scale_log2,
+                             ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
+        block = tl.program_id(0)
+        kv = tl.program_id(1)
+        split = tl.program_id(2)
+        kv_heads = tl.num_programs(1)
+        t = tl.arange(0, BLOCK_T)  # tile row t: the block's row t // GROUP, its query head t % GROUP of kv head kv
+        d = tl.arange(0, HEAD_DIM)
+        keep_t = t < ROWS * GROUP
+        row_of_t = t // GROUP
+        first_row = block * ROWS
+        q_at = ((first_row + row_of_t) * q_batch + kv * q_head + (t % GROUP) * HEAD_DIM)[:, None] + d[None, :]
+        q = tl.load(q_ptr + q_at, mask=keep_t[:, None], other=0.0)
+        if INTERPRETED:  # Triton 3.5's CPU interpreter multiplies bf16 tiles as raw bits: their exact upcasts
+            q = q.to(tl.float32)
+        one = tl.arange(0, 1)  # scalars as one-element vectors, summed (as `row_slice` reads them)
+        write = tl.sum(tl.load(write_ptr + one), axis=0).to(tl.int32)
+        begin = tl.minimum(tl.sum(tl.load(pad_ptr + first_row + one), axis=0).to(tl.int32), write)
+        own_start = tl.minimum(tl.maximum(tl.sum(tl.load(prefix_ptr + one), axis=0).to(tl.int32), begin), write)
+        shared = own_start - begin  # the prompt's columns [begin, own_start), read once for the block
+        own = write + 1 - own_start  # each row's own columns [own_start, write]: at least one
+        entries = shared + ROWS * own
+        share = tl.cdiv(tl.cdiv(entries, SPLITS), BLOCK_N) * BLOCK_N
+        low = split * share
+        high = tl.minimum(low + share, entries)
+        maximum = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+        total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_T, HEAD_DIM), dtype=tl.float32)
+        maximum, total, acc = shared_columns(q, k_ptr, v_ptr, first_row, kv * cache_head, low, high, begin, shared,
+                                             own_start, own, row_of_t, cache_batch, cache_column, scale_log2,
+                                             maximum, total, acc, HEAD_DIM, BLOCK_N, INTERPRETED)
+        finish(acc, maximum, total, out_ptr + q_at, part_ptr, stat_ptr, lock_ptr, block * kv_heads + kv, split, t, d,
+               keep_t, HEAD_DIM, BLOCK_T, SPLITS)
+
+    _SHARED_KERNEL = shared_prefix_kernel
+    return _SHARED_KERNEL
+
+
 _FUSED_KERNEL = None
 projected_head = None  # one head's rows from the qkv GEMM's output, a Triton function set by _fused_kernel()
 
@@ -401,6 +521,55 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: t
                 q, cache_k, cache_v, pad, write, out, parts, stats, _LOCKS[key], q.stride(0), q.stride(1),
                 cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(scale) * LOG2_E, GROUP=group,
                 HEAD_DIM=head_dim, BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, SPLITS=splits,
+                INTERPRETED=q.device.type == "cpu", num_warps=config.warps, num_stages=config.stages)
+    return out
+
+
+def attend_shared(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: torch.Tensor,
+                  write: torch.Tensor, prefix_end: torch.Tensor, rows_per_block: int, scale: float,
+                  config: Launch = DEFAULT) -> torch.Tensor:
+    """DECODE_PREFIX "shared": what `attend` returns when the rows come in blocks of `rows_per_block` consecutive rows
+    sharing one prompt (equal `pad`), whose k/v columns [pad, prefix_end) are read from the block's first row only
+    (the other rows' copies are never read); each row's own columns [prefix_end, write] from its own cache.
+    `prefix_end` [1]: an integer tensor on the device (the first decode column). `prepare(device)` first."""
+    import torch
+    import triton
+
+    batch, kv_heads, group, head_dim = q.shape
+    key = device_key(q.device)
+    if key not in _LOCKS:
+        raise RuntimeError(f"DECODE_PREFIX shared: decode_attention.prepare({q.device}) was not called before use")
+    if (q.dtype != torch.bfloat16 or cache_k.dtype != torch.bfloat16 or cache_k.shape != cache_v.shape
+            or cache_k.shape[:2] != (batch, kv_heads) or cache_k.shape[3] != head_dim
+            or head_dim & (head_dim - 1) or head_dim < 16 or cache_k.stride(3) != 1
+            or cache_v.stride() != cache_k.stride() or tuple(pad.shape) != (batch,) or write.numel() != 1
+            or prefix_end.numel() != 1 or rows_per_block < 1 or batch % rows_per_block
+            or rows_per_block * group > MAX_TILE_ROWS):
+        raise ValueError(f"DECODE_PREFIX shared: q {tuple(q.shape)} {q.dtype}, the caches {tuple(cache_k.shape)} "
+                         f"{cache_k.dtype}, pad {tuple(pad.shape)}, write {tuple(write.shape)} and prefix_end "
+                         f"{tuple(prefix_end.shape)} are not one decode step's grouped query rows in blocks of "
+                         f"{rows_per_block} (bf16, blocks x query heads per kv head at most {MAX_TILE_ROWS}, a "
+                         f"power-of-two head size) over its caches")
+    blocks = batch // rows_per_block
+    if blocks * kv_heads > LOCK_SLOTS:
+        raise ValueError(f"DECODE_PREFIX shared: {blocks} blocks x {kv_heads} kv heads need more than {LOCK_SLOTS} "
+                         "counters")
+    if not q.is_contiguous():  # the output is contiguous and stored at q's offsets
+        q = q.contiguous()
+    tile = max(BLOCK_G, triton.next_power_of_2(rows_per_block * group))
+    splits = config.splits or splits_for(blocks * kv_heads, cache_k.shape[2], _SMS[key], config.block_n)
+    out = torch.empty_like(q)
+    parts, stats = out, out  # one slice: the partials are not read
+    if splits > 1:
+        slots = blocks * kv_heads * splits * tile
+        parts = torch.empty(slots * head_dim, dtype=torch.float32, device=q.device)
+        stats = torch.empty(slots * 2, dtype=torch.float32, device=q.device)
+    if batch:
+        with torch.profiler.record_function("rollout::decode_attention_shared"):  # the CPU tests count its calls
+            _shared_kernel()[(blocks, kv_heads, splits)](
+                q, cache_k, cache_v, pad, write, prefix_end, out, parts, stats, _LOCKS[key], q.stride(0), q.stride(1),
+                cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(scale) * LOG2_E, ROWS=rows_per_block,
+                GROUP=group, HEAD_DIM=head_dim, BLOCK_T=tile, BLOCK_N=config.block_n, SPLITS=splits,
                 INTERPRETED=q.device.type == "cpu", num_warps=config.warps, num_stages=config.stages)
     return out
 

@@ -7,10 +7,12 @@ gate_up's (`mlp_epilogue`: both LoRA expands + SiLU product) by its features per
 the study's actor's shapes and the decode step's row counts, B stored rank-major as the engine stores it; and the
 decode attention kernel (`decode_attention`, ATTENTION_BACKEND "triton") by its slices, columns per iteration,
 warps and software-pipeline stages, over a p128 cell's cache (`attention`: 192 columns, 160 in use) and a p512
-cell's (`attention_long`: 768, 640 in use).
+cell's (`attention_long`: 768, 640 in use); and its DECODE_PREFIX "shared" kernel (`decode_attention.attend_shared`)
+over the same caches, the rows in GRPO groups of 4 sharing a prompt of 128 / 512 columns (`attention_shared`,
+`attention_shared_long`: the same columns in use as `attention` / `attention_long`, so their times compare).
 
     python tools/lab/epilogue_bench.py --out outputs/perf/decode-warps/epilogue-bench.json [--rows 4 16] \
-        [--calls 56] [--layers 28]
+        [--calls 56] [--layers 28] [--kernels attention_long attention_shared_long]
 
 Why: a step's trace gives each kernel's time at the one configuration the module names; a configuration is chosen
 here by measurement, a minute of GPU, not one lease at a time (lease 36: the o/down kernel 4.9 us a call on its 32
@@ -47,7 +49,8 @@ from tools.lab.gemm_bench import (  # noqa: E402
     time_in_graph,
 )
 
-KERNELS = ("o_down", "o_down_slices", "o_down_splitk", "gate_up", "qkv", "attention", "attention_long")
+KERNELS = ("o_down", "o_down_slices", "o_down_splitk", "gate_up", "qkv", "attention", "attention_long",
+           "attention_shared", "attention_shared_long")
 # norm_epilogue's kernels: one program a row on the GEMM's output, one a slice of a row (NORM_EPILOGUE_ROW
 # "slices"), one a row on the GEMM's split-K partials
 NORM_KERNELS = ("o_down", "o_down_slices", "o_down_splitk")
@@ -59,7 +62,11 @@ GATE_UP_CONFIGS = tuple((block_n, warps) for block_n in (32, 64, 128) for warps 
 QKV_WARPS = (1, 2, 4, 8)
 CACHE_LENGTH = 256  # the qkv kernel's k/v caches: columns per row (it writes one, column CACHE_LENGTH // 2)
 # the attention kernel's caches: (columns, the column this step writes) of a p128-r64 and a p512-r256 cell's step
-ATTENTION_CACHES = {"attention": (192, 159), "attention_long": (768, 639)}
+ATTENTION_CACHES = {"attention": (192, 159), "attention_long": (768, 639), "attention_shared": (192, 159),
+                    "attention_shared_long": (768, 639)}
+# the shared kernels' GRPO groups: rows a prompt, and the prompt's end (the first decode column) in each cache
+SHARED_ROWS = 4
+SHARED_PREFIX_END = {"attention_shared": 128, "attention_shared_long": 512}
 # its launch configurations: slices ("auto": decode_attention.splits_for's), columns per iteration, warps, stages
 ATTENTION_CONFIGS = tuple((splits, block_n, warps, 2) for splits in ("auto", 1, 2, 4, 8, 16) for block_n in (32, 64)
                           for warps in (2, 4, 8)) \
@@ -91,11 +98,14 @@ def _operands(kernel: str, arch: Any, rank: int, rows: int, generator: Any, spli
     heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     if kernel in ATTENTION_CACHES:
         columns, write = ATTENTION_CACHES[kernel]
-        return {"q": randn(rows, kv_heads, heads // kv_heads, head_dim).bfloat16(),
-                "cache_k": randn(rows, kv_heads, columns, head_dim).bfloat16(),
-                "cache_v": randn(rows, kv_heads, columns, head_dim).bfloat16(),
-                "pad": torch.zeros(rows, dtype=torch.long, device=device),
-                "write": torch.tensor([write], dtype=torch.long, device=device)}
+        operands = {"q": randn(rows, kv_heads, heads // kv_heads, head_dim).bfloat16(),
+                    "cache_k": randn(rows, kv_heads, columns, head_dim).bfloat16(),
+                    "cache_v": randn(rows, kv_heads, columns, head_dim).bfloat16(),
+                    "pad": torch.zeros(rows, dtype=torch.long, device=device),
+                    "write": torch.tensor([write], dtype=torch.long, device=device)}
+        if kernel in SHARED_PREFIX_END:
+            operands["prefix_end"] = torch.tensor([SHARED_PREFIX_END[kernel]], dtype=torch.long, device=device)
+        return operands
     features = (heads + 2 * kv_heads) * head_dim
     angle = randn(rows, head_dim // 2)
     cache = torch.zeros(rows, kv_heads, CACHE_LENGTH, head_dim, dtype=torch.bfloat16, device=device)
@@ -113,6 +123,10 @@ def _call(kernel: str, operands: dict[str, Any], config: dict[str, Any]) -> torc
     if kernel in ATTENTION_CACHES:
         launch = decode_attention.Launch(block_n=config["block_n"], warps=config["warps"], stages=config["stages"],
                                          splits=None if config["splits"] == "auto" else config["splits"])
+        if "prefix_end" in operands:
+            return decode_attention.attend_shared(operands["q"], operands["cache_k"], operands["cache_v"],
+                                                  operands["pad"], operands["write"], operands["prefix_end"],
+                                                  SHARED_ROWS, 1.0 / operands["q"].shape[-1] ** 0.5, launch)
         return decode_attention.attend(operands["q"], operands["cache_k"], operands["cache_v"], operands["pad"],
                                        operands["write"], 1.0 / operands["q"].shape[-1] ** 0.5, launch)
     if kernel in NORM_KERNELS:
@@ -165,7 +179,7 @@ def o_splits(arch: Any, rank: int, multiprocessors: int) -> int:
 
 
 def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: int = 28,
-        out: Path | None = None) -> dict[str, Any]:
+        out: Path | None = None, kernels: tuple[str, ...] = KERNELS) -> dict[str, Any]:
     import torch
     import triton
 
@@ -185,9 +199,12 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
                               "triton": triton.__version__, "calls_per_graph": calls, "repeats": repeats,
                               "distinct_layers": layers, "rank": rank, "o_down_splitk_splits": splits, "rows": [],
                               "best": []}
-    for kernel in KERNELS:
+    for kernel in kernels:
         default = default_config(kernel)
         for rows in rows_list:
+            if kernel in SHARED_PREFIX_END and rows % SHARED_ROWS:
+                print(f"{kernel} x{rows}: not timed (rows in groups of {SHARED_ROWS})", flush=True)
+                continue
             stack = [_operands(kernel, arch, rank, rows, generator, splits) for _ in range(layers)]
             want = _call(kernel, stack[0], default).float()
             timed = []
@@ -218,15 +235,22 @@ def run(params: Path, rows_list: list[int], calls: int, repeats: int, layers: in
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return bench_parser(__doc__.split("\n\n")[0], "kernel calls", "layers",
-                        "distinct operand sets the calls cycle through (default 28: a step's layers)")
+    parser = bench_parser(__doc__.split("\n\n")[0], "kernel calls", "layers",
+                          "distinct operand sets the calls cycle through (default 28: a step's layers)")
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), metavar="KERNEL",
+                        help=f"the kernels to time (default all: {', '.join(KERNELS)})")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    unknown = [kernel for kernel in args.kernels if kernel not in KERNELS]
+    if unknown:
+        parser.error(f"--kernels: {' '.join(unknown)} is not allowed; allowed: {', '.join(KERNELS)}")
     refuse_bad_input(parser, args, "layers")
-    write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats, args.layers, args.out))
+    write_json_atomic(args.out, run(args.params, args.rows, args.calls, args.repeats, args.layers, args.out,
+                                    tuple(dict.fromkeys(args.kernels))))
     partial_path(args.out).unlink(missing_ok=True)
     print(f"wrote {args.out}")
     return 0

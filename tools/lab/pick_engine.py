@@ -23,8 +23,8 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
 - One value per setting: where two values of one setting are kept (e.g. ATTENTION_BACKEND flex and fa3), the
   larger mean gain wins, unless one was kept measured on top of the other (its parent ran the other value, e.g.
   `+tritonattn` on a base with `+fa3`): its gain is over the other, so it replaces it. A value whose requirement
-  is not kept is dropped (the engine's SETTING_REQUIRES, e.g. DECODE_PREFIX shared needs ATTENTION_BACKEND fa3),
-  and with it the partners of a bundle it was kept in (the bundle's gain was measured with it).
+  is not kept is dropped (the engine's SETTING_REQUIRES, e.g. DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 or
+  triton), and with it the partners of a bundle it was kept in (the bundle's gain was measured with it).
 - Inductor options (`+pdl`, `+maxat`, `+cdt`, ...) are not engine settings: reported, never chosen (`+combo` is
   one since lease 30: COMBO_KERNELS). `+again` / `+again2` (the same source compiled again) are not candidates:
   a source's compilations are read as one, by their mean per cell (lease 31: one pair of compilations of one
@@ -71,6 +71,8 @@ from rollout_lib.backends.compact_qwen3 import (  # noqa: E402
     ENGINE_SETTINGS,
     SETTING_REQUIRES,
     check_engine_settings,
+    requirement_met,
+    requirement_text,
 )
 from tools.lab.probe_table import read_probe, source_of  # noqa: E402
 
@@ -377,14 +379,16 @@ def _drop_unmet_requirements(chosen: dict[str, tuple[str, float, str]], lines: l
     more is dropped (a partner's going may leave another value's requirement unmet)."""
     while True:
         unmet = [(name, value, needs, needed) for (name, value), (needs, needed, _) in SETTING_REQUIRES.items()
-                 if chosen.get(name, (None,))[0] == value and chosen.get(needs, (None,))[0] != needed]
+                 if chosen.get(name, (None,))[0] == value
+                 and not requirement_met(chosen.get(needs, (None,))[0], needed)]
         if not unmet:
             return
         for name, value, needs, needed in unmet:
             if chosen.get(name, (None,))[0] != value:
                 continue  # dropped above as a partner
             source = chosen.pop(name)[2]
-            lines.append(f"{name} {value}: dropped, it needs {needs} {needed}, which is not chosen")
+            lines.append(f"{name} {value}: dropped, it needs {needs} {requirement_text(needed)}, which is not "
+                         "chosen")
             for other, (other_value, _, other_source) in sorted(chosen.items()):
                 if "+" in source and other_source == source:
                     del chosen[other]
