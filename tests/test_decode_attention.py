@@ -218,7 +218,7 @@ def test_a_bf16_engine_reads_each_groups_prompt_once_and_serves_the_per_row_toke
 
     triton = {"ATTENTION_BACKEND": "triton"}
     policy, runs = run_engines(smoke_study, snapshot_cache, (triton, {**triton, "DECODE_PREFIX": "shared"}),
-                               "rollout::decode_attention_shared", "shared_prefix_kernel")
+                               "rollout::decode_attention_shared", "shared_prefix_attention_kernel")
     (per_row_identity, per_row, none), (identity, got, used) = runs
     assert identity == per_row_identity == policy.identity
     assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers

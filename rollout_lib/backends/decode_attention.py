@@ -324,7 +324,7 @@ def _shared_kernel():
         return maximum, total, acc
 
     @triton.jit
-    def shared_prefix_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, write_ptr, prefix_ptr, out_ptr, part_ptr, stat_ptr,
+    def shared_prefix_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, write_ptr, prefix_ptr, out_ptr, part_ptr, stat_ptr,
                              lock_ptr, q_batch, q_head, cache_batch, cache_head, cache_column, scale_log2,
                              ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -360,7 +360,7 @@ def _shared_kernel():
         finish(acc, maximum, total, out_ptr + q_at, part_ptr, stat_ptr, lock_ptr, block * kv_heads + kv, split, t, d,
                keep_t, HEAD_DIM, BLOCK_T, SPLITS)
 
-    _SHARED_KERNEL = shared_prefix_kernel
+    _SHARED_KERNEL = shared_prefix_attention_kernel
     return _SHARED_KERNEL
 
 
