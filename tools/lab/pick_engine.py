@@ -25,6 +25,11 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   `+tritonattn` on a base with `+fa3`): its gain is over the other, so it replaces it. A value whose requirement
   is not kept is dropped (the engine's SETTING_REQUIRES, e.g. DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 or
   triton), and with it the partners of a bundle it was kept in (the bundle's gain was measured with it).
+- A setting whose code runs only in some cells (RUNS_ONLY_IN: DECODE_PREFIX shared, in the cells with n > 1, the
+  GRPO groups whose rows share a prompt) is judged by its gain where it runs, above `--min-gain-ms` in each of
+  those cells; in the others the engine runs its parent's code, so a delta there is the draw between two
+  compilations, and it may be no loss above `--min-gain-ms` (lease 42's `+again`: 0.014 / 0.001 / 0.003 ms).
+  Without this rule such a setting could never be kept: its gain is 0 where it does not run.
 - Inductor options (`+pdl`, `+maxat`, `+cdt`, ...) are not engine settings: reported, never chosen (`+combo` is
   one since lease 30: COMBO_KERNELS). `+again` / `+again2` (the same source compiled again) are not candidates:
   a source's compilations are read as one, by their mean per cell (lease 31: one pair of compilations of one
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -77,6 +83,18 @@ from rollout_lib.backends.compact_qwen3 import (  # noqa: E402
 from tools.lab.probe_table import read_probe, source_of  # noqa: E402
 
 PREFILL_SETTINGS = ("PREFILL", "PREFILL_STEP")
+
+
+def _samples_per_prompt(cell: str) -> int | None:
+    """n of a cell id such as p128-r64-n4-stochastic (None when the id does not name it)."""
+    found = re.search(r"(?:^|-)n(\d+)(?:-|$)", cell)
+    return int(found.group(1)) if found else None
+
+
+# a setting whose code runs only in some cells: (which, in words; whether it runs in a cell id); elsewhere the
+# engine runs what it runs without the setting (DECODE_PREFIX shared: a batch of distinct prompts decodes per row)
+RUNS_ONLY_IN = {("DECODE_PREFIX", "shared"): ("cells with n > 1",
+                                              lambda cell: (_samples_per_prompt(cell) or 1) > 1)}
 
 
 def _suffixes() -> dict[str, tuple[str, Any]]:
@@ -209,15 +227,26 @@ def _verdict(suffix: str, name: str, value: str, mine: list[dict[str, Any]], min
     per_cell = [(r, cell, gain) for r in mine for cell, gain in r[key].items()]
     shown = "; ".join(f"{r['variant']} vs {r['parent']}: " + ", ".join(f"{c} {g:+.3f}" for c, g in r[key].items())
                       for r in mine)
-    if not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
+    runs_only_in = None if prefill else RUNS_ONLY_IN.get((name, value))
+    if runs_only_in is not None:  # judged where it runs; elsewhere its parent's code runs: the draw, no loss
+        where, runs = runs_only_in
+        per_cell, elsewhere = ([x for x in per_cell if runs(x[1])], [x for x in per_cell if not runs(x[1])])
+        if not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
+            return None, (f"+{suffix} ({name} {value}): dropped, {what} gains not above {min_gain_ms} ms in every "
+                          f"cell where it runs ({where}) (ms: {shown or 'no cell measured'}){earlier}")
+        if any(g <= -min_gain_ms for _, _, g in elsewhere):
+            return None, (f"+{suffix} ({name} {value}): dropped, a loss of {min_gain_ms} ms or more in a cell where "
+                          f"it does not run (ms: {shown}){earlier}")
+    elif not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
         return None, (f"+{suffix} ({name} {value}): dropped, {what} gains not above {min_gain_ms} ms in every cell "
                       f"(ms: {shown or 'no cell measured'}){earlier}")
     slower = [(c, x) for r in mine for c, x in r.get("rate_ratio", {}).items() if x < 1.0]
     if prefill and slower:  # the wall it moves: tokens/s, the decode steps included (their draw too)
         return None, (f"+{suffix} ({name} {value}): dropped, its tokens/s fell "
                       f"({slower[0][0]} x{slower[0][1]:.3f}){earlier}")
-    return statistics.mean(g for _, _, g in per_cell), (f"+{suffix} ({name} {value}): kept, {what} gains "
-                                                        f"(ms: {shown}){earlier}")
+    where_said = f" where it runs ({runs_only_in[0]})" if runs_only_in is not None else ""
+    return statistics.mean(g for _, _, g in per_cell), (f"+{suffix} ({name} {value}): kept, {what} gains"
+                                                        f"{where_said} (ms: {shown}){earlier}")
 
 
 def _latest_measurements(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
