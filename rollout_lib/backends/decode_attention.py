@@ -64,6 +64,7 @@ MAX_TILE_ROWS = 64  # `attend_shared`: a block's rows x query heads per kv head,
 LOG2_E = 1.4426950408889634
 
 _KERNEL = None
+softmax_update = None  # one block of columns into the online softmax, a Triton function set by _kernel()
 columns_block = None  # the kernel's loop body, a Triton function set by _kernel()
 columns = None  # its loop over a slice's columns; set by _kernel()
 finish = None  # its end: the slice's output or partial, and the merge; set by _kernel()
@@ -133,7 +134,29 @@ def _kernel():
     import triton.language as tl
 
     # globals: Triton's interpreter reads a kernel's globals, not its closure
-    global columns_block, columns, finish, row_slice
+    global softmax_update, columns_block, columns, finish, row_slice
+
+    @triton.jit
+    def softmax_update(q, k, v, counted, scale_log2, maximum, total, acc, GUARDED: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+        """A block of columns (k, v [BLOCK_N, HEAD_DIM]) into the running (maximum, sum, output) of the online
+        softmax, in base 2: the scores q k^T where `counted` (broadcast to [rows, BLOCK_N]), -inf elsewhere.
+        GUARDED: a row may have nothing counted yet, whose base is then 0, not -inf (no NaN); the operations on
+        every counted score are the same."""
+        if INTERPRETED:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * scale_log2  # [rows, BLOCK_N]: log2 of the unnormalized weights
+        scores = tl.where(counted, scores, float("-inf"))
+        new_maximum = tl.maximum(maximum, tl.max(scores, axis=1))
+        base = tl.where(new_maximum == float("-inf"), 0.0, new_maximum) if GUARDED else new_maximum
+        rescale = tl.exp2(maximum - base)
+        weights = tl.exp2(scores - base[:, None])
+        total = total * rescale + tl.sum(weights, axis=1)
+        weights = weights.to(tl.bfloat16)  # as FlashAttention multiplies them with v
+        if INTERPRETED:
+            weights = weights.to(tl.float32)
+        acc = tl.dot(weights, v, acc * rescale[:, None])
+        return new_maximum, total, acc
 
     @triton.jit
     def columns_block(q, k_ptr, v_ptr, cache, start, high, cache_column, scale_log2, maximum, total, acc,
@@ -146,19 +169,7 @@ def _kernel():
         at = cache + n[:, None] * cache_column + d[None, :]
         k = tl.load(k_ptr + at, mask=keep_n[:, None], other=0.0)
         v = tl.load(v_ptr + at, mask=keep_n[:, None], other=0.0)
-        if INTERPRETED:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N]: log2 of the unnormalized weights
-        scores = tl.where(keep_n[None, :], scores, float("-inf"))
-        new_maximum = tl.maximum(maximum, tl.max(scores, axis=1))
-        rescale = tl.exp2(maximum - new_maximum)
-        weights = tl.exp2(scores - new_maximum[:, None])
-        total = total * rescale + tl.sum(weights, axis=1)
-        weights = weights.to(tl.bfloat16)  # as FlashAttention multiplies them with v
-        if INTERPRETED:
-            weights = weights.to(tl.float32)
-        acc = tl.dot(weights, v, acc * rescale[:, None])
-        return new_maximum, total, acc
+        return softmax_update(q, k, v, keep_n[None, :], scale_log2, maximum, total, acc, False, INTERPRETED)
 
     @triton.jit
     def columns(q, k_ptr, v_ptr, cache, low, high, cache_column, scale_log2, maximum, total, acc, HEAD_DIM, BLOCK_N,
@@ -288,21 +299,9 @@ def _shared_kernel():
         at = ((first_row + owner) * cache_batch + column * cache_column)[:, None] + head_at + d[None, :]
         k = tl.load(k_ptr + at, mask=keep_n[:, None], other=0.0)
         v = tl.load(v_ptr + at, mask=keep_n[:, None], other=0.0)
-        if INTERPRETED:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_T, BLOCK_N]
         counted = keep_n[None, :] & (prompt[None, :] | (owner[None, :] == row_of_t[:, None]))
-        scores = tl.where(counted, scores, float("-inf"))
-        new_maximum = tl.maximum(maximum, tl.max(scores, axis=1))
-        base = tl.where(new_maximum == float("-inf"), 0.0, new_maximum)  # a row with nothing counted yet: no NaN
-        rescale = tl.exp2(maximum - base)
-        weights = tl.exp2(scores - base[:, None])
-        total = total * rescale + tl.sum(weights, axis=1)
-        weights = weights.to(tl.bfloat16)  # as FlashAttention multiplies them with v
-        if INTERPRETED:
-            weights = weights.to(tl.float32)
-        acc = tl.dot(weights, v, acc * rescale[:, None])
-        return new_maximum, total, acc
+        # a tile row may have seen only other rows' columns so far: guarded
+        return softmax_update(q, k, v, counted, scale_log2, maximum, total, acc, True, INTERPRETED)
 
     @triton.jit
     def shared_columns(q, k_ptr, v_ptr, first_row, head_at, low, high, begin, shared, own_start, own, row_of_t,
