@@ -556,7 +556,11 @@ def attend_shared(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     if not q.is_contiguous():  # the output is contiguous and stored at q's offsets
         q = q.contiguous()
     tile = max(BLOCK_G, triton.next_power_of_2(rows_per_block * group))
-    splits = config.splits or splits_for(blocks * kv_heads, cache_k.shape[2], _SMS[key], config.block_n)
+    # a block's column list is at most n cache lengths long (the prompt once, each row's own columns): the slices
+    # are chosen for that bound, as `attend`'s for one row's columns (p128-r64-n4: 8 slices of ~1 iteration each,
+    # where the cache's length alone gives 2 slices of ~3)
+    splits = config.splits or splits_for(blocks * kv_heads, cache_k.shape[2] * rows_per_block, _SMS[key],
+                                         config.block_n)
     out = torch.empty_like(q)
     parts, stats = out, out  # one slice: the partials are not read
     if splits > 1:
