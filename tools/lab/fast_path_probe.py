@@ -17,7 +17,7 @@ configuration per reduction, no benchmark at first launch: the choice that moved
 candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tritonexpand`, `+tunelargest`, `+sdpaeff`,
 `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`,
 `+maxat`, `+combo`, `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
-`+sharedprefix` (with `+fa3`: each block of n rows reads its shared prompt's k/v once),
+`+sharedprefix` (with `+fa3` or `+tritonattn`: each block of n rows reads its shared prompt's k/v once),
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step; `+pipelined` (each step's tokens read back
 while the next step runs), `+edges` (the step's work outside its layers compiled), `+splitk` / `+splitk2` /
@@ -100,7 +100,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "prefillgraph": ("PREFILL_STEP", "compiled_graph"),
             "acrosslayers": ("STEP_PIECES", "across_layers"),
             "chunkedsampler": ("SAMPLER", "chunked"),
-            # with +fa3: a block of n rows with one prompt reads the prompt's k/v once (cascade attention)
+            # with +fa3 (cascade attention) or +tritonattn (one kernel): a block of n rows with one prompt reads
+            # the prompt's k/v once
             "sharedprefix": ("DECODE_PREFIX", "shared"),
             # step t+1 enqueued before step t's tokens are read: the GPU no longer waits for the host between steps
             "pipelined": ("READBACK", "pipelined"),
