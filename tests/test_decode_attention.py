@@ -60,7 +60,7 @@ def test_attention_is_softmax_over_each_rows_columns(batch, kv_heads, group, hea
 @pytest.mark.parametrize(("columns", "pad", "write"), [
     (192, [0, 5, 64, 130], 150),    # p128-r64's cache: SHORT_CACHE, one slice of two 128-column iterations
     (255, [0, 1, 200, 254], 254),   # the last short length: a row of one column, another ending the cache
-    (768, [0, 5, 300, 600], 700),   # p512-r256's: LONG_CACHE, slices of 64-column iterations over 3 stages
+    (768, [0, 5, 300, 600], 700),   # p512-r256's: DEFAULT
 ])
 def test_the_launch_chosen_by_the_cache_length_is_softmax_over_each_rows_columns(columns, pad, write):
     """ATTENTION_LAUNCH "by_columns": each of its launch configurations at Qwen3-0.6B's heads computes what DEFAULT
@@ -68,7 +68,7 @@ def test_the_launch_chosen_by_the_cache_length_is_softmax_over_each_rows_columns
     from rollout_lib.backends import decode_attention
 
     config = decode_attention.launch_for(columns)
-    assert config == (decode_attention.SHORT_CACHE if columns < 256 else decode_attention.LONG_CACHE)
+    assert config == (decode_attention.SHORT_CACHE if columns < 256 else decode_attention.DEFAULT)
     q, k, v, pad_t, write_t = _operands(4, 8, 2, 128, columns, pad, write, columns)
     decode_attention.prepare(DEVICE)
     on = [t.to(DEVICE) for t in (q, k, v, pad_t, write_t)]

@@ -214,8 +214,8 @@ def test_the_decode_attention_compiles_for_hopper_without_spills(splits, tmp_pat
 @pytest.mark.parametrize("columns", [192, 768])
 def test_the_decode_attention_at_the_launch_its_cache_length_chooses_compiles_without_spills(columns, tmp_path):
     """ATTENTION_LAUNCH "by_columns": the short cache's launch (128 columns an iteration, 4 warps, 3 stages, one
-    slice) and the long cache's (64 columns, 2 warps, 3 stages, the slices `splits_for` gives 4 rows on 132 SMs)
-    compile for sm_90a without spills."""
+    slice) and the long cache's (DEFAULT: 64 columns, 2 warps, 2 stages, the slices `splits_for` gives 4 rows on
+    132 SMs) compile for sm_90a without spills."""
     from rollout_lib.backends import decode_attention
 
     config = decode_attention.launch_for(columns)
@@ -250,12 +250,15 @@ def test_the_decode_attention_from_the_qkv_projection_compiles_for_hopper_withou
     assert result["spill_bytes"] == 0, result
 
 
-@pytest.mark.parametrize(("rows", "splits"), [(4, 1), (4, 8), (8, 8)])
-def test_the_shared_prompt_decode_attention_compiles_for_hopper_without_spills(rows, splits, tmp_path):
+@pytest.mark.parametrize(("rows", "splits", "short"), [(4, 1, False), (4, 8, False), (8, 8, False), (4, 4, True)])
+def test_the_shared_prompt_decode_attention_compiles_for_hopper_without_spills(rows, splits, short, tmp_path):
     """DECODE_PREFIX "shared" with the Triton kernel at Qwen3-0.6B's attention over a 768-column cache (p512-r256),
     blocks of 4 rows (a 16-row tile: the n4 cells) and of 8 (the same tile, full), with one slice and with 8, at
-    the module's launch: it compiles for sm_90a without spills."""
+    the module's launch; and at ATTENTION_LAUNCH by_columns' short-cache launch (128 columns an iteration, 4 warps,
+    3 stages), as the engine launches it with both settings: it compiles for sm_90a without spills."""
     from rollout_lib.backends import decode_attention
+
+    launch = decode_attention.SHORT_CACHE if short else decode_attention.DEFAULT
 
     kv_heads, group, head_dim, columns = 8, 2, 128, 768
     args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
@@ -264,9 +267,9 @@ def test_the_shared_prompt_decode_attention_compiles_for_hopper_without_spills(r
             "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
             "scale_log2": 0.1275}
     constexprs = {"ROWS": rows, "GROUP": group, "HEAD_DIM": head_dim,
-                  "BLOCK_T": max(decode_attention.BLOCK_G, rows * group), "BLOCK_N": decode_attention.BLOCK_N,
+                  "BLOCK_T": max(decode_attention.BLOCK_G, rows * group), "BLOCK_N": launch.block_n,
                   "SPLITS": splits, "INTERPRETED": False}
-    result = _compile_for_hopper("decode_attention", args, constexprs, decode_attention.WARPS, tmp_path,
-                                 factory="_shared_kernel")
+    result = _compile_for_hopper("decode_attention", args, constexprs, launch.warps, tmp_path,
+                                 factory="_shared_kernel", num_stages=launch.stages)
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result

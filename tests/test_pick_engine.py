@@ -85,12 +85,39 @@ def test_a_setting_that_runs_only_in_some_cells_is_judged_where_it_runs(tmp_path
 
 
 def test_the_cells_a_setting_runs_in_are_read_from_the_cell_ids():
-    from tools.lab.pick_engine import RUNS_ONLY_IN, _samples_per_prompt
+    from rollout_lib.backends import decode_attention
+    from tools.lab.pick_engine import RUNS_ONLY_IN, _cache_columns, _samples_per_prompt
 
     _, runs = RUNS_ONLY_IN[("DECODE_PREFIX", "shared")]
     assert [_samples_per_prompt(c) for c in ("p128-r64-n4-stochastic", "p512-r512-n1-greedy", "n16", "p16-r8")] \
         == [4, 1, 16, None]
     assert runs("p512-r256-n4-greedy") and not runs("p128-r64-n1-greedy") and not runs("p16-r8")
+    # by_columns runs its own launch only where the engine's cache is short (the bucket: p + r rounded up to 64)
+    _, runs = RUNS_ONLY_IN[("ATTENTION_LAUNCH", "by_columns")]
+    assert [_cache_columns(c) for c in ("p128-r64-n1-greedy", "p128-r100-n4-greedy", "p128-r256-n4-stochastic",
+                                        "p512-r256-n4-greedy", "n4-greedy")] == [192, 256, 384, 768, None]
+    assert runs("p128-r64-n4-stochastic") and not runs("p128-r100-n1-greedy") and not runs("p512-r256-n4-greedy")
+    assert [decode_attention.launch_for(columns) != decode_attention.DEFAULT for columns in (192, 256, 384, 768)] \
+        == [runs(cell) for cell in ("p128-r64-n1-greedy", "p128-r100-n4-greedy", "p128-r256-n4-stochastic",
+                                    "p512-r256-n4-greedy")]
+
+
+def test_the_launch_chosen_by_the_cache_length_is_judged_in_the_short_caches_cells(tmp_path):
+    """Lease 42's shape: +attnlaunch -0.046 / -0.048 in the p128-r64 cells (192 columns), -0.010 at p512 (768,
+    where it runs the fixed launch now): kept by the p128 cells, the p512 cell's delta read as the draw."""
+    cells = ("p128-r64-n1-greedy", "p128-r64-n4-stochastic", "p512-r256-n4-greedy")
+    folder = tmp_path / "p"
+    folder.mkdir()
+    steps = {BASE: (2.10, 2.40, 2.70), f"{BASE}+tritonattn": (1.57, 1.75, 2.03),
+             f"{BASE}+tritonattn+attnlaunch": (1.524, 1.702, 2.020)}
+    figures = {name: {c: {"ms_per_decode_step": s, "tokens_per_s": 1000.0, "ms_prefill": 40.0}
+                      for c, s in zip(cells, row, strict=True)} for name, row in steps.items()}
+    probe = {"cells": list(cells), **{name: {"cells": by_cell} for name, by_cell in figures.items()}}
+    (folder / "probe.json").write_text(json.dumps(probe))
+    engine, lines = pick([folder], 0.02)
+    assert engine["ATTENTION_LAUNCH"] == "by_columns" and engine["ATTENTION_BACKEND"] == "triton"
+    assert any(line.startswith("+attnlaunch (ATTENTION_LAUNCH by_columns): kept, decode step gains where it runs "
+                               "(cells whose cache is under 256 columns)") for line in lines), lines
 
 
 def test_a_candidate_measured_on_top_of_one_not_kept_is_not_kept(tmp_path):

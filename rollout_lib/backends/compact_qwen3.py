@@ -648,8 +648,9 @@ class Layer:
 #   it). The probe's `+rowslices`.
 # - ATTENTION_LAUNCH "fixed" (the default): ATTENTION_BACKEND "triton"'s kernel at one launch configuration (64
 #   columns an iteration, 2 warps, 2 stages); "by_columns" (issue 43 candidate, after lease 41's bench: 1.0-1.7 us a
-#   call off at 192 and 768 columns): one chosen by the static cache's length (`decode_attention.launch_for`).
-#   The probe's `+attnlaunch`.
+#   call off at 192 and 768 columns): one chosen by the static cache's length (`decode_attention.launch_for`: a
+#   cache under 256 columns at 128 columns an iteration in one slice; a longer one at "fixed"'s since session 43,
+#   so the setting runs only in short caches' cells). The probe's `+attnlaunch`.
 # - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"

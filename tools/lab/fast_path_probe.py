@@ -91,7 +91,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # layer fewer (lease 39: the qkv epilogue 2.6 us a call and its gap before attention)
             "tritonqkv": ("ATTENTION_BACKEND", "triton_qkv"),
             # with +tritonattn: that kernel's launch chosen by the cache's length (lease 41's bench: 128 columns an
-            # iteration on 4 warps in one slice under 256 columns, 3 stages everywhere; 1.0-1.7 us a call)
+            # iteration on 4 warps in one slice, 3 stages, under 256 columns; 1.4-1.7 us a call; the default's from
+            # 256 columns since session 43)
             "attnlaunch": ("ATTENTION_LAUNCH", "by_columns"),
             # with +fa3: FA3's scheduler metadata once per step for all 28 layers (lease 32: a 1.9 us
             # prepare_varlen_num_blocks kernel before each attention kernel)

@@ -26,7 +26,8 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   is not kept is dropped (the engine's SETTING_REQUIRES, e.g. DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 or
   triton), and with it the partners of a bundle it was kept in (the bundle's gain was measured with it).
 - A setting whose code runs only in some cells (RUNS_ONLY_IN: DECODE_PREFIX shared, in the cells with n > 1, the
-  GRPO groups whose rows share a prompt) is judged by its gain where it runs, above `--min-gain-ms` in each of
+  GRPO groups whose rows share a prompt; ATTENTION_LAUNCH by_columns, in the cells whose cache is under 256
+  columns) is judged by its gain where it runs, above `--min-gain-ms` in each of
   those cells; in the others the engine runs its parent's code, so a delta there is the draw between two
   compilations, and it may be no loss above `--min-gain-ms` (lease 42's `+again`: 0.014 / 0.001 / 0.003 ms).
   Without this rule such a setting could never be kept: its gain is 0 where it does not run.
@@ -76,10 +77,12 @@ sys.path.insert(0, str(ROOT))
 from rollout_lib.backends.compact_qwen3 import (  # noqa: E402
     ENGINE_SETTINGS,
     SETTING_REQUIRES,
+    bucket_length,
     check_engine_settings,
     requirement_met,
     requirement_text,
 )
+from rollout_lib.backends.decode_attention import SHORT_CACHE_COLUMNS  # noqa: E402
 from tools.lab.probe_table import read_probe, source_of  # noqa: E402
 
 PREFILL_SETTINGS = ("PREFILL", "PREFILL_STEP")
@@ -91,10 +94,25 @@ def _samples_per_prompt(cell: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _cache_columns(cell: str) -> int | None:
+    """The static cache's columns of a cell id such as p128-r64-n4-stochastic (its prompt plus its response,
+    rounded as the engine's buckets round them); None when the id does not name both."""
+    found = re.search(r"(?:^|-)p(\d+)-r(\d+)(?:-|$)", cell)
+    return bucket_length(int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _short_cache(cell: str) -> bool:
+    columns = _cache_columns(cell)
+    return columns is not None and columns < SHORT_CACHE_COLUMNS
+
+
 # a setting whose code runs only in some cells: (which, in words; whether it runs in a cell id); elsewhere the
-# engine runs what it runs without the setting (DECODE_PREFIX shared: a batch of distinct prompts decodes per row)
+# engine runs what it runs without the setting (DECODE_PREFIX shared: a batch of distinct prompts decodes per row;
+# ATTENTION_LAUNCH by_columns: a cache of SHORT_CACHE_COLUMNS or more runs the fixed launch)
 RUNS_ONLY_IN = {("DECODE_PREFIX", "shared"): ("cells with n > 1",
-                                              lambda cell: (_samples_per_prompt(cell) or 1) > 1)}
+                                              lambda cell: (_samples_per_prompt(cell) or 1) > 1),
+                ("ATTENTION_LAUNCH", "by_columns"): (f"cells whose cache is under {SHORT_CACHE_COLUMNS} columns",
+                                                     _short_cache)}
 
 
 def _suffixes() -> dict[str, tuple[str, Any]]:
