@@ -323,10 +323,11 @@ def _shared_kernel():
         return maximum, total, acc
 
     @triton.jit
-    def shared_prefix_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, write_ptr, prefix_ptr, out_ptr, part_ptr, stat_ptr,
-                             lock_ptr, q_batch, q_head, cache_batch, cache_head, cache_column, scale_log2,
-                             ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
+    def shared_prefix_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, write_ptr, prefix_ptr, out_ptr, part_ptr,
+                                       stat_ptr, lock_ptr, q_batch, q_head, cache_batch, cache_head, cache_column,
+                                       scale_log2, ROWS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                                       INTERPRETED: tl.constexpr):
         block = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
