@@ -246,23 +246,22 @@ def _verdict(suffix: str, name: str, value: str, mine: list[dict[str, Any]], min
     shown = "; ".join(f"{r['variant']} vs {r['parent']}: " + ", ".join(f"{c} {g:+.3f}" for c, g in r[key].items())
                       for r in mine)
     runs_only_in = None if prefill else RUNS_ONLY_IN.get((name, value))
+    elsewhere: list[tuple[dict[str, Any], str, float]] = []
+    where_said = ""
     if runs_only_in is not None:  # judged where it runs; elsewhere its parent's code runs: the draw, no loss
         where, runs = runs_only_in
         per_cell, elsewhere = ([x for x in per_cell if runs(x[1])], [x for x in per_cell if not runs(x[1])])
-        if not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
-            return None, (f"+{suffix} ({name} {value}): dropped, {what} gains not above {min_gain_ms} ms in every "
-                          f"cell where it runs ({where}) (ms: {shown or 'no cell measured'}){earlier}")
-        if any(g <= -min_gain_ms for _, _, g in elsewhere):
-            return None, (f"+{suffix} ({name} {value}): dropped, a loss of {min_gain_ms} ms or more in a cell where "
-                          f"it does not run (ms: {shown}){earlier}")
-    elif not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
-        return None, (f"+{suffix} ({name} {value}): dropped, {what} gains not above {min_gain_ms} ms in every cell "
-                      f"(ms: {shown or 'no cell measured'}){earlier}")
+        where_said = f" where it runs ({where})"
+    if not per_cell or any(g <= min_gain_ms for _, _, g in per_cell):
+        return None, (f"+{suffix} ({name} {value}): dropped, {what} gains not above {min_gain_ms} ms in every cell"
+                      f"{where_said} (ms: {shown or 'no cell measured'}){earlier}")
+    if any(g <= -min_gain_ms for _, _, g in elsewhere):
+        return None, (f"+{suffix} ({name} {value}): dropped, a loss of {min_gain_ms} ms or more in a cell where it "
+                      f"does not run (ms: {shown}){earlier}")
     slower = [(c, x) for r in mine for c, x in r.get("rate_ratio", {}).items() if x < 1.0]
     if prefill and slower:  # the wall it moves: tokens/s, the decode steps included (their draw too)
         return None, (f"+{suffix} ({name} {value}): dropped, its tokens/s fell "
                       f"({slower[0][0]} x{slower[0][1]:.3f}){earlier}")
-    where_said = f" where it runs ({runs_only_in[0]})" if runs_only_in is not None else ""
     return statistics.mean(g for _, _, g in per_cell), (f"+{suffix} ({name} {value}): kept, {what} gains"
                                                         f"{where_said} (ms: {shown}){earlier}")
 
