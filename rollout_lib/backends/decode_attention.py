@@ -472,21 +472,22 @@ def _fused_kernel():
     return _FUSED_KERNEL
 
 
-def _launch_buffers(setting: str, batch: int, kv_heads: int, group: int, columns: int, head_dim: int, device,
+def _launch_buffers(setting: str, out_shape: tuple[int, ...], units: int, unit: str, columns: int, tile: int, device,
                     config: Launch) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slices, the output [B, KV, G, D] bf16, the slices' partial outputs and (maximum, sum) pairs) of one launch;
-    with one slice the partials are not read (the output stands in). More (row, kv head) pairs than counters are
-    refused by name."""
+    """(slices, the output `out_shape` [B, KV, G, D] bf16, the slices' partial outputs and (maximum, sum) pairs) of
+    one launch whose programs are `units` (rows, or `attend_shared`'s blocks) x kv heads x slices, each with `tile`
+    query rows, the slices chosen for `columns` (each unit's columns, at most); with one slice the partials are not
+    read (the output stands in). More (unit, kv head) pairs than counters are refused by name."""
     import torch
 
-    if batch * kv_heads > LOCK_SLOTS:
-        raise ValueError(f"ATTENTION_BACKEND {setting}: {batch} rows x {kv_heads} kv heads need more than "
-                         f"{LOCK_SLOTS} counters")
-    splits = config.splits or splits_for(batch * kv_heads, columns, _SMS[device_key(device)], config.block_n)
-    out = torch.empty((batch, kv_heads, group, head_dim), dtype=torch.bfloat16, device=device)
+    kv_heads, head_dim = out_shape[1], out_shape[3]
+    if units * kv_heads > LOCK_SLOTS:
+        raise ValueError(f"{setting}: {units} {unit} x {kv_heads} kv heads need more than {LOCK_SLOTS} counters")
+    splits = config.splits or splits_for(units * kv_heads, columns, _SMS[device_key(device)], config.block_n)
+    out = torch.empty(out_shape, dtype=torch.bfloat16, device=device)
     if splits == 1:
         return splits, out, out, out
-    slots = batch * kv_heads * splits * BLOCK_G
+    slots = units * kv_heads * splits * tile
     return (splits, out, torch.empty(slots * head_dim, dtype=torch.float32, device=device),
             torch.empty(slots * 2, dtype=torch.float32, device=device))
 
@@ -513,8 +514,8 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: t
                          f"{BLOCK_G} query heads per kv head, a power-of-two head size) over its caches")
     if not q.is_contiguous():  # the output is contiguous and stored at q's offsets
         q = q.contiguous()
-    splits, out, parts, stats = _launch_buffers("triton", batch, kv_heads, group, cache_k.shape[2], head_dim,
-                                                q.device, config)
+    splits, out, parts, stats = _launch_buffers("ATTENTION_BACKEND triton", q.shape, batch, "rows", cache_k.shape[2],
+                                                BLOCK_G, q.device, config)
     if batch:
         with torch.profiler.record_function("rollout::decode_attention"):  # the CPU tests count its calls by this
             _kernel()[(batch, kv_heads, splits)](
@@ -551,23 +552,14 @@ def attend_shared(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                          f"{rows_per_block} (bf16, blocks x query heads per kv head at most {MAX_TILE_ROWS}, a "
                          f"power-of-two head size) over its caches")
     blocks = batch // rows_per_block
-    if blocks * kv_heads > LOCK_SLOTS:
-        raise ValueError(f"DECODE_PREFIX shared: {blocks} blocks x {kv_heads} kv heads need more than {LOCK_SLOTS} "
-                         "counters")
     if not q.is_contiguous():  # the output is contiguous and stored at q's offsets
         q = q.contiguous()
     tile = max(BLOCK_G, triton.next_power_of_2(rows_per_block * group))
     # a block's column list is at most n cache lengths long (the prompt once, each row's own columns): the slices
     # are chosen for that bound, as `attend`'s for one row's columns (p128-r64-n4: 8 slices of ~1 iteration each,
     # where the cache's length alone gives 2 slices of ~3)
-    splits = config.splits or splits_for(blocks * kv_heads, cache_k.shape[2] * rows_per_block, _SMS[key],
-                                         config.block_n)
-    out = torch.empty_like(q)
-    parts, stats = out, out  # one slice: the partials are not read
-    if splits > 1:
-        slots = blocks * kv_heads * splits * tile
-        parts = torch.empty(slots * head_dim, dtype=torch.float32, device=q.device)
-        stats = torch.empty(slots * 2, dtype=torch.float32, device=q.device)
+    splits, out, parts, stats = _launch_buffers("DECODE_PREFIX shared", q.shape, blocks, "blocks",
+                                                cache_k.shape[2] * rows_per_block, tile, q.device, config)
     if batch:
         with torch.profiler.record_function("rollout::decode_attention_shared"):  # the CPU tests count its calls
             _shared_kernel()[(blocks, kv_heads, splits)](
@@ -607,8 +599,8 @@ def attend_from_projection(both: torch.Tensor, lora_b: torch.Tensor, q_norm: tor
                          f"{tuple(cos.shape)}, pad {tuple(pad.shape)} and write {tuple(write.shape)} are not one "
                          f"decode step's qkv projection of {heads} query heads with its shrink's rows over its caches")
     group = heads // kv_heads
-    splits, out, parts, stats = _launch_buffers("triton_qkv", batch, kv_heads, group, columns, head_dim,
-                                                both.device, config)
+    splits, out, parts, stats = _launch_buffers("ATTENTION_BACKEND triton_qkv", (batch, kv_heads, group, head_dim),
+                                                batch, "rows", columns, BLOCK_G, both.device, config)
     if batch:
         with torch.profiler.record_function("rollout::decode_attention_qkv"):  # the CPU tests count its calls
             _fused_kernel()[(batch, kv_heads, splits)](
