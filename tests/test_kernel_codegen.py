@@ -184,19 +184,25 @@ def test_the_qkv_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(t
 
 
 def _compile_decode_attention(columns: int, splits: int, block_n: int, warps: int, tmp_path: Path,
-                              num_stages: int | None = None) -> dict:
+                              num_stages: int | None = None, shared_rows: int | None = None) -> dict:
     """The decode attention kernel at Qwen3-0.6B's attention (8 kv heads of 128, two query heads each) over a cache
-    of `columns`, compiled for sm_90a (`_compile_for_hopper`)."""
+    of `columns`, compiled for sm_90a (`_compile_for_hopper`); with `shared_rows`, DECODE_PREFIX shared's kernel
+    for blocks of that many rows."""
     from rollout_lib.backends import decode_attention
 
     kv_heads, group, head_dim = 8, 2, 128
     args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
+            **({"prefix_ptr": "*i64"} if shared_rows else {}),
             "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
             "q_batch": kv_heads * group * head_dim, "q_head": group * head_dim,
             "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
             "scale_log2": 0.1275}
-    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_G": decode_attention.BLOCK_G, "BLOCK_N": block_n,
-                  "SPLITS": splits, "INTERPRETED": False}
+    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "SPLITS": splits, "INTERPRETED": False}
+    if shared_rows:
+        constexprs |= {"ROWS": shared_rows, "BLOCK_T": max(decode_attention.BLOCK_G, shared_rows * group)}
+        return _compile_for_hopper("decode_attention", args, constexprs, warps, tmp_path, factory="_shared_kernel",
+                                   num_stages=num_stages)
+    constexprs["BLOCK_G"] = decode_attention.BLOCK_G
     return _compile_for_hopper("decode_attention", args, constexprs, warps, tmp_path, num_stages=num_stages)
 
 
@@ -259,17 +265,7 @@ def test_the_shared_prompt_decode_attention_compiles_for_hopper_without_spills(r
     from rollout_lib.backends import decode_attention
 
     launch = decode_attention.SHORT_CACHE if short else decode_attention.DEFAULT
-
-    kv_heads, group, head_dim, columns = 8, 2, 128, 768
-    args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
-            "prefix_ptr": "*i64", "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
-            "q_batch": kv_heads * group * head_dim, "q_head": group * head_dim,
-            "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
-            "scale_log2": 0.1275}
-    constexprs = {"ROWS": rows, "GROUP": group, "HEAD_DIM": head_dim,
-                  "BLOCK_T": max(decode_attention.BLOCK_G, rows * group), "BLOCK_N": launch.block_n,
-                  "SPLITS": splits, "INTERPRETED": False}
-    result = _compile_for_hopper("decode_attention", args, constexprs, launch.warps, tmp_path,
-                                 factory="_shared_kernel", num_stages=launch.stages)
+    result = _compile_decode_attention(768, splits, launch.block_n, launch.warps, tmp_path, launch.stages,
+                                       shared_rows=rows)
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
