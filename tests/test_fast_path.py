@@ -1129,6 +1129,9 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
     ({"ATTENTION_LAUNCH": "by_columns"}, "bfloat16",
      r"ATTENTION_LAUNCH by_columns needs ATTENTION_BACKEND triton \(it chooses that kernel's launch configuration\); "
      r"this engine: ATTENTION_BACKEND auto"),
+    ({"WEIGHT_PREFETCH": "rest_of_layer"}, "bfloat16",
+     r"WEIGHT_PREFETCH rest_of_layer needs a CUDA GPU of compute capability 9.0 or later \(sm_90's bulk L2 "
+     r"prefetch\) and Triton; this engine: cpu$"),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):

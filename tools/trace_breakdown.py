@@ -55,6 +55,8 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("low_rank_reductions", r"mul_(\w+_)?sum|sum_mul|gate_up_epilogue|residual_norm_epilogue|qkv_epilogue"),
     ("kv_cache_write", r"index_elementwise|index_put|index_copy|scatter"),
     ("activation", r"silu|gelu"),
+    # WEIGHT_PREFETCH's kernel, on its own stream beside the attention (its L2 fills are not in its time)
+    ("weight_prefetch", r"l2_prefetch"),
 )
 MAX_TRACE_BYTES = 512 * 1024 * 1024
 HOST_WAIT_US = 20.0  # a gap this long is the host's: inside a CUDA graph, nodes follow each other in ~0.4-2 us

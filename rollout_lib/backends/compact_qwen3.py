@@ -658,6 +658,12 @@ class Layer:
 #   (`reduction_launch`). The probe's `+fewest`. "fill_multiprocessors" (issue 43 candidate, after lease 34 found
 #   the fewest programs under-filling the SMs at 4 rows): the largest XBLOCK whose grid still has a program per SM
 #   at the first call. The probe's `+fillsms`.
+# - WEIGHT_PREFETCH "off" (the default): each GEMM and epilogue kernel of a decode step reads its weights from the
+#   memory when it runs; "rest_of_layer" (issue 43 candidate, sm_90 or later): while a compiled decode step's
+#   attention runs, a side stream asks the L2 for the layer's o, gate_up and down weights (with their shrink rows)
+#   and LoRA B, which those kernels read next (`weight_prefetch`: one bulk-prefetch kernel a layer, forked after
+#   the qkv epilogue, joined at the step's end); "through_next_qkv": the next layer's qkv weight and B too. The
+#   values do not change (a prefetch writes nothing). The probe's `+prefetch` and `+prefetchnext`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -708,6 +714,8 @@ NORM_EPILOGUE_ROW = "one_program"
 NORM_EPILOGUE_ROW_ALLOWED = ("one_program", "slices")
 ATTENTION_LAUNCH = "fixed"
 ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns")
+WEIGHT_PREFETCH = "off"
+WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
 # each "<PROJECTION>_EPILOGUE" setting: (the projection whose GEMM output its kernel reads, the kernel's module)
 EPILOGUES = {"GATE_UP_EPILOGUE": ("gate_up", "mlp_epilogue"), "O_EPILOGUE": ("o", "norm_epilogue"),
              "DOWN_EPILOGUE": ("down", "norm_epilogue"), "QKV_EPILOGUE": ("qkv", "qkv_epilogue")}
@@ -784,7 +792,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "AUTOTUNE_ROWS": AUTOTUNE_ROWS_ALLOWED, "COMBO_KERNELS": COMBO_KERNELS_ALLOWED,
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
                    "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, **dict.fromkeys(EPILOGUES, EPILOGUE_ALLOWED),
-                   "NORM_EPILOGUE_ROW": NORM_EPILOGUE_ROW_ALLOWED, "ATTENTION_LAUNCH": ATTENTION_LAUNCH_ALLOWED}
+                   "NORM_EPILOGUE_ROW": NORM_EPILOGUE_ROW_ALLOWED, "ATTENTION_LAUNCH": ATTENTION_LAUNCH_ALLOWED,
+                   "WEIGHT_PREFETCH": WEIGHT_PREFETCH_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -944,6 +953,11 @@ class CompactQwen3:
         self.norm_epilogue_row = setting("NORM_EPILOGUE_ROW")
         self.norm_slices = self.norm_epilogue_row == "slices"
         self.attention_launch = setting("ATTENTION_LAUNCH")
+        self.weight_prefetch = setting("WEIGHT_PREFETCH")
+        if self.weight_prefetch != "off":
+            from rollout_lib.backends import weight_prefetch
+
+            weight_prefetch.check_device(self.device, f"WEIGHT_PREFETCH {self.weight_prefetch}")
         # B stored rank-major for a projection whose epilogue kernel reads it: each rank term's B loads are then
         # contiguous across the features a warp computes (lease 34: row-major B made the o/down kernel 10.5 us)
         self.rank_major_b = frozenset(projection for name, (projection, _) in EPILOGUES.items()
@@ -994,6 +1008,8 @@ class CompactQwen3:
                                                          _cuda_bf16_gemm_with_float32_output(self.device))
             self.layers = [self._layer(block) for block in model.model.layers]
             self._stack_lora_buffers()
+        self._prefetch_plans = self._weight_prefetch_plans() if self.weight_prefetch != "off" else []
+        self._prefetch_stream = torch.cuda.Stream(self.device) if self._prefetch_plans else None
         # `compile_step`: the per-layer pieces of the decode step and its sampler go through inductor
         # before capture, which fuses the elementwise chains (norms, rotary, LoRA casts and adds, the
         # noise hash) into a few kernels. They are compiled per piece, not per layer (the layer's
@@ -1042,6 +1058,26 @@ class CompactQwen3:
         self.decode_inputs = compile(_decode_inputs) if edges else _decode_inputs
         self.final_rms = compile(_rms) if edges else _rms
         self.advance = compile(_advance) if edges else _advance
+
+    def _weight_prefetch_plans(self) -> list:
+        """WEIGHT_PREFETCH: one prefetch plan per layer, its regions in the order the layer's kernels read them after
+        its attention: the o, gate_up and down GEMMs' weights (with the shrink's rows under LORA_SHRINK
+        "in_base_gemm", else followed by A) and each one's B; with "through_next_qkv" the next layer's qkv weight
+        (and A) and B after them. Built once the buffers are final: their addresses are the tables'."""
+        from rollout_lib.backends import weight_prefetch
+
+        def read(layer: Layer, fused: str) -> list[torch.Tensor]:
+            weight, lora_a, lora_b = layer.tensors(fused)
+            in_gemm = layer.proj[fused].weight_cat is not None  # A's rows are in the weight
+            return [weight, *([] if in_gemm else [lora_a]), lora_b]
+
+        plans = []
+        for index, layer in enumerate(self.layers):
+            tensors = [t for fused in ("o", "gate_up", "down") for t in read(layer, fused)]
+            if self.weight_prefetch == "through_next_qkv" and index + 1 < len(self.layers):
+                tensors += read(self.layers[index + 1], "qkv")
+            plans.append(weight_prefetch.plan(tensors, self.device))
+        return plans
 
     def mark_rows(self, *tensors: torch.Tensor | None) -> None:
         """Before a compiled piece is called with these per-row tensors (dimension 0 = rows): with
@@ -1453,6 +1489,10 @@ class CompactQwen3:
 
         last = len(self.layers) - 1
         normed = None  # DOWN_EPILOGUE "triton": the next layer's input norm, from this layer's down epilogue
+        # WEIGHT_PREFETCH: a compiled decode step's layers prefetch what follows their attention (see __init__)
+        prefetching = self._prefetch_stream is not None and compiled and tokens.shape[1] == 1
+        if prefetching:
+            from rollout_lib.backends import weight_prefetch
         for index, layer in enumerate(self.layers):
             if index == 0 or between is None:
                 write_inside = cache_args(index)
@@ -1465,6 +1505,8 @@ class CompactQwen3:
                 q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
                                  fused=compiled, **write_inside)
             # else: q, k, v come from the previous layer's `between` piece
+            if prefetching:  # forked here: the attention's inputs are enqueued, the GEMMs after it are not
+                weight_prefetch.launch(self._prefetch_plans[index], self._prefetch_stream)
             if not inside:
                 cache.k[index].index_copy_(2, write, k)
                 cache.v[index].index_copy_(2, write, v)
@@ -1518,6 +1560,8 @@ class CompactQwen3:
                 continue
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),
                       fused=compiled)
+        if prefetching:  # joined: a captured graph ends with every stream it forked
+            weight_prefetch.join(self._prefetch_stream)
         h = (self.final_rms if inputs is not None else _rms)(h[:, -keep:, :], self.final_norm, self.eps)
         if self.head_mode == HEAD_BF16_OPERANDS:
             logits = torch.mm(h.reshape(-1, self.hidden), self.lm_head.t(), out_dtype=torch.float32)

@@ -21,7 +21,8 @@ candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tri
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step; `+pipelined` (each step's tokens read back
 while the next step runs), `+edges` (the step's work outside its layers compiled), `+splitk` / `+splitk2` /
-`+splitk4` / `+splitk8` (each projection's GEMM split over K, "auto" or that many slices).
+`+splitk4` / `+splitk8` (each projection's GEMM split over K, "auto" or that many slices), `+prefetch` /
+`+prefetchnext` (a layer's weights after its attention prefetched into the L2 while the attention runs).
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -133,6 +134,11 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # the qkv GEMM's float32 output to q and the k/v cache writes as one Triton kernel (lease 33: the qkv
             # expand, the q/k norms with rotary and the cache writes, four kernels and their gaps, ~9 us a layer)
             "qkvepilogue": ("QKV_EPILOGUE", "triton"),
+            # while each layer's attention runs, a side stream asks the L2 for the o, gate_up and down weights and B the
+            # layer reads next (session 44: ~0.7 ms a step of attention, epilogues and gaps with the memory idle, while
+            # each small GEMM waits on the memory's latency); +prefetchnext: the next layer's qkv weight and B too
+            "prefetch": ("WEIGHT_PREFETCH", "rest_of_layer"),
+            "prefetchnext": ("WEIGHT_PREFETCH", "through_next_qkv"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),

@@ -1,0 +1,137 @@
+"""WEIGHT_PREFETCH (issue 43 candidate): the regions a layer's prefetch asks for are exactly the memory its kernels
+read after its attention, in that order; the prefetch kernel compiles for sm_90a to one bulk L2 prefetch per region
+and thread; and on a GPU (the `gpu` tests) an engine that prefetches serves the same bits as one that does not."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from rollout_lib.backends import create_backend, weight_prefetch
+
+
+def test_a_region_covers_a_tensors_elements_in_whole_16_byte_units():
+    base = torch.zeros(64, 48, dtype=torch.bfloat16)
+    assert weight_prefetch.region(base) == (base.data_ptr(), 64 * 48 * 2)
+    # a column-major view spans the same bytes; a view from the 3rd element starts in the unit that holds it
+    assert weight_prefetch.region(base.t()) == weight_prefetch.region(base)
+    tail = base.view(-1)[3:1003]
+    start, size = weight_prefetch.region(tail)
+    assert start % 16 == 0 and size % 16 == 0
+    assert start <= tail.data_ptr() < start + 16 and tail.data_ptr() + 1000 * 2 <= start + size < tail.data_ptr() + 2016
+    # a strided view: from its first element to its last, the rows between included
+    rows = base[::8]
+    assert weight_prefetch.region(rows) == (base.data_ptr(), (7 * 8 * 48 + 48) * 2)
+
+
+def test_a_plan_takes_programs_enough_for_its_largest_region():
+    per_program = weight_prefetch.THREADS * weight_prefetch.CHUNK_BYTES
+    large = torch.empty(3 * per_program + 16, dtype=torch.uint8)
+    small = torch.empty(100, dtype=torch.float32)
+    plan = weight_prefetch.plan([small, None, large], "cpu")
+    assert plan.programs == 4 and plan.regions == 2
+    assert plan.table.tolist() == [list(weight_prefetch.region(small)), list(weight_prefetch.region(large))]
+    assert plan.total_bytes == 400 + 3 * per_program + 16
+    # the bulk prefetch's size is 16-bit in 16-byte units (ptxas encodes it so): a thread's chunk stays under it
+    assert weight_prefetch.CHUNK_BYTES // weight_prefetch.ALIGN < 2 ** 16
+    with pytest.raises(ValueError, match="at least one tensor with elements"):
+        weight_prefetch.plan([None, torch.empty(0)], "cpu")
+
+
+@pytest.mark.parametrize("shrink", ["reductions", "in_base_gemm"])
+def test_each_layers_plan_names_what_its_kernels_read_after_attention(smoke_study, snapshot_cache, shrink):
+    """The engine's plans: per layer the o, gate_up and down GEMMs' weights (with the shrink's rows in them under
+    LORA_SHRINK in_base_gemm; else each followed by its A), each followed by its B, then ("through_next_qkv") the
+    next layer's qkv weight and B; the last layer's plan stops at its down projection."""
+    backend = create_backend("hf_cached", smoke_study, device="cpu", compute_dtype="bfloat16", decode="graphs",
+                             cache_dir=snapshot_cache, engine={"LORA_SHRINK": shrink})
+    backend.cold_start()
+    try:
+        engine = backend.engine
+        for setting in ("rest_of_layer", "through_next_qkv"):
+            engine.weight_prefetch = setting
+            plans = engine._weight_prefetch_plans()
+            assert len(plans) == len(engine.layers)
+            for index, (layer, plan) in enumerate(zip(engine.layers, plans, strict=True)):
+                read = ["o", "gate_up", "down"]
+                if setting == "through_next_qkv" and index + 1 < len(engine.layers):
+                    read.append(("qkv", engine.layers[index + 1]))
+                want = []
+                for entry in read:
+                    fused, owner = entry if isinstance(entry, tuple) else (entry, layer)
+                    linear = owner.proj[fused]
+                    if shrink == "in_base_gemm":
+                        assert linear.weight_cat is not None
+                        want += [linear.weight_cat, linear.lora_b]
+                    else:
+                        want += [linear.weight, linear.lora_a, linear.lora_b]
+                assert plan.table.tolist() == [list(weight_prefetch.region(t)) for t in want if t is not None], (setting,
+                                                                                                    index)
+    finally:
+        backend.teardown()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="needs Triton (its compiler and ptxas) to compile for sm_90a; not installed")
+def test_the_prefetch_kernel_compiles_to_one_bulk_l2_prefetch_per_region(tmp_path):
+    """For sm_90a, without spills: each region's chunks become one predicated `cp.async.bulk.prefetch.L2.global`
+    per thread (ptxas serializes a warp's 32 through the uniform datapath: UBLKPF.L2), and nothing is stored."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = r"""
+import json, re, subprocess, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rollout_lib.backends import weight_prefetch as wp
+kernel = wp._kernel()
+compiled = triton.compile(
+    ASTSource(kernel, {"table_ptr": "*i64", "REGIONS": "constexpr", "THREADS": "constexpr", "ALIGN": "constexpr"},
+              {"REGIONS": 8, "THREADS": wp.THREADS, "ALIGN": wp.ALIGN}, {(0,): [["tt.divisibility", 16]]}),
+    target=GPUTarget("cuda", 90, 32), options={"num_warps": wp.THREADS // 32})
+ptx = compiled.asm["ptx"]
+bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+report = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "-", "-o", "/dev/null"], input=ptx,
+                        capture_output=True, text=True, check=True).stderr
+cubin = Path(sys.argv[1]) / "kernel.cubin"
+cubin.write_bytes(compiled.asm["cubin"])
+sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+print(json.dumps({"ptx_prefetches": ptx.count("cp.async.bulk.prefetch.L2.global"),
+                  "ptx_stores": len(re.findall(r"\bst\.global", ptx)),
+                  "sass_prefetches": sass.count("UBLKPF.L2"),
+                  "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))}))
+"""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"ptx_prefetches": 8, "ptx_stores": 0, "sass_prefetches": 8, "spill_bytes": 0}, result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["rest_of_layer", "through_next_qkv"])
+def test_an_engine_that_prefetches_serves_the_same_bits(smoke_study, snapshot_cache, setting):
+    """A prefetch writes nothing: with it, the compiled graphs serve the same tokens and log-probabilities, bit for
+    bit, as without (both engines with REDUCTION_LAUNCH fewest_programs, so inductor draws no launch that could
+    order a sum otherwise), and each decode step launches the prefetch kernel once a layer (prefills none)."""
+    from rollout_lib.study.workload import Workload
+    from tests.triton_here import run_engines
+
+    base = {"ATTENTION_BACKEND": "triton", "REDUCTION_LAUNCH": "fewest_programs"}
+    policy, runs = run_engines(smoke_study, snapshot_cache, (base, {**base, "WEIGHT_PREFETCH": setting}),
+                               "rollout::weight_prefetch", "l2_prefetch_kernel")
+    (base_identity, want, none), (identity, got, launched) = runs
+    assert base_identity == identity == policy.identity
+    layers = Workload(smoke_study).arch.num_hidden_layers
+    assert none == [] and launched and len(launched) % layers == 0, (len(launched), layers)
+    for cell in want:
+        for a, b in zip(want[cell], got[cell], strict=True):
+            assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), (cell, a.request_id)
