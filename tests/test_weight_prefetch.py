@@ -67,8 +67,8 @@ def test_each_layers_plan_names_what_its_kernels_read_after_attention(smoke_stud
                         want += [linear.weight_cat, linear.lora_b]
                     else:
                         want += [linear.weight, linear.lora_a, linear.lora_b]
-                assert plan.table.tolist() == [list(weight_prefetch.region(t)) for t in want if t is not None], (setting,
-                                                                                                    index)
+                regions = [list(weight_prefetch.region(t)) for t in want if t is not None]
+                assert plan.table.tolist() == regions, (setting, index)
     finally:
         backend.teardown()
 
