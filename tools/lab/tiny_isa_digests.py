@@ -1,10 +1,10 @@
 """The smoke-trained tiny actor's payload digest on this CPU under each kernel setting, one fresh process each.
 
 CPU training is deterministic on one machine, but its float32 sums follow the vector kernels chosen at run time:
-ATen's CPU capability (`ATEN_CPU_CAPABILITY`) and MKL's code path (`MKL_CBWR`). The profile pins one digest, so a
-CPU that chooses other kernels refuses to measure `smoke-trained`. This tool records which settings move the
-digest here; run on two kinds of CPU, it tells whether a setting gives one digest on both (the candidate for an
-ISA-independent build and a new pin).
+ATen's CPU capability (`ATEN_CPU_CAPABILITY`), MKL's code path (`MKL_CBWR`) and oneDNN's (`ONEDNN_MAX_CPU_ISA`).
+The profile pins one digest, so a CPU that chooses other kernels refuses to measure `smoke-trained`. This tool
+records which settings move the digest here; run on two kinds of CPU, it tells whether a setting gives one digest
+on both (the candidate for an ISA-independent build and a new pin).
 
     python tools/lab/tiny_isa_digests.py --out outputs/perf/standin-cpu-isa/digests-<cpu>.json
 """
@@ -29,7 +29,14 @@ SETTINGS = {
     "mkl_compatible": {"MKL_CBWR": "COMPATIBLE"},
     "aten_default+mkl_compatible": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
     "aten_avx2+mkl_avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
+    # session 44 (an AVX-512 Intel Xeon gave no digest of the AMD AVX2 machine's under the settings above): MKL's
+    # strict reproducibility, and oneDNN's instruction set capped (its kernels follow neither variable above)
+    "aten_default+mkl_compatible_strict": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE,STRICT"},
+    "aten_default+mkl_compatible+onednn_sse41": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+                                                 "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "aten_avx2+mkl_avx2+onednn_avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
 CHILD = """
 import json, sys, tempfile, time
 import torch
@@ -59,7 +66,7 @@ def main() -> int:
     out = Path(args.out)
     rows = {}
     for name, env in SETTINGS.items():
-        child_env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")} | env
+        child_env = {k: v for k, v in os.environ.items() if k not in KERNEL_VARIABLES} | env
         done = subprocess.run([sys.executable, "-c", CHILD], env=child_env, capture_output=True, text=True,
                               timeout=900)
         if done.returncode != 0:
