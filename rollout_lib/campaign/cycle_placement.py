@@ -14,7 +14,10 @@ processes (`measure.memory.counted_processes`: NVML's process-tree peak includes
 Two GPUs (one each) is refused for now: the rollout GPU's memory would go unmeasured (issue 45's machine).
 
 The driver (this command) holds no GPU. The trainer writes the raw file under `--output-dir`, which the
-actors must see at the same path: one machine, or storage the cluster shares.
+actors must see at the same path: one machine, or storage the cluster shares. Both actors run torch on the
+driver's number of CPU threads (Ray starts its workers on one): a CPU's float32 sums follow the thread count, and a
+trainer on other threads than a one-process run's measured another grad_norm (session 44, 2 cores: 0.26985067
+against 0.26984844).
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ def _where() -> dict[str, Any]:
 class RolloutServer:
     """The Ray actor body: one backend, constructed from the cycle study as `run_cycles` would."""
 
-    def __init__(self, cycle_params: str, backend_name: str, options: dict[str, Any]):
+    def __init__(self, cycle_params: str, backend_name: str, options: dict[str, Any], threads: int):
+        import torch
+
         from rollout_lib.backends import create_backend
         from rollout_lib.study.cycle import load
 
+        torch.set_num_threads(threads)  # the driver's (see the module)
         self.backend = create_backend(backend_name, load(cycle_params).rollout, **options)
 
     def where(self) -> dict[str, Any]:
@@ -118,12 +124,16 @@ class RemoteBackend:
 
 
 def _train(cycle_params: str, handle: Any, backend_name: str, rollout_where: dict[str, Any], gpus: float,
-           run: dict[str, Any]) -> str:
-    """The trainer task: the measured cycle loop with the remote backend; both processes counted."""
+           run: dict[str, Any], threads: int) -> str:
+    """The trainer task: the measured cycle loop with the remote backend, on the driver's CPU threads; both
+    processes counted."""
+    import torch
+
     from rollout_lib.measure.cycle import run_cycles
     from rollout_lib.measure.memory import counted_processes
     from rollout_lib.study.cycle import load
 
+    torch.set_num_threads(threads)
     backend = RemoteBackend(handle, backend_name, rollout_where, gpus)
     with counted_processes({int(rollout_where["pid"]): "rollout actor"}):
         return str(run_cycles(load(cycle_params), backend_name, backend=backend, **run))
@@ -136,6 +146,8 @@ def run_cycles_on_ray(cycle_params: str, backend_name: str, algorithm: str, cell
                       vllm_memory_mode: str | None = None) -> Path:
     """One cycle run with the backend and the trainer as two Ray actors (see the module docstring); returns
     the sealed raw file, as `run_cycles` does."""
+    import torch
+
     from rollout_lib.measure.cycle import cycle_backend_options
     from rollout_lib.study.cycle import load
 
@@ -153,8 +165,9 @@ def run_cycles_on_ray(cycle_params: str, backend_name: str, algorithm: str, cell
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}})
     options = cycle_backend_options(study, backend_name, cache_dir, device, vllm_memory_mode, backend_options)
+    threads = torch.get_num_threads()  # what a one-process run here would use
     server = ray.remote(num_gpus=GPU_SHARE_ONE_GPU, max_restarts=0)(RolloutServer).remote(
-        cycle_params, backend_name, options)
+        cycle_params, backend_name, options, threads)
     try:
         rollout_where = ray.get(server.where.remote())
         run = {"algorithm": algorithm, "cell_id": cell_id, "campaign": campaign, "run_id": run_id,
@@ -162,7 +175,7 @@ def run_cycles_on_ray(cycle_params: str, backend_name: str, algorithm: str, cell
                "backend_options": backend_options, "cycles": cycles, "vllm_memory_mode": vllm_memory_mode}
         trainer = ray.remote(num_gpus=GPU_SHARE_ONE_GPU, max_retries=0)(_train)
         return Path(ray.get(trainer.remote(cycle_params, server, backend_name, rollout_where,
-                                           GPU_SHARE_ONE_GPU, run)))
+                                           GPU_SHARE_ONE_GPU, run, threads)))
     finally:
         ray.kill(server)
         if started:
