@@ -72,7 +72,10 @@ print(json.dumps({"loads": Counter(re.findall(r"ld\.global(?:\.[a-z]+\d*)*\.v?\d
                   "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
                   "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)),
                   "global_loads": order.count("load"),
-                  "loads_before_first_fma": order.index("fma") if "fma" in order else len(order)}))
+                  "loads_before_first_fma": order.index("fma") if "fma" in order else len(order),
+                  "global_stores": len(re.findall(r"\bst\.global", ptx)),
+                  "bulk_prefetches_ptx": ptx.count("cp.async.bulk.prefetch.L2.global"),
+                  "bulk_prefetches_sass": sass.count("UBLKPF.L2")}))
 """
 
 
@@ -269,3 +272,16 @@ def test_the_shared_prompt_decode_attention_compiles_for_hopper_without_spills(r
                                        shared_rows=rows)
     assert result["global_loads"] > 0, result
     assert result["spill_bytes"] == 0, result
+
+
+def test_the_weight_prefetch_kernel_compiles_to_one_bulk_l2_prefetch_per_region(tmp_path):
+    """WEIGHT_PREFETCH's kernel for sm_90a at 8 regions (a "through_next_qkv" plan with LORA_SHRINK in_base_gemm):
+    each region's chunks become one predicated `cp.async.bulk.prefetch.L2.global` per thread (ptxas serializes a
+    warp's 32 through the uniform datapath: UBLKPF.L2), nothing is stored and nothing spills."""
+    from rollout_lib.backends import weight_prefetch
+
+    result = _compile_for_hopper("weight_prefetch", {"table_ptr": "*i64"},
+                                 {"REGIONS": 8, "THREADS": weight_prefetch.THREADS, "ALIGN": weight_prefetch.ALIGN},
+                                 weight_prefetch.THREADS // 32, tmp_path)
+    assert (result["bulk_prefetches_ptx"], result["bulk_prefetches_sass"]) == (8, 8), result
+    assert result["global_stores"] == 0 and result["spill_bytes"] == 0, result
