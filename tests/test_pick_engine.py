@@ -455,3 +455,17 @@ def test_a_later_probes_base_value_wins_whatever_the_hash_seed(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         picked.add(done.stdout.strip())
     assert picked == {json.dumps(engine, sort_keys=True)}
+
+
+@pytest.mark.parametrize(("next_steps", "kept"), [((1.49, 1.70), "through_next_qkv"),   # more in both cells
+                                                  ((1.49, 1.745), "rest_of_layer")])   # 0.005 at 16 rows
+def test_weight_prefetch_is_judged_on_the_later_probes_base(tmp_path, next_steps, kept):
+    """Lease 43's shape: the prefetch probe has its own Q (the later base); `+prefetch` gains 0.05 / 0.04 ms on
+    it, and `+prefetchnext` is kept in its place only where it gains above 0.02 in every cell too."""
+    q = f"{BASE}+tritonattn"
+    first = _probe(tmp_path / "decode-q", {BASE: ((2.10, 2.40), (40.0, 60.0)), q: ((1.57, 1.75), (40.0, 60.0))})
+    later = _probe(tmp_path / "decode-prefetch", {q: ((1.56, 1.75), (40.0, 60.0)),
+                                                   f"{q}+prefetch": ((1.51, 1.71), (40.0, 60.0)),
+                                                   f"{q}+prefetchnext": (next_steps, (40.0, 60.0))})
+    engine, lines = pick([first, later], 0.02)
+    assert engine["ATTENTION_BACKEND"] == "triton" and engine["WEIGHT_PREFETCH"] == kept, lines
