@@ -202,7 +202,7 @@ def _compile_decode_attention(columns: int, splits: int, block_n: int, warps: in
             "scale_log2": 0.1275}
     constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_N": block_n, "SPLITS": splits, "INTERPRETED": False}
     if shared_rows:
-        constexprs |= {"ROWS": shared_rows, "BLOCK_T": max(decode_attention.BLOCK_G, shared_rows * group)}
+        constexprs |= {"ROWS": shared_rows, "BLOCK_T": decode_attention.shared_tile(shared_rows, group)}
         return _compile_for_hopper("decode_attention", args, constexprs, warps, tmp_path, factory="_shared_kernel",
                                    num_stages=num_stages)
     constexprs["BLOCK_G"] = decode_attention.BLOCK_G

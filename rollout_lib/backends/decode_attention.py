@@ -526,6 +526,12 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: t
     return out
 
 
+def shared_tile(rows_per_block: int, group: int) -> int:
+    """`attend_shared`'s MMA tile height: a block's rows x query heads per kv head, padded to a power of two and to
+    at least BLOCK_G (the MMA's smallest width)."""
+    return max(BLOCK_G, 1 << max(rows_per_block * group - 1, 0).bit_length())
+
+
 def attend_shared(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: torch.Tensor,
                   write: torch.Tensor, prefix_end: torch.Tensor, rows_per_block: int, scale: float,
                   config: Launch = DEFAULT) -> torch.Tensor:
@@ -534,7 +540,6 @@ def attend_shared(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     (the other rows' copies are never read); each row's own columns [prefix_end, write] from its own cache.
     `prefix_end` [1]: an integer tensor on the device (the first decode column). `prepare(device)` first."""
     import torch
-    import triton
 
     batch, kv_heads, group, head_dim = q.shape
     key = device_key(q.device)
@@ -554,7 +559,7 @@ def attend_shared(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
     blocks = batch // rows_per_block
     if not q.is_contiguous():  # the output is contiguous and stored at q's offsets
         q = q.contiguous()
-    tile = max(BLOCK_G, triton.next_power_of_2(rows_per_block * group))
+    tile = shared_tile(rows_per_block, group)
     # a block's column list is at most n cache lengths long (the prompt once, each row's own columns): the slices
     # are chosen for that bound, as `attend`'s for one row's columns (p128-r64-n4: 8 slices of ~1 iteration each,
     # where the cache's length alone gives 2 slices of ~3)
