@@ -42,12 +42,11 @@ _KERNEL = None
 
 @dataclass(frozen=True)
 class Plan:
-    """One prefetch launch: `table` [regions, 2] int64 (device address, bytes) on the device, the launch's programs
-    and the bytes it asks for."""
+    """One prefetch launch: `table` [regions, 2] int64 (device address, bytes) on the device, and the launch's
+    programs."""
 
     table: torch.Tensor
     programs: int
-    total_bytes: int
 
     @property
     def regions(self) -> int:
@@ -89,7 +88,7 @@ def plan(tensors: list[torch.Tensor], device) -> Plan:
     largest = max(size for _, size in regions)
     programs = max(1, -(-largest // (THREADS * CHUNK_BYTES)))
     table = torch.tensor(regions, dtype=torch.int64, device=device)
-    return Plan(table, programs, sum(size for _, size in regions))
+    return Plan(table, programs)
 
 
 def _kernel():
