@@ -129,21 +129,27 @@ def test_attention_over_a_shared_prompt_reads_it_from_the_blocks_first_row(block
     assert int(decode_attention._LOCKS[decode_attention.device_key(DEVICE)].abs().sum()) == 0
 
 
-def test_a_shared_prompt_that_is_not_blocks_of_rows_is_refused_by_name():
+def _zero_step(rows: int, kv_heads: int, cache_dtype=torch.bfloat16):
+    """A decode step's operands of zeros on DEVICE (two query heads per kv head, head size 16, 8 cache columns): q,
+    the k cache, pad and a one-element column index (write, or prefix_end); the kernel's counters prepared."""
     from rollout_lib.backends import decode_attention
 
     decode_attention.prepare(DEVICE)
-    q = torch.zeros(6, 2, 2, 16, dtype=torch.bfloat16, device=DEVICE)
-    cache = torch.zeros(6, 2, 8, 16, dtype=torch.bfloat16, device=DEVICE)
-    pad, one = torch.zeros(6, dtype=torch.long, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE)
+    return (torch.zeros(rows, kv_heads, 2, 16, dtype=torch.bfloat16, device=DEVICE),
+            torch.zeros(rows, kv_heads, 8, 16, dtype=cache_dtype, device=DEVICE),
+            torch.zeros(rows, dtype=torch.long, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE))
+
+
+def test_a_shared_prompt_that_is_not_blocks_of_rows_is_refused_by_name():
+    from rollout_lib.backends import decode_attention
+
+    q, cache, pad, one = _zero_step(6, 2)
     with pytest.raises(ValueError, match=r"^DECODE_PREFIX shared: q \(6, 2, 2, 16\) .* in blocks of 4 \(bf16, "
                                          r"blocks x query heads per kv head at most 64"):
         decode_attention.attend_shared(q, cache, cache.clone(), pad, one, one, 4, 0.25)
-    wide = torch.zeros(66, 1, 2, 16, dtype=torch.bfloat16, device=DEVICE)
-    wide_cache = torch.zeros(66, 1, 8, 16, dtype=torch.bfloat16, device=DEVICE)
+    wide, wide_cache, wide_pad, one = _zero_step(66, 1)
     with pytest.raises(ValueError, match=r"in blocks of 33 "):  # 66 query rows: past the tile's 64
-        decode_attention.attend_shared(wide, wide_cache, wide_cache.clone(), torch.zeros(66, dtype=torch.long,
-                                       device=DEVICE), one, one, 33, 0.25)
+        decode_attention.attend_shared(wide, wide_cache, wide_cache.clone(), wide_pad, one, one, 33, 0.25)
 
 
 def test_the_slices_fill_the_gpu_and_keep_a_block_of_columns_each():
@@ -159,10 +165,7 @@ def test_the_slices_fill_the_gpu_and_keep_a_block_of_columns_each():
 def test_operands_that_are_not_one_decode_step_are_refused_by_name():
     from rollout_lib.backends import decode_attention
 
-    decode_attention.prepare(DEVICE)
-    q = torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16, device=DEVICE)
-    cache = torch.zeros(2, 2, 8, 16, dtype=torch.float32, device=DEVICE)
-    pad, write = torch.zeros(2, dtype=torch.long, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE)
+    q, cache, pad, write = _zero_step(2, 2, cache_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"^ATTENTION_BACKEND triton: q \(2, 2, 2, 16\) torch.bfloat16 and the "
                                          r"caches \(2, 2, 8, 16\) torch.float32 .* are not one decode step's"):
         decode_attention.attend(q, cache, cache.clone(), pad, write, 0.25)
