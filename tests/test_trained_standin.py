@@ -31,16 +31,37 @@ PROFILE = REPO / "params" / "profiles" / "smoke-trained.yaml"
 DRAFT = REPO / "params" / "drafts" / "rollout-runtime-v3-trained.yaml"
 V2 = REPO / "params" / "rollout-runtime-v2.yaml"
 TIMING_KEYS = ("train_wall_s", "train_tokens_per_s")
-# CPU training is deterministic on one machine (one thread), but its float32 sums follow the CPU's vector kernels:
-# the profile's pinned digest (b2ab933c...) is what the machines CI has passed on build; a machine whose ATen runs
-# its AVX2 kernels (session 39's: AMD EPYC) builds a316e131... from the same recipe, the same digest twice
-PIN_DIFFERS_ON = {"AVX2": "a316e13129771097ce8c1fddfa9a60c9bdf7ce742dadcdade27da1bfa9b61a9e"}
+# CPU training is deterministic on one machine (one thread), but its float32 sums follow the vector kernels the CPU
+# gets at run time (ATen's capability, MKL's code path, and something else: docs/perf-notes.md, "The tiny actor's
+# CPU digest"), so the build's digest is a property of the CPU family as well as of the recipe. The profile pins
+# b2ab933c..., what CI's machines built through stop 67 (their CPU was not recorded); the families below were seen
+# to build another digest, the same one on every repeat. A recipe change moves every digest out of this table.
+CPU_FAMILY_BUILDS = {
+    # session 39/40: AMD EPYC, ATen AVX2
+    ("AuthenticAMD", "AVX2"): "a316e13129771097ce8c1fddfa9a60c9bdf7ce742dadcdade27da1bfa9b61a9e",
+    # session 44 (Xeon with AVX512-FP16/BF16), session 45 (Xeon without them), CI at stop 68: Intel, ATen AVX512
+    ("GenuineIntel", "AVX512"): "3b9cc487f8c2d28d027970dee7a12ad9af2c986bb5812ed2e0348006bf21f3a6",
+}
 
 
-def cpu_capability() -> str:
+def cpu_family() -> tuple[str, str]:
+    """(vendor, ATen capability): the key of CPU_FAMILY_BUILDS."""
     import torch
 
-    return torch.backends.cpu.get_cpu_capability()
+    from rollout_lib.measure.host import CPUINFO
+
+    text = CPUINFO.read_text() if CPUINFO.is_file() else ""
+    vendor = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")),
+                  "unknown")
+    return vendor, torch.backends.cpu.get_cpu_capability()
+
+
+def expected_build() -> tuple[str, str]:
+    """The digest this CPU family builds from the profile's recipe, and where that figure comes from."""
+    family = cpu_family()
+    if family in CPU_FAMILY_BUILDS:
+        return CPU_FAMILY_BUILDS[family], f"the build of {family} CPUs (CPU_FAMILY_BUILDS)"
+    return yaml.safe_load(PROFILE.read_text())["actor"]["payload_digest"], "the profile's pin"
 
 
 def rollout(*argv: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -197,12 +218,10 @@ def test_tiny_training_is_deterministic_and_matches_the_profile_pin(trained_acto
            {k: v for k, v in record.items() if k not in TIMING_KEYS}
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     assert (again / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
-    pinned = yaml.safe_load(PROFILE.read_text())["actor"]["payload_digest"]
-    if cpu_capability() in PIN_DIFFERS_ON:  # the build is deterministic here (above), its digest this CPU's
-        assert record["payload_digest"] == PIN_DIFFERS_ON[cpu_capability()]
-        pytest.skip(f"the profile's pin is the build of CPUs whose ATen kernels are not {cpu_capability()}; this "
-                    f"one builds {record['payload_digest'][:12]}..., checked above")
-    assert record["payload_digest"] == pinned, "a CPU rebuild differs from the profile's pinned digest"
+    expected, source = expected_build()
+    assert record["payload_digest"] == expected, (
+        f"a CPU rebuild ({cpu_family()}) gives {record['payload_digest']}, not {source} {expected}: a recipe change, "
+        "or a CPU family not yet recorded (then add its repeatable digest to CPU_FAMILY_BUILDS)")
 
 
 def test_the_faster_kernels_train_deterministically_and_the_record_names_them(trained_actor, tmp_path):
@@ -415,8 +434,8 @@ def test_the_trained_tiny_profile_measures_end_to_end(trained_actor, tmp_path):
     (project / "params" / "profiles").mkdir(parents=True)
     shutil.copytree(REPO / "params" / "corpora", project / "params" / "corpora")
     profile = PROFILE.read_text()
-    if cpu_capability() in PIN_DIFFERS_ON:  # this CPU's build (see PIN_DIFFERS_ON) pinned in the copy instead
-        pinned = yaml.safe_load(profile)["actor"]["payload_digest"]
+    pinned = yaml.safe_load(profile)["actor"]["payload_digest"]
+    if record["payload_digest"] != pinned:  # this CPU family's build (the pin test checks it) pinned in the copy
         profile = profile.replace(pinned, record["payload_digest"])
     (project / "params" / "profiles" / "smoke-trained.yaml").write_text(profile)
     shutil.copytree(out, project / ".cache" / "standins" / "tiny-actor")  # where the profile points

@@ -112,7 +112,12 @@ def test_stream_interval_serves_the_same_tokens_and_logprobs(smoke_study, engine
 
 def test_non_streamed_requests_serve_the_same_tokens_and_take_ttft_from_the_engine(smoke_study, engine):
     """`streaming: false` on the same server (a client-side setting: one response per request): the same
-    tokens, log-probabilities and stop reasons as the stream; TTFT from vllm:time_to_first_token_seconds."""
+    tokens and stop reasons as the stream, log-probabilities within float32 rounding; TTFT from
+    vllm:time_to_first_token_seconds.
+
+    Not bit for bit: the requests reach the server at other moments, so its batches can differ, and vLLM's CPU
+    kernels round a row's sums by the batch's shape (stop 68's CI: one log-probability -6.1227674 against
+    -6.1227665)."""
     work = Workload(smoke_study)
     policy = policy_versions(work.arch, smoke_study.actor.lora, smoke_study.actor.payload_digest, 1)[0]
     requests = work.requests(work.cell("p16-r24-n2-stochastic"))
@@ -125,8 +130,10 @@ def test_non_streamed_requests_serve_the_same_tokens_and_take_ttft_from_the_engi
         phases = whole.phases
     finally:
         engine.streaming = True
-    assert [(r.token_ids, r.logprobs, r.stop_reason) for r in whole.results] == \
-        [(r.token_ids, r.logprobs, r.stop_reason) for r in streamed.results]
+    assert [(r.token_ids, r.stop_reason) for r in whole.results] == \
+        [(r.token_ids, r.stop_reason) for r in streamed.results]
+    assert [r.logprobs for r in whole.results] == \
+        [pytest.approx(r.logprobs, rel=0, abs=1e-4) for r in streamed.results]
     assert phases["ttft_s"].status == "measured", phases["ttft_s"]
     assert phases["ttft_s"].reason.startswith("source: vLLM /metrics vllm:time_to_first_token_seconds")
 

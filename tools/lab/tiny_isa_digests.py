@@ -35,6 +35,11 @@ SETTINGS = {
     "aten_default+mkl_compatible+onednn_sse41": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
                                                  "ONEDNN_MAX_CPU_ISA": "SSE41"},
     "aten_avx2+mkl_avx2+onednn_avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    # session 45 (CI's stop-68 machine and this session's built neither the pin nor the AMD digests): one variable
+    # at a time, to tell whether the pin's unrecorded CPU was an AVX-512 one whose MKL took a narrower path
+    "aten_avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "mkl_avx2": {"MKL_CBWR": "AVX2"},
+    "mkl_avx": {"MKL_CBWR": "AVX"},
 }
 KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
 CHILD = """
@@ -74,7 +79,12 @@ def main() -> int:
         else:
             rows[name] = {"env": env, "status": "measured", **json.loads(done.stdout.strip().splitlines()[-1])}
         print(name, rows[name].get("payload_digest", rows[name]["status"]), flush=True)
-    record = {**cpu_facts(), "python": platform.python_version(),
+    import torch
+
+    # the libraries below the kernels too (session 45: an image's glibc or MKL is the next suspect for the rest)
+    mkl = [line.strip(" -") for line in torch.__config__.show().splitlines() if "Math Kernel Library" in line]
+    record = {**cpu_facts(), "python": platform.python_version(), "libc": "-".join(platform.libc_ver()),
+              "torch": torch.__version__, "mkl": mkl[0] if mkl else "not_measured",
               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": rows}
     write_bytes_atomic(out, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
     print(f"wrote {out}")
