@@ -46,6 +46,10 @@ CHILD = """
 import json, sys, tempfile, time
 import torch
 from rollout_lib.models.train_standin import plan_training, train_standin
+a = torch.ones(64, 64)  # no RNG draw before the build
+with torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON):  # MKL names its code path and CNR mode (stdout)
+    a @ a
+sys.stdout.flush()
 start = time.perf_counter()
 record = train_standin(plan_training("tiny", role="actor"), tempfile.mkdtemp() + "/tiny-actor")
 print(json.dumps({"payload_digest": record["payload_digest"], "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -64,6 +68,16 @@ def cpu_facts() -> dict:
             "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "sse4")))}
 
 
+def mkl_path(lines: list[str]) -> dict:
+    """MKL's own words (MKL_VERBOSE) on the code path it dispatched to and its CNR mode (session 45: on an Intel
+    Xeon, as found "...AVX-512...", MKL_CBWR=COMPATIBLE "Intel(R) Architecture processors" with CNR:COMPATIBLE)."""
+    banner = next((line for line in lines if line.startswith("MKL_VERBOSE") and "architecture" in line), None)
+    call = next((line for line in lines if line.startswith("MKL_VERBOSE SGEMM")), "")
+    cnr = next((word.split(":", 1)[1] for word in call.split() if word.startswith("CNR:")), None)
+    return {"mkl_path": banner.split("architecture", 1)[1].split(", Lnx")[0].strip() if banner else "not_measured",
+            "mkl_cnr": cnr or "not_measured"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the JSON file to write (atomically)")
@@ -77,7 +91,8 @@ def main() -> int:
         if done.returncode != 0:
             rows[name] = {"env": env, "status": "failed", "stderr_tail": done.stderr[-2000:]}
         else:
-            rows[name] = {"env": env, "status": "measured", **json.loads(done.stdout.strip().splitlines()[-1])}
+            lines = done.stdout.strip().splitlines()
+            rows[name] = {"env": env, "status": "measured", **mkl_path(lines), **json.loads(lines[-1])}
         print(name, rows[name].get("payload_digest", rows[name]["status"]), flush=True)
     import torch
 
