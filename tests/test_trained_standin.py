@@ -32,8 +32,8 @@ DRAFT = REPO / "params" / "drafts" / "rollout-runtime-v3-trained.yaml"
 V2 = REPO / "params" / "rollout-runtime-v2.yaml"
 TIMING_KEYS = ("train_wall_s", "train_tokens_per_s")
 # CPU training is deterministic on one machine (one thread), but its float32 sums follow the vector kernels the CPU
-# gets at run time (ATen's capability, MKL's code path, and something else: docs/perf-notes.md, "The tiny actor's
-# CPU digest"), so the build's digest is a property of the CPU family as well as of the recipe. The profile pins
+# gets at run time (ATen's capability, MKL's code path, and something else: docs/perf-notes.md, "Stand-in
+# training"), so the build's digest is a property of the CPU family as well as of the recipe. The profile pins
 # b2ab933c..., what CI's machines built through stop 67 (their CPU was not recorded); the families below were seen
 # to build another digest, the same one on every repeat. A recipe change moves every digest out of this table.
 CPU_FAMILY_BUILDS = {
