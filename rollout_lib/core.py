@@ -112,13 +112,21 @@ def notebook_kernel_options() -> Iterator[dict[str, Any]]:
     """papermill keyword arguments for a kernel that talks over Unix sockets in a private folder (0700),
     not over unencrypted localhost TCP: nothing listens on a port, and the kernel's start-up warning
     about TCP without encryption ("[IPKernelApp] WARNING | Kernel is running over TCP without
-    encryption") has no cause left. The folder and its sockets are removed afterwards."""
+    encryption") has no cause left. The folder and its sockets are removed afterwards.
+
+    Once the last cell has replied, the kernel is stopped at once (nbclient's `shutdown_kernel="immediate"`:
+    a kill of its process group) instead of being asked to tear itself down: ipykernel 7.4's own teardown
+    (closing its zmq sockets and contexts from several threads) can abort in libzmq, printing "Assertion
+    failed: pfd.revents & POLLIN (src/signaler.cpp:238)" on the run's stderr (seen once, in a CI run on a
+    loaded 2-core machine). Nothing is lost by skipping it: every cell has returned and its outputs are in
+    the notebook, and what a measurement writes is written, fsynced and sealed inside its cells (a backend's
+    server is stopped there too)."""
     from traitlets.config import Config  # papermill's dependency; only a notebook run needs it
 
     folder = tempfile.mkdtemp(prefix="rollout-kernel-")
     try:
         yield {"config": Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "kernel")}}),
-               "kernel_manager_class": _shutdown_without_interrupt_manager()}
+               "kernel_manager_class": _shutdown_without_interrupt_manager(), "shutdown_kernel": "immediate"}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

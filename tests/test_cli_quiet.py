@@ -95,3 +95,37 @@ def test_the_notebook_kernel_is_shut_down_without_an_interrupt(tmp_path):
     (tmp_path / "stock").mkdir()
     assert _sigints_at_shutdown(manager_class, tmp_path / "ours") == ""
     assert _sigints_at_shutdown(AsyncKernelManager, tmp_path / "stock") == "SIGINT"
+
+
+def test_a_notebook_run_stops_its_kernel_without_the_kernel_s_own_teardown(tmp_path):
+    """The notebook runs' kernel is killed once the last cell has replied (ipykernel's teardown can abort in
+    libzmq: rollout_lib.core.notebook_kernel_options): an atexit hook the kernel registered never runs, the
+    cells' outputs and files are all there, and the kernel process is gone when papermill returns."""
+    import nbformat
+    import papermill as pm
+
+    hook, done, pid = tmp_path / "atexit-ran", tmp_path / "cell-wrote", tmp_path / "kernel-pid"
+    source = (f"import atexit, os, pathlib\n"
+              f"atexit.register(lambda: pathlib.Path({str(hook)!r}).write_text('teardown ran'))\n"
+              f"pathlib.Path({str(pid)!r}).write_text(str(os.getpid()))\n"
+              f"pathlib.Path({str(done)!r}).write_text('written')\n"
+              f"print('last cell')")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    template, executed = tmp_path / "in.ipynb", tmp_path / "out.ipynb"
+    nbformat.write(notebook, template)
+    with notebook_kernel_options() as options:
+        assert options["shutdown_kernel"] == "immediate"
+        pm.execute_notebook(str(template), str(executed), kernel_name="python3", progress_bar=False,
+                            cwd=str(tmp_path), **options)
+    assert done.read_text() == "written"
+    outputs = nbformat.read(executed, as_version=4).cells[0].outputs
+    assert [o.get("text") for o in outputs] == ["last cell\n"]
+    assert not hook.exists(), "the kernel ran its own teardown"
+    kernel = int(pid.read_text())
+    try:
+        os.kill(kernel, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        raise AssertionError(f"the kernel (pid {kernel}) outlived the run")
