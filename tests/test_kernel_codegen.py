@@ -60,13 +60,19 @@ for index, name in enumerate(kernel.arg_names):
 compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": spec["num_warps"], **spec.get("options", {})})
 ptx = compiled.asm["ptx"]
-bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-report = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "-", "-o", "/dev/null"], input=ptx,
-                        capture_output=True, text=True, check=True).stderr
+# The ptxas and nvdisasm Triton itself used (TRITON_PTXAS_PATH where set, else its own copy): the PTX's version
+# follows that ptxas, and another one may refuse it (lease 43's device: exit 255 from the bundled copy).
+ptxas, nvdisasm = triton.knobs.nvidia.ptxas.path, triton.knobs.nvidia.nvdisasm.path
+ptx_file = Path(sys.argv[2]) / "kernel.ptx"
+ptx_file.write_text(ptx)
+done = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_file), "-o", str(Path(sys.argv[2]) / "ptxas.cubin")],
+                      capture_output=True, text=True)
+if done.returncode != 0:
+    sys.exit(f"{ptxas} exit {done.returncode}: {done.stderr[-2000:]}")
+report = done.stderr
 cubin = Path(sys.argv[2]) / "kernel.cubin"
 cubin.write_bytes(compiled.asm["cubin"])
-sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
-                      check=True).stdout
+sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
 order = [("load" if "LDG" in line else "fma") for line in sass.splitlines() if "LDG" in line or "FFMA" in line]
 print(json.dumps({"loads": Counter(re.findall(r"ld\.global(?:\.[a-z]+\d*)*\.v?\d*\.?b\d+", ptx)),
                   "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
