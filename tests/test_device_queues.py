@@ -64,6 +64,10 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         _check_command(where, assigned.group(1), parser, known_cells)
         return
     words = _shell_words(command)
+    if words[:1] == ["timeout"]:  # `timeout SECONDS command`: the command killed after SECONDS, checked as itself
+        assert len(words) > 2 and words[1].isdigit(), f"{where}: timeout SECONDS COMMAND: {command}"
+        _check_command(where, shlex.join(words[2:]), parser, known_cells)
+        return
     env = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if re.fullmatch(r"[A-Z_]+=.*", w)}
     words = [w for w in words if not re.fullmatch(r"[A-Z_]+=.*", w)]
     if words[:3] == ["python3", "-m", "rollout_lib.cli"]:
@@ -160,6 +164,18 @@ def test_queue_file_is_runnable(path):
     for name, _, line in jobs:
         for command in re.split(r"\s(?:\|\||&&)\s", line):  # `a || b`: the fallback is checked like the first
             _check_command(f"{path.name}/{name}", command, parser, known_cells)
+
+
+def test_a_command_under_timeout_is_checked_as_itself():
+    """`timeout $((JOB_DEADLINE_S - 10)) python3 -m pytest ...` (lease 43's GPU suite): the seconds must be a number
+    once the shell has computed them, and the command after them passes or fails as it would alone."""
+    parser = build_parser()
+    cells = set(Workload(load(REPO_ROOT / "params" / "rollout-runtime-v2.yaml")).cell_ids())
+    _check_command("q/ok", "timeout $((JOB_DEADLINE_S - 10)) python3 -m pytest -q -m gpu tests", parser, cells)
+    with pytest.raises(AssertionError, match=r"tests/nowhere\.py does not exist"):
+        _check_command("q/bad", "timeout 300 python3 -m pytest -q tests/nowhere.py", parser, cells)
+    with pytest.raises(pytest.fail.Exception, match="a command this test cannot check"):
+        _check_command("q/bad", "timeout 300 rm -rf outputs", parser, cells)
 
 
 @pytest.mark.parametrize("script", sorted((REPO_ROOT / "tools" / "lab").glob("*.sh")), ids=lambda p: p.name)
