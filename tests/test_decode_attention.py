@@ -228,6 +228,21 @@ def test_a_bf16_engine_reads_each_groups_prompt_once_and_serves_the_per_row_toke
     assert_parts_only_after_close_logprobs(per_row, got, 0.05 if DEVICE == "cuda" else 0.1)
 
 
+def test_short_prompts_under_shared_long_decode_per_row_bit_for_bit(smoke_study, snapshot_cache):
+    """DECODE_PREFIX "shared_long" with the smoke cells' prompts (16 and 48 columns, under SHARED_PROMPT_MIN_COLUMNS):
+    no decode step calls `attend_shared`, and the tokens and log-probabilities are the per-row engine's bit for bit
+    (both with REDUCTION_LAUNCH fewest_programs, so inductor draws no launch that could order a sum otherwise)."""
+    base = {"ATTENTION_BACKEND": "triton", "REDUCTION_LAUNCH": "fewest_programs"}
+    policy, runs = run_engines(smoke_study, snapshot_cache, (base, {**base, "DECODE_PREFIX": "shared_long"}),
+                               "rollout::decode_attention_shared", "shared_prefix_attention_kernel")
+    (per_row_identity, want, none), (identity, got, shared_calls) = runs
+    assert identity == per_row_identity == policy.identity
+    assert none == [] and shared_calls == []
+    for cell in want:
+        for a, b in zip(want[cell], got[cell], strict=True):
+            assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), (cell, a.request_id)
+
+
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("oracle_rounding", [False, True])
 def test_attention_from_the_qkv_projection_is_the_epilogue_then_the_attention(splits, oracle_rounding):

@@ -486,6 +486,9 @@ def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_
           "DECODE_PREFIX": "shared: needs ATTENTION_BACKEND fa3 or triton, left out in float32"}),
     ({"ATTENTION_BACKEND": "triton", "DECODE_PREFIX": "shared"}, "bfloat16",
      {"ATTENTION_BACKEND": "triton", "DECODE_PREFIX": "shared"}, {}),
+    ({"ATTENTION_BACKEND": "triton", "DECODE_PREFIX": "shared_long"}, "float32",
+     {}, {"ATTENTION_BACKEND": "triton: bfloat16 engines only (its kernel multiplies bf16 operands)",
+          "DECODE_PREFIX": "shared_long: needs ATTENTION_BACKEND fa3 or triton, left out in float32"}),
     ({"ATTENTION_BACKEND": "triton", "COMBO_KERNELS": "on"}, "float32",
      {"COMBO_KERNELS": "on"}, {"ATTENTION_BACKEND": "triton: bfloat16 engines only (its kernel multiplies bf16 "
                                                     "operands)"}),
@@ -1003,6 +1006,22 @@ def test_rows_share_a_prefix_only_in_equal_blocks_of_one_prompt(prompts, blocks)
     from rollout_lib.backends.compact_qwen3 import prompt_blocks
 
     assert prompt_blocks([tuple(p) for p in prompts]) == blocks
+
+
+@pytest.mark.parametrize(("decode_prefix", "backend", "width", "group"), [
+    ("shared", "triton", 128, 2), ("shared", "fa3", 512, 2), ("shared", "sdpa", 512, 1),
+    ("shared_long", "triton", 128, 1), ("shared_long", "triton", 255, 1), ("shared_long", "triton", 256, 2),
+    ("shared_long", "fa3", 512, 2), ("shared_long", "flex", 512, 1), ("per_row", "triton", 512, 1)])
+def test_a_block_reads_its_prompt_once_only_where_the_setting_and_the_prompts_width_say(decode_prefix, backend,
+                                                                                          width, group):
+    """DECODE_PREFIX "shared_long" is "shared" from SHARED_PROMPT_MIN_COLUMNS (padded) prompt columns; below them,
+    and with an attention backend that cannot read a prompt once, each row reads its own copy."""
+    from rollout_lib.backends.compact_qwen3 import SHARED_PROMPT_MIN_COLUMNS, shared_prompt_group
+
+    assert SHARED_PROMPT_MIN_COLUMNS == 256
+    prompts = [(1, 2), (1, 2), (3, 4), (3, 4)]
+    assert shared_prompt_group(decode_prefix, backend, prompts, width) == group
+    assert shared_prompt_group(decode_prefix, backend, [(1,), (2,), (3,), (4,)], width) == 1
 
 
 def test_the_shared_prefix_decode_cascades_per_block_and_keeps_the_tokens(smoke_study, snapshot_cache, monkeypatch,

@@ -92,6 +92,10 @@ def test_the_cells_a_setting_runs_in_are_read_from_the_cell_ids():
     assert [_samples_per_prompt(c) for c in ("p128-r64-n4-stochastic", "p512-r512-n1-greedy", "n16", "p16-r8")] \
         == [4, 1, 16, None]
     assert runs("p512-r256-n4-greedy") and not runs("p128-r64-n1-greedy") and not runs("p16-r8")
+    # shared_long: n > 1 and prompts of 256 columns or more
+    _, runs = RUNS_ONLY_IN[("DECODE_PREFIX", "shared_long")]
+    assert [runs(c) for c in ("p512-r256-n4-greedy", "p256-r64-n2-greedy", "p128-r64-n4-stochastic",
+                              "p512-r256-n1-stochastic", "r256-n4")] == [True, True, False, False, False]
     # by_columns runs its own launch only where the engine's cache is short (the bucket: p + r rounded up to 64)
     _, runs = RUNS_ONLY_IN[("ATTENTION_LAUNCH", "by_columns")]
     assert [_cache_columns(c) for c in ("p128-r64-n1-greedy", "p128-r100-n4-greedy", "p128-r256-n4-stochastic",
@@ -118,6 +122,28 @@ def test_the_launch_chosen_by_the_cache_length_is_judged_in_the_short_caches_cel
     assert engine["ATTENTION_LAUNCH"] == "by_columns" and engine["ATTENTION_BACKEND"] == "triton"
     assert any(line.startswith("+attnlaunch (ATTENTION_LAUNCH by_columns): kept, decode step gains where it runs "
                                "(cells whose cache is under 256 columns)") for line in lines), lines
+
+
+def test_the_shared_prompt_read_once_from_long_prompts_is_judged_in_their_cells(tmp_path):
+    """Lease 43's shape (H200): +sharedprefix +0.009 / -0.007 / -0.111 ms against Q: dropped (p128-r64-n4, where it
+    runs, gains under 0.02); +sharedlong, the same kernel from 256 prompt columns, runs only at p512-r256-n4 and is
+    kept by it, the p128 cells' deltas read as the draw. Both are DECODE_PREFIX values: the kept one is chosen."""
+    cells = ("p128-r64-n1-greedy", "p128-r64-n4-stochastic", "p512-r256-n4-greedy")
+    folder = tmp_path / "p"
+    folder.mkdir()
+    steps = {BASE: (2.10, 2.40, 2.70), f"{BASE}+tritonattn": (1.484, 1.601, 1.853),
+             f"{BASE}+tritonattn+sharedprefix": (1.492, 1.595, 1.742),
+             f"{BASE}+tritonattn+sharedlong": (1.490, 1.608, 1.745)}
+    figures = {name: {c: {"ms_per_decode_step": s, "tokens_per_s": 1000.0, "ms_prefill": 40.0}
+                      for c, s in zip(cells, row, strict=True)} for name, row in steps.items()}
+    probe = {"cells": list(cells), **{name: {"cells": by_cell} for name, by_cell in figures.items()}}
+    (folder / "probe.json").write_text(json.dumps(probe))
+    engine, lines = pick([folder], 0.02)
+    assert engine["DECODE_PREFIX"] == "shared_long" and engine["ATTENTION_BACKEND"] == "triton"
+    assert any(line.startswith("+sharedlong (DECODE_PREFIX shared_long): kept, decode step gains where it runs "
+                               "(cells with n > 1 and prompts of 256 columns or more)") for line in lines), lines
+    assert any(line.startswith("+sharedprefix (DECODE_PREFIX shared): dropped, decode step gains not above 0.02 ms")
+               for line in lines), lines
 
 
 def test_a_candidate_measured_on_top_of_one_not_kept_is_not_kept(tmp_path):

@@ -572,7 +572,10 @@ class Layer:
 #   and the merge cost more than the reads saved. With triton: one kernel a layer (`decode_attention.
 #   attend_shared`: the block's rows as one MMA tile over the prompt's columns and each row's own, one softmax,
 #   no merge kernel; the probe's `+tritonattn+sharedprefix`). One graph per (rows, length, n). Other batches
-#   decode per row.
+#   decode per row. "shared_long" (candidate after lease 43): "shared" only where the batch's prompts take
+#   SHARED_PROMPT_MIN_COLUMNS or more (padded); shorter ones decode per row. Lease 43 (H200, on the Triton
+#   kernel): -0.11 ms a step at p512-r256-n4, -0.006 at p128-r64-n4 (128 prompt columns are a small part of a
+#   step's reads), so "shared" could not show a gain in every cell it runs in. The probe's `+sharedlong`.
 # - READBACK "per_step" (the default): after each step's graph replay the host reads its tokens (a blocking
 #   copy), checks the stops, then replays the next step, so the GPU waits for the host between steps (72-105 us a
 #   step in lease 23's traces: the copy, the Python bookkeeping, the launch); "pipelined" (issue 43 candidate):
@@ -688,7 +691,8 @@ STEP_PIECES_ALLOWED = ("per_half_layer", "across_layers")
 SAMPLER = "row"
 SAMPLER_ALLOWED = ("row", "chunked")
 DECODE_PREFIX = "per_row"
-DECODE_PREFIX_ALLOWED = ("per_row", "shared")
+DECODE_PREFIX_ALLOWED = ("per_row", "shared", "shared_long")
+SHARED_PROMPT_MIN_COLUMNS = 256  # DECODE_PREFIX "shared_long": the shortest (padded) prompt read once per block
 READBACK = "per_step"
 READBACK_ALLOWED = ("per_step", "pipelined")
 STEP_EDGES = "eager"
@@ -729,9 +733,10 @@ def _engine_setting(name: str, value: str, allowed: tuple[str, ...]) -> str:
 
 
 # a setting's value that runs only with another setting's value, or one of several (the engine refuses it otherwise)
-SETTING_REQUIRES = {("DECODE_PREFIX", "shared"): ("ATTENTION_BACKEND", ("fa3", "triton"),
-                                                  "FA3's kernel returns the log-sum-exp the two halves merge by; "
-                                                  "the Triton kernel reads the shared columns itself"),
+SETTING_REQUIRES = {**{("DECODE_PREFIX", value): ("ATTENTION_BACKEND", ("fa3", "triton"),
+                                                   "FA3's kernel returns the log-sum-exp the two halves merge by; "
+                                                   "the Triton kernel reads the shared columns itself")
+                       for value in ("shared", "shared_long")},
                     ("ATTENTION_PLAN", "per_step"): ("ATTENTION_BACKEND", "fa3", "the plan is FA3's scheduler "
                                                      "metadata"),
                     ("ATTENTION_BACKEND", "triton_qkv"): ("QKV_EPILOGUE", "triton", "its kernel does that epilogue's "
@@ -1051,7 +1056,7 @@ class CompactQwen3:
                 counter_noise.sample_chunked, chunks=counter_noise.vocabulary_chunks(self.vocab),
                 in_chunks=compile(counter_noise.sample_in_chunks) if self.compiled else None)
         # DECODE_PREFIX "shared": the merge of the two attention halves as one kernel per layer, not ~10
-        self.merge = (compile(merge_attention_states) if self.compiled and self.decode_prefix == "shared"
+        self.merge = (compile(merge_attention_states) if self.compiled and self.decode_prefix != "per_row"
                       and self.attention_backend == "fa3" else merge_attention_states)
         # STEP_EDGES "compiled": the decode step's work outside its layers as three pieces (decode_step)
         edges = self.compiled and self.step_edges == "compiled"
@@ -2020,6 +2025,17 @@ def prompt_blocks(prompts: list) -> int:
     return n
 
 
+def shared_prompt_group(decode_prefix: str, attention_backend: str, prompts: list, width: int) -> int:
+    """The rows of a block that read one prompt's k/v once in each decode step (1: each row its own), for a batch
+    of `prompts` padded to `width` columns: `prompt_blocks` under DECODE_PREFIX "shared", and under "shared_long"
+    when `width` is SHARED_PROMPT_MIN_COLUMNS or more; 1 with an attention backend that cannot read them once."""
+    if attention_backend not in ("fa3", "triton"):
+        return 1
+    if decode_prefix == "shared" or (decode_prefix == "shared_long" and width >= SHARED_PROMPT_MIN_COLUMNS):
+        return prompt_blocks(prompts)
+    return 1
+
+
 def _prefill_eager(engine: CompactQwen3, bucket: DecodeBucket, ids: torch.Tensor,
                    pick: torch.Tensor | None, spread: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's forward op by op (PREFILL_STEP "eager"), of the distinct prompts' rows `pick` only when
@@ -2054,8 +2070,8 @@ def generate_static(engine: CompactQwen3, buckets: BucketSet, requests: list, pa
     rows = len(requests)
     width = max(len(r.prompt_token_ids) for r in requests)
     longest = max(r.max_new_tokens for r in requests)
-    group = (prompt_blocks([r.prompt_token_ids for r in requests])
-             if engine.decode_prefix == "shared" and engine.attention_backend in ("fa3", "triton") else 1)
+    group = shared_prompt_group(engine.decode_prefix, engine.attention_backend,
+                                [r.prompt_token_ids for r in requests], width)
     bucket = buckets.get(rows, bucket_length(width, longest), group)
     # PREFILL "shared_prompts": each distinct prompt's first row and each row's distinct prompt (None: per row)
     pick, spread = (distinct_prompts([r.prompt_token_ids for r in requests]) if engine.prefill == "shared_prompts"

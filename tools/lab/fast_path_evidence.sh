@@ -3,7 +3,7 @@
 # extras are installed (`eval "$(bash .stage/extras/install-extras.sh)"`). Every step has its own
 # timeout and writes under $OUT as it goes (at most 8 files come back):
 #   probe.json / probe.log   before vs after in one process (tools/lab/fast_path_probe.py)
-#   trace-*.json.gz          20 ms profiler windows of p128-r64-n1-greedy, before and after
+#   trace-*.json.gz          20 ms profiler windows of each variant in the first PROFILE_CELLS cells (default 2)
 #   gpu-tests.log            the GPU-marked fast-path tests
 #   evidence.tgz             outputs/conformance after hf_cached conformance (float32 + bf16) and the
 #                            8-refresh run (merge SEALS.jsonl: the local file must be a prefix)
@@ -18,7 +18,7 @@ mkdir -p "$OUT" /tmp/prof
 if [[ $STEPS == *probe* ]]; then
   timeout "${PROBE_TIMEOUT_S:-300}" python3 tools/lab/fast_path_probe.py --variants "${VARIANTS:-before,inductor}" --before "$BEFORE" \
     --cells p128-r64-n1-greedy,p128-r64-n4-stochastic,p512-r256-n4-greedy --repetitions 3 \
-    --profile /tmp/prof --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1
+    --profile /tmp/prof --profile-cells "${PROFILE_CELLS:-2}" --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1
   for trace in /tmp/prof/*.json; do
     [ -e "$trace" ] && python3 tools/lab/trim_trace.py "$trace" "$OUT/trace-$(basename "$trace" .json)-20ms.json.gz" >> "$OUT/probe.log"
   done

@@ -18,6 +18,7 @@ candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tri
 `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`,
 `+maxat`, `+combo`, `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
 `+sharedprefix` (with `+fa3` or `+tritonattn`: each block of n rows reads its shared prompt's k/v once),
+`+sharedlong` (the same for prompts of 256 columns or more),
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step; `+pipelined` (each step's tokens read back
 while the next step runs), `+edges` (the step's work outside its layers compiled), `+splitk` / `+splitk2` /
@@ -105,6 +106,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # with +fa3 (cascade attention) or +tritonattn (one kernel): a block of n rows with one prompt reads
             # the prompt's k/v once
             "sharedprefix": ("DECODE_PREFIX", "shared"),
+            # the same where the prompts take 256 columns or more (lease 43: nothing to gain at 128)
+            "sharedlong": ("DECODE_PREFIX", "shared_long"),
             # step t+1 enqueued before step t's tokens are read: the GPU no longer waits for the host between steps
             "pipelined": ("READBACK", "pipelined"),
             # the step's work outside its layers (inputs, final norm, bookkeeping) as three compiled pieces
@@ -253,6 +256,9 @@ def main() -> int:
     parser.add_argument("--variants", default="off,inductor")
     parser.add_argument("--before", default=None, help="older compact_qwen3.py for the `before` variant")
     parser.add_argument("--profile", default=None, help="directory for one profiler trace per variant")
+    parser.add_argument("--profile-cells", type=int, default=2,
+                        help="how many of the cells, first first, --profile traces (default 2: 4 rows and 16 rows "
+                             "with the default cells; 3 adds p512-r256-n4's long cache)")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     study = load(args.params)
@@ -319,9 +325,9 @@ def main() -> int:
                 report[variant]["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
                 report[variant]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
             write(args.out, report)
-            if args.profile:  # the first two cells: 4 rows and 16 rows with the default cells
+            if args.profile:  # the first --profile-cells cells
                 report[variant]["profile"] = {cell: profile(backend, workload, cell, args.profile, variant)
-                                              for cell in cells[:2]}
+                                              for cell in cells[:args.profile_cells]}
                 print(variant, "profile", json.dumps(report[variant]["profile"])[:400], flush=True)
             report[variant]["total_s"] = time.perf_counter() - started
             write(args.out, report)

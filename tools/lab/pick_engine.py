@@ -26,10 +26,11 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   is not kept is dropped (the engine's SETTING_REQUIRES, e.g. DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 or
   triton), and with it the partners of a bundle it was kept in (the bundle's gain was measured with it).
 - A setting whose code runs only in some cells (RUNS_ONLY_IN: DECODE_PREFIX shared, in the cells with n > 1, the
-  GRPO groups whose rows share a prompt; ATTENTION_LAUNCH by_columns, in the cells whose cache is under 256
-  columns) is judged by its gain where it runs, above `--min-gain-ms` in each of
-  those cells; in the others the engine runs its parent's code, so a delta there is the draw between two
-  compilations, and it may be no loss above `--min-gain-ms` (lease 42's `+again`: 0.014 / 0.001 / 0.003 ms).
+  GRPO groups whose rows share a prompt, and shared_long where those prompts also take 256 columns or more;
+  ATTENTION_LAUNCH by_columns, in the cells whose cache is under 256 columns) is judged by its gain where it
+  runs, above `--min-gain-ms` in each of those cells; in the others the engine runs its parent's code, so a
+  delta there is the draw between two compilations, and it may be no loss above `--min-gain-ms` (lease 42's
+  `+again`: 0.014 / 0.001 / 0.003 ms).
   Without this rule such a setting could never be kept: its gain is 0 where it does not run.
 - Inductor options (`+pdl`, `+maxat`, `+cdt`, ...) are not engine settings: reported, never chosen (`+combo` is
   one since lease 30: COMBO_KERNELS). `+again` / `+again2` (the same source compiled again) are not candidates:
@@ -77,6 +78,7 @@ sys.path.insert(0, str(ROOT))
 from rollout_lib.backends.compact_qwen3 import (  # noqa: E402
     ENGINE_SETTINGS,
     SETTING_REQUIRES,
+    SHARED_PROMPT_MIN_COLUMNS,
     bucket_length,
     check_engine_settings,
     requirement_met,
@@ -92,6 +94,14 @@ def _samples_per_prompt(cell: str) -> int | None:
     """n of a cell id such as p128-r64-n4-stochastic (None when the id does not name it)."""
     found = re.search(r"(?:^|-)n(\d+)(?:-|$)", cell)
     return int(found.group(1)) if found else None
+
+
+def _long_shared_prompt(cell: str) -> bool:
+    """DECODE_PREFIX shared_long runs in a cell id such as p512-r256-n4-greedy: n > 1 and a prompt of
+    SHARED_PROMPT_MIN_COLUMNS or more."""
+    found = re.search(r"(?:^|-)p(\d+)(?:-|$)", cell)
+    return ((_samples_per_prompt(cell) or 1) > 1 and found is not None
+            and int(found.group(1)) >= SHARED_PROMPT_MIN_COLUMNS)
 
 
 def _cache_columns(cell: str) -> int | None:
@@ -111,6 +121,8 @@ def _short_cache(cell: str) -> bool:
 # ATTENTION_LAUNCH by_columns: a cache of SHORT_CACHE_COLUMNS or more runs the fixed launch)
 RUNS_ONLY_IN = {("DECODE_PREFIX", "shared"): ("cells with n > 1",
                                               lambda cell: (_samples_per_prompt(cell) or 1) > 1),
+                ("DECODE_PREFIX", "shared_long"): (f"cells with n > 1 and prompts of {SHARED_PROMPT_MIN_COLUMNS} "
+                                                   "columns or more", _long_shared_prompt),
                 ("ATTENTION_LAUNCH", "by_columns"): (f"cells whose cache is under {SHORT_CACHE_COLUMNS} columns",
                                                      _short_cache)}
 

@@ -9,6 +9,11 @@ name=${1:?vllm or ray}
 case "$name" in vllm|ray) ;; *) echo "package: $name is not allowed; allowed: vllm, ray" >&2; exit 2 ;; esac
 limit=${2:-220}
 started=$(date +%s)
+# A lease too short to stage vLLM (no part of its archive copied by the time this job runs, ~5 minutes into the
+# queue) gives up at once instead of idling the GPU for SECONDS (parts: vllm_stage.tar.xz.part-*, ray.whl.part-*).
+if [ ! -f "/tmp/$name-installed" ] && ! compgen -G "/tmp/stage/${name}*.part-*" > /dev/null; then
+  echo "no /tmp/stage/${name}*.part-* and no /tmp/$name-installed: $name is not being staged" >&2; exit 1
+fi
 until [ -f "/tmp/$name-installed" ]; do
   if [ $(( $(date +%s) - started )) -ge "$limit" ]; then
     echo "no /tmp/$name-installed after ${limit} s" >&2; exit 1
