@@ -106,18 +106,23 @@ def test_the_cells_a_setting_runs_in_are_read_from_the_cell_ids():
                                     "p512-r256-n4-greedy")]
 
 
+def _three_cell_probe(folder, steps: dict):
+    """A probe.json in `folder` over the probes' three cells (p128-r64 at 4 and 16 rows, p512-r256 at 16): per
+    variant its ms per decode step in each, the other figures alike."""
+    cells = ("p128-r64-n1-greedy", "p128-r64-n4-stochastic", "p512-r256-n4-greedy")
+    figures = {name: {c: {"ms_per_decode_step": s, "tokens_per_s": 1000.0, "ms_prefill": 40.0}
+                      for c, s in zip(cells, row, strict=True)} for name, row in steps.items()}
+    folder.mkdir()
+    (folder / "probe.json").write_text(json.dumps({"cells": list(cells), **{name: {"cells": by_cell}
+                                                                            for name, by_cell in figures.items()}}))
+    return folder
+
+
 def test_the_launch_chosen_by_the_cache_length_is_judged_in_the_short_caches_cells(tmp_path):
     """Lease 42's shape: +attnlaunch -0.046 / -0.048 in the p128-r64 cells (192 columns), -0.010 at p512 (768,
     where it runs the fixed launch now): kept by the p128 cells, the p512 cell's delta read as the draw."""
-    cells = ("p128-r64-n1-greedy", "p128-r64-n4-stochastic", "p512-r256-n4-greedy")
-    folder = tmp_path / "p"
-    folder.mkdir()
-    steps = {BASE: (2.10, 2.40, 2.70), f"{BASE}+tritonattn": (1.57, 1.75, 2.03),
-             f"{BASE}+tritonattn+attnlaunch": (1.524, 1.702, 2.020)}
-    figures = {name: {c: {"ms_per_decode_step": s, "tokens_per_s": 1000.0, "ms_prefill": 40.0}
-                      for c, s in zip(cells, row, strict=True)} for name, row in steps.items()}
-    probe = {"cells": list(cells), **{name: {"cells": by_cell} for name, by_cell in figures.items()}}
-    (folder / "probe.json").write_text(json.dumps(probe))
+    folder = _three_cell_probe(tmp_path / "p", {BASE: (2.10, 2.40, 2.70), f"{BASE}+tritonattn": (1.57, 1.75, 2.03),
+                                                f"{BASE}+tritonattn+attnlaunch": (1.524, 1.702, 2.020)})
     engine, lines = pick([folder], 0.02)
     assert engine["ATTENTION_LAUNCH"] == "by_columns" and engine["ATTENTION_BACKEND"] == "triton"
     assert any(line.startswith("+attnlaunch (ATTENTION_LAUNCH by_columns): kept, decode step gains where it runs "
@@ -128,16 +133,10 @@ def test_the_shared_prompt_read_once_from_long_prompts_is_judged_in_their_cells(
     """Lease 43's shape (H200): +sharedprefix +0.009 / -0.007 / -0.111 ms against Q: dropped (p128-r64-n4, where it
     runs, gains under 0.02); +sharedlong, the same kernel from 256 prompt columns, runs only at p512-r256-n4 and is
     kept by it, the p128 cells' deltas read as the draw. Both are DECODE_PREFIX values: the kept one is chosen."""
-    cells = ("p128-r64-n1-greedy", "p128-r64-n4-stochastic", "p512-r256-n4-greedy")
-    folder = tmp_path / "p"
-    folder.mkdir()
-    steps = {BASE: (2.10, 2.40, 2.70), f"{BASE}+tritonattn": (1.484, 1.601, 1.853),
-             f"{BASE}+tritonattn+sharedprefix": (1.492, 1.595, 1.742),
-             f"{BASE}+tritonattn+sharedlong": (1.490, 1.608, 1.745)}
-    figures = {name: {c: {"ms_per_decode_step": s, "tokens_per_s": 1000.0, "ms_prefill": 40.0}
-                      for c, s in zip(cells, row, strict=True)} for name, row in steps.items()}
-    probe = {"cells": list(cells), **{name: {"cells": by_cell} for name, by_cell in figures.items()}}
-    (folder / "probe.json").write_text(json.dumps(probe))
+    folder = _three_cell_probe(tmp_path / "p", {BASE: (2.10, 2.40, 2.70),
+                                                f"{BASE}+tritonattn": (1.484, 1.601, 1.853),
+                                                f"{BASE}+tritonattn+sharedprefix": (1.492, 1.595, 1.742),
+                                                f"{BASE}+tritonattn+sharedlong": (1.490, 1.608, 1.745)})
     engine, lines = pick([folder], 0.02)
     assert engine["DECODE_PREFIX"] == "shared_long" and engine["ATTENTION_BACKEND"] == "triton"
     assert any(line.startswith("+sharedlong (DECODE_PREFIX shared_long): kept, decode step gains where it runs "
