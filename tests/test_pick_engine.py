@@ -86,6 +86,7 @@ def test_a_setting_that_runs_only_in_some_cells_is_judged_where_it_runs(tmp_path
 
 def test_the_cells_a_setting_runs_in_are_read_from_the_cell_ids():
     from rollout_lib.backends import decode_attention
+    from rollout_lib.backends.compact_qwen3 import shared_prompt_group
     from tools.lab.pick_engine import RUNS_ONLY_IN, _cache_columns, _samples_per_prompt
 
     _, runs = RUNS_ONLY_IN[("DECODE_PREFIX", "shared")]
@@ -96,6 +97,10 @@ def test_the_cells_a_setting_runs_in_are_read_from_the_cell_ids():
     _, runs = RUNS_ONLY_IN[("DECODE_PREFIX", "shared_long")]
     assert [runs(c) for c in ("p512-r256-n4-greedy", "p256-r64-n2-greedy", "p128-r64-n4-stochastic",
                               "p512-r256-n1-stochastic", "r256-n4")] == [True, True, False, False, False]
+    # ... which is where the engine's own decision reads a block's prompt once (4 prompts of p tokens, n rows each)
+    for prompt, n in ((512, 4), (256, 2), (128, 4), (512, 1), (255, 4)):
+        blocks = [(row // n,) * prompt for row in range(4 * n)]
+        assert runs(f"p{prompt}-r64-n{n}-greedy") == (shared_prompt_group("shared_long", "triton", blocks, prompt) > 1)
     # by_columns runs its own launch only where the engine's cache is short (the bucket: p + r rounded up to 64)
     _, runs = RUNS_ONLY_IN[("ATTENTION_LAUNCH", "by_columns")]
     assert [_cache_columns(c) for c in ("p128-r64-n1-greedy", "p128-r100-n4-greedy", "p128-r256-n4-stochastic",
