@@ -129,6 +129,29 @@ def test_attention_over_a_shared_prompt_reads_it_from_the_blocks_first_row(block
     assert int(decode_attention._LOCKS[decode_attention.device_key(DEVICE)].abs().sum()) == 0
 
 
+def test_the_shared_kernels_long_cache_launch_is_softmax_over_each_rows_columns():
+    """ATTENTION_LAUNCH "by_columns_shared": `attend_shared` over p512-r256's 768-column cache in 4 blocks of 4 rows
+    (the prompt's 512 columns read from each block's first row) at SHARED_LONG_CACHE (128 columns an iteration, 4
+    warps, one stage) computes what the float32 reference and the default launch do, within the bf16 tolerance,
+    deterministically, its counters left at zero; under 256 columns it is by_columns' choice."""
+    from rollout_lib.backends import decode_attention
+
+    assert decode_attention.shared_launch_for(768) == decode_attention.SHARED_LONG_CACHE
+    assert decode_attention.shared_launch_for(255) == decode_attention.launch_for(255) == decode_attention.SHORT_CACHE
+    operands, (copied_k, copied_v) = _shared_operands(4, 4, 8, 2, 128, 768, [0, 5, 100, 300], 512, 700, 768)
+    q, _, _, pad, write_t, _ = operands
+    decode_attention.prepare(DEVICE)
+    on = [t.to(DEVICE) for t in operands]
+    out = decode_attention.attend_shared(*on, 4, 0.125, decode_attention.shared_launch_for(768))
+    want = decode_attention.reference(q, copied_k, copied_v, pad, write_t, 0.125)
+    default = decode_attention.attend_shared(*on, 4, 0.125, decode_attention.DEFAULT)
+    assert out.shape == q.shape and not out.isnan().any()
+    assert (out.float().cpu() - want.float()).abs().max() <= 0.02
+    assert (out.float() - default.float()).abs().max() <= 0.02
+    assert torch.equal(decode_attention.attend_shared(*on, 4, 0.125, decode_attention.SHARED_LONG_CACHE), out)
+    assert int(decode_attention._LOCKS[decode_attention.device_key(DEVICE)].abs().sum()) == 0
+
+
 def _zero_step(rows: int, kv_heads: int, cache_dtype=torch.bfloat16):
     """A decode step's operands of zeros on DEVICE (two query heads per kv head, head size 16, 8 cache columns): q,
     the k cache, pad and a one-element column index (write, or prefix_end); the kernel's counters prepared."""
@@ -226,6 +249,32 @@ def test_a_bf16_engine_reads_each_groups_prompt_once_and_serves_the_per_row_toke
     assert identity == per_row_identity == policy.identity
     assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers
     assert_parts_only_after_close_logprobs(per_row, got, 0.05 if DEVICE == "cuda" else 0.1)
+
+
+def test_an_engine_launches_the_shared_kernel_over_a_long_cache_at_its_own_launch(smoke_study, snapshot_cache,
+                                                                                   monkeypatch):
+    """ATTENTION_LAUNCH "by_columns_shared" with DECODE_PREFIX "shared" in the engine: over a cache of
+    SHORT_CACHE_COLUMNS or more (the smoke cells' caches, the threshold lowered to 8 columns here) each layer's
+    `attend_shared` runs at SHARED_LONG_CACHE where "by_columns" runs it at DEFAULT, and the tokens and
+    log-probabilities are by_columns' but for bf16 roundings in another order (another number of columns an
+    iteration)."""
+    from rollout_lib.backends import decode_attention
+
+    monkeypatch.setattr(decode_attention, "SHORT_CACHE_COLUMNS", 8)
+    seen = []
+    attend_shared = decode_attention.attend_shared
+    monkeypatch.setattr(decode_attention, "attend_shared", lambda *args: seen.append(args[-1]) or attend_shared(*args))
+    base = {"ATTENTION_BACKEND": "triton", "DECODE_PREFIX": "shared", "ATTENTION_LAUNCH": "by_columns"}
+    policy, runs = run_engines(smoke_study, snapshot_cache, (base, {**base, "ATTENTION_LAUNCH": "by_columns_shared"}),
+                               "rollout::decode_attention_shared", "shared_prefix_attention_kernel")
+    (by_columns_identity, by_columns, before), (identity, got, used) = runs
+    assert identity == by_columns_identity == policy.identity and before and used
+    # the engines ran one after the other: by_columns' calls at DEFAULT, then by_columns_shared's at its own
+    assert decode_attention.SHARED_LONG_CACHE in seen
+    first = seen.index(decode_attention.SHARED_LONG_CACHE)
+    assert first > 0 and set(seen[:first]) == {decode_attention.DEFAULT}
+    assert set(seen[first:]) == {decode_attention.SHARED_LONG_CACHE}
+    assert_parts_only_after_close_logprobs(by_columns, got, 0.05 if DEVICE == "cuda" else 0.1)
 
 
 def test_short_prompts_under_shared_long_decode_per_row_bit_for_bit(smoke_study, snapshot_cache):

@@ -119,6 +119,11 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
 
         args = pick_engine.build_parser().parse_args(words[2:])
         assert all(str(f).startswith("outputs/perf/") for f in args.folders), f"{where}: probe folders: {command}"
+    elif words[:2] == ["python3", "tools/lab/host_facts.py"]:
+        from tools.lab import host_facts
+
+        args = host_facts.build_parser().parse_args(words[2:])
+        assert args.gpu_is, f"{where}: host_facts in a job only as a guard (--gpu-is NAME): {command}"
     elif words[:2] == ["mkdir", "-p"]:
         assert all(w.startswith("outputs/") for w in words[2:]), f"{where}: folders under outputs/ only: {command}"
     elif words[:1] == ["echo"]:

@@ -265,15 +265,17 @@ def test_the_decode_attention_from_the_qkv_projection_compiles_for_hopper_withou
     assert result["spill_bytes"] == 0, result
 
 
-@pytest.mark.parametrize(("rows", "splits", "short"), [(4, 1, False), (4, 8, False), (8, 8, False), (4, 4, True)])
-def test_the_shared_prompt_decode_attention_compiles_for_hopper_without_spills(rows, splits, short, tmp_path):
+@pytest.mark.parametrize(("rows", "splits", "launch_name"), [(4, 1, "DEFAULT"), (4, 8, "DEFAULT"), (8, 8, "DEFAULT"),
+                                                             (4, 4, "SHORT_CACHE"), (4, 8, "SHARED_LONG_CACHE")])
+def test_the_shared_prompt_decode_attention_compiles_for_hopper_without_spills(rows, splits, launch_name, tmp_path):
     """DECODE_PREFIX "shared" with the Triton kernel at Qwen3-0.6B's attention over a 768-column cache (p512-r256),
     blocks of 4 rows (a 16-row tile: the n4 cells) and of 8 (the same tile, full), with one slice and with 8, at
-    the module's launch; and at ATTENTION_LAUNCH by_columns' short-cache launch (128 columns an iteration, 4 warps,
-    3 stages), as the engine launches it with both settings: it compiles for sm_90a without spills."""
+    the module's launch; at ATTENTION_LAUNCH by_columns' short-cache launch (128 columns an iteration, 4 warps,
+    3 stages), as the engine launches it with both settings; and at by_columns_shared's long-cache launch (128
+    columns, 4 warps, one stage): it compiles for sm_90a without spills."""
     from rollout_lib.backends import decode_attention
 
-    launch = decode_attention.SHORT_CACHE if short else decode_attention.DEFAULT
+    launch = getattr(decode_attention, launch_name)
     result = _compile_decode_attention(768, splits, launch.block_n, launch.warps, tmp_path, launch.stages,
                                        shared_rows=rows)
     assert result["global_loads"] > 0, result

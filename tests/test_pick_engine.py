@@ -109,6 +109,12 @@ def test_the_cells_a_setting_runs_in_are_read_from_the_cell_ids():
     assert [decode_attention.launch_for(columns) != decode_attention.DEFAULT for columns in (192, 256, 384, 768)] \
         == [runs(cell) for cell in ("p128-r64-n1-greedy", "p128-r100-n4-greedy", "p128-r256-n4-stochastic",
                                     "p512-r256-n4-greedy")]
+    # by_columns_shared differs from by_columns only in the shared kernel's launch (n > 1) over a long cache
+    _, runs = RUNS_ONLY_IN[("ATTENTION_LAUNCH", "by_columns_shared")]
+    cells = ("p128-r64-n4-stochastic", "p128-r100-n4-greedy", "p512-r256-n4-greedy", "p512-r256-n1-stochastic")
+    assert [runs(c) for c in cells] == [False, True, True, False]
+    assert [(_samples_per_prompt(c) or 1) > 1 and decode_attention.shared_launch_for(_cache_columns(c))
+            != decode_attention.launch_for(_cache_columns(c)) for c in cells] == [runs(c) for c in cells]
 
 
 def _three_cell_probe(folder, steps: dict):
@@ -147,6 +153,23 @@ def test_the_shared_prompt_read_once_from_long_prompts_is_judged_in_their_cells(
     assert any(line.startswith("+sharedlong (DECODE_PREFIX shared_long): kept, decode step gains where it runs "
                                "(cells with n > 1 and prompts of 256 columns or more)") for line in lines), lines
     assert any(line.startswith("+sharedprefix (DECODE_PREFIX shared): dropped, decode step gains not above 0.02 ms")
+               for line in lines), lines
+
+
+def test_the_shared_kernels_own_launch_replaces_by_columns_where_it_runs(tmp_path):
+    """+sharedlaunch (ATTENTION_LAUNCH by_columns_shared) measured on top of +attnlaunch (by_columns) and
+    +sharedlong: it gains only at p512-r256-n4, the one cell where the shared kernel runs over a long cache, and
+    is kept there, replacing by_columns (its parent's value of the same setting); the p128 cells read as the draw."""
+    chain = f"{BASE}+tritonattn+attnlaunch+sharedlong"
+    folder = _three_cell_probe(tmp_path / "p", {BASE: (2.10, 2.40, 2.70),
+                                                f"{BASE}+tritonattn": (1.57, 1.75, 2.03),
+                                                f"{BASE}+tritonattn+attnlaunch": (1.524, 1.702, 2.020),
+                                                chain: (1.530, 1.700, 1.885),
+                                                f"{chain}+sharedlaunch": (1.534, 1.697, 1.845)})
+    engine, lines = pick([folder], 0.02)
+    assert engine["ATTENTION_LAUNCH"] == "by_columns_shared" and engine["DECODE_PREFIX"] == "shared_long"
+    assert any(line.startswith("+sharedlaunch (ATTENTION_LAUNCH by_columns_shared): kept, decode step gains where "
+                               "it runs (cells with n > 1 whose cache is 256 columns or more)")
                for line in lines), lines
 
 

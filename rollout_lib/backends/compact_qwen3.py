@@ -653,7 +653,11 @@ class Layer:
 #   columns an iteration, 2 warps, 2 stages); "by_columns" (issue 43 candidate, after lease 41's bench: 1.0-1.7 us a
 #   call off at 192 and 768 columns): one chosen by the static cache's length (`decode_attention.launch_for`: a
 #   cache under 256 columns at 128 columns an iteration in one slice; a longer one at "fixed"'s since session 43,
-#   so the setting runs only in short caches' cells). The probe's `+attnlaunch`.
+#   so the setting runs only in short caches' cells). The probe's `+attnlaunch`. "by_columns_shared" (issue 43
+#   candidate after lease 43's bench): "by_columns", and DECODE_PREFIX shared's kernel over a cache of 256 columns
+#   or more at its own launch (`decode_attention.shared_launch_for`: 128 columns an iteration, 4 warps, one stage;
+#   -1.5 us a call at 16 rows over 768 columns in the bench); without a shared prefix it is "by_columns". The
+#   probe's `+sharedlaunch`.
 # - REDUCTION_LAUNCH "benchmarked" (the default): inductor benchmarks a persistent reduction's launch
 #   configurations (XBLOCK 1-128) on its first run and keeps one pick for every row count: a draw that moved the
 #   LoRA expand reductions 0.23-3.17 ms per step over three compilations of one source (lease 32); "fewest_programs"
@@ -717,7 +721,7 @@ EPILOGUE_ALLOWED = ("inductor", "triton")
 NORM_EPILOGUE_ROW = "one_program"
 NORM_EPILOGUE_ROW_ALLOWED = ("one_program", "slices")
 ATTENTION_LAUNCH = "fixed"
-ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns")
+ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns", "by_columns_shared")
 WEIGHT_PREFETCH = "off"
 WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
 # each "<PROJECTION>_EPILOGUE" setting: (the projection whose GEMM output its kernel reads, the kernel's module)
@@ -743,8 +747,9 @@ SETTING_REQUIRES = {**{("DECODE_PREFIX", value): ("ATTENTION_BACKEND", ("fa3", "
                                                           "work on the same GEMM output"),
                     ("NORM_EPILOGUE_ROW", "slices"): ("O_EPILOGUE", "triton", "it is how that kernel (and "
                                                       "DOWN_EPILOGUE triton's) is launched"),
-                    ("ATTENTION_LAUNCH", "by_columns"): ("ATTENTION_BACKEND", "triton", "it chooses that kernel's "
-                                                         "launch configuration"),
+                    **{("ATTENTION_LAUNCH", value): ("ATTENTION_BACKEND", "triton", "it chooses that kernel's "
+                                                     "launch configuration")
+                       for value in ("by_columns", "by_columns_shared")},
                     **{(name, "triton"): ("LORA_SHRINK", "in_base_gemm", f"its kernel reads the shrink's rows from "
                                                                          f"the {projection} GEMM's output")
                        for name, (projection, _) in EPILOGUES.items()}}
@@ -1474,9 +1479,13 @@ class CompactQwen3:
                 attend_from_projection,
                 attend_shared,
                 launch_for,
+                shared_launch_for,
             )
 
-            attention_launch = launch_for(cache.k[0].shape[2]) if self.attention_launch == "by_columns" else DEFAULT
+            cache_columns = cache.k[0].shape[2]
+            attention_launch = launch_for(cache_columns) if self.attention_launch.startswith("by_columns") else DEFAULT
+            shared_launch = (shared_launch_for(cache_columns) if self.attention_launch == "by_columns_shared"
+                             else attention_launch)
         elif not flex and inputs is not None:
             mask = prepared_bias
         elif not flex:
@@ -1541,7 +1550,7 @@ class CompactQwen3:
                     self.eps, scale, self.lora_add == "bf16_like_nf4_oracle")
             elif triton_attention and group > 1 and prefix_end is not None:  # a block's prompt read once for it
                 attn = attend_shared(q, cache.k[index], cache.v[index], pad, write, prefix_end, group, scale,
-                                     attention_launch)
+                                     shared_launch)
             elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
                 attn = attend(q, cache.k[index], cache.v[index], pad, write, scale, attention_launch)
             else:

@@ -99,10 +99,25 @@ SHORT_CACHE_COLUMNS = 256
 SHORT_CACHE = Launch(block_n=128, warps=4, stages=3)
 
 
+# ATTENTION_LAUNCH "by_columns_shared" (candidate after lease 43's bench, H200, `outputs/perf/decode-q/attention-
+# bench.json`, kernel attention_shared_long: 768 columns, the prompt's 512 read once per block of 4 rows): the shared
+# kernel (`attend_shared`) over a cache of SHORT_CACHE_COLUMNS or more at 128 columns an iteration on 4 warps, one
+# stage (us a call, warm / L2 flushed: 12.58 / 14.06 -> 11.13 / 12.40 at 16 rows, 9.21 / 10.14 -> 8.34 / 9.40 at 4;
+# the best of 48 launches at 16 rows). The plain kernel keeps by_columns' choice (session 43: a long cache's bench
+# gain did not reach the step).
+SHARED_LONG_CACHE = Launch(block_n=128, warps=4, stages=1)
+
+
 def launch_for(columns: int) -> Launch:
     """ATTENTION_LAUNCH "by_columns": the launch configuration for a static cache of `columns` (fixed for the
     engine's graphs, since the cache's length is): SHORT_CACHE under SHORT_CACHE_COLUMNS, DEFAULT from there."""
     return SHORT_CACHE if columns < SHORT_CACHE_COLUMNS else DEFAULT
+
+
+def shared_launch_for(columns: int) -> Launch:
+    """ATTENTION_LAUNCH "by_columns_shared": `attend_shared`'s launch configuration for a static cache of `columns`:
+    `launch_for`'s under SHORT_CACHE_COLUMNS, SHARED_LONG_CACHE from there."""
+    return SHORT_CACHE if columns < SHORT_CACHE_COLUMNS else SHARED_LONG_CACHE
 
 
 def splits_for(programs: int, columns: int, multiprocessors: int, block_n: int = BLOCK_N) -> int:

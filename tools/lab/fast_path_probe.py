@@ -18,7 +18,8 @@ candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tri
 `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`,
 `+maxat`, `+combo`, `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
 `+sharedprefix` (with `+fa3` or `+tritonattn`: each block of n rows reads its shared prompt's k/v once),
-`+sharedlong` (the same for prompts of 256 columns or more),
+`+sharedlong` (the same for prompts of 256 columns or more), `+sharedlaunch` (that kernel's own launch over
+256 columns or more),
 `+sharedprefill` (one prefill per distinct prompt) and `+prefillgraph` (the prefill compiled and captured):
 the last two move `ms_prefill` and the wall, not the decode step; `+pipelined` (each step's tokens read back
 while the next step runs), `+edges` (the step's work outside its layers compiled), `+splitk` / `+splitk2` /
@@ -96,6 +97,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # iteration on 4 warps in one slice, 3 stages, under 256 columns; 1.4-1.7 us a call; the default's from
             # 256 columns since session 43)
             "attnlaunch": ("ATTENTION_LAUNCH", "by_columns"),
+            # that, and the shared-prompt kernel over a cache of 256 columns or more at 128 columns an iteration,
+            # 4 warps, one stage (lease 43's bench: 12.58 -> 11.13 us a call at 16 rows over 768 columns)
+            "sharedlaunch": ("ATTENTION_LAUNCH", "by_columns_shared"),
             # with +fa3: FA3's scheduler metadata once per step for all 28 layers (lease 32: a 1.9 us
             # prepare_varlen_num_blocks kernel before each attention kernel)
             "fa3plan": ("ATTENTION_PLAN", "per_step"),

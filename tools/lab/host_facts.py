@@ -11,10 +11,15 @@ host beside its logs, with two small timings that make leases comparable:
   per-launch host cost that bounds the eager decode loops); `not_measured` without CUDA.
 
     python3 tools/lab/host_facts.py > host.json
+    python3 tools/lab/host_facts.py --gpu-is H200 && <a job that only this card may run>
+
+`--gpu-is NAME` writes nothing on stdout: exit 0 when GPU 0's name (NVML) contains NAME, else 3 with the
+reason on stderr (another card, or no NVML), so a queue job measured only on one card is skipped on another.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -65,20 +70,49 @@ def host_facts() -> dict[str, Any]:
         "eager_launch_us_per_op": eager_launch_us_per_op(),
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    facts["gpu"] = gpu_facts()
+    return facts
+
+
+def gpu_facts() -> dict[str, Any]:
+    """GPU 0's name, driver and highest SM clock from NVML; `not_measured` with the reason without NVML."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         name = pynvml.nvmlDeviceGetName(handle)
-        facts["gpu"] = {"name": name.decode() if isinstance(name, bytes) else name,
-                        "driver": pynvml.nvmlSystemGetDriverVersion(),
-                        "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)}
+        facts = {"name": name.decode() if isinstance(name, bytes) else name,
+                 "driver": pynvml.nvmlSystemGetDriverVersion(),
+                 "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)}
         pynvml.nvmlShutdown()
+        return facts
     except Exception as exc:  # no NVML here (a CPU machine): say so, do not invent it
-        facts["gpu"] = {"status": "not_measured", "reason": f"{type(exc).__name__}: {exc}"}
-    return facts
+        return {"status": "not_measured", "reason": f"{type(exc).__name__}: {exc}"}
+
+
+def gpu_is(wanted: str) -> tuple[bool, str]:
+    """Whether GPU 0's name contains `wanted` (case-insensitive), and why not."""
+    gpu = gpu_facts()
+    if "name" not in gpu:
+        return False, f"no GPU name to compare with {wanted!r}: {gpu['reason']}"
+    if wanted.lower() not in gpu["name"].lower():
+        return False, f"the GPU is {gpu['name']}, not {wanted}: skipped"
+    return True, ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="facts about the lent machine (JSON on stdout)")
+    parser.add_argument("--gpu-is", default="", metavar="NAME",
+                        help="print nothing; exit 0 when GPU 0's name contains NAME, else 3 with the reason")
+    return parser
 
 
 if __name__ == "__main__":
+    args = build_parser().parse_args()
+    if args.gpu_is:
+        matched, reason = gpu_is(args.gpu_is)
+        if not matched:
+            print(f"host_facts --gpu-is: {reason}", file=sys.stderr)
+        sys.exit(0 if matched else 3)
     print(json.dumps(host_facts(), indent=1, sort_keys=True))

@@ -27,7 +27,8 @@ candidate's verdict, with its gain per cell, on stderr. Rules:
   triton), and with it the partners of a bundle it was kept in (the bundle's gain was measured with it).
 - A setting whose code runs only in some cells (RUNS_ONLY_IN: DECODE_PREFIX shared, in the cells with n > 1, the
   GRPO groups whose rows share a prompt, and shared_long where those prompts also take 256 columns or more;
-  ATTENTION_LAUNCH by_columns, in the cells whose cache is under 256 columns) is judged by its gain where it
+  ATTENTION_LAUNCH by_columns, in the cells whose cache is under 256 columns, and by_columns_shared, on top of
+  by_columns, in the cells with n > 1 whose cache is 256 columns or more) is judged by its gain where it
   runs, above `--min-gain-ms` in each of those cells; in the others the engine runs its parent's code, so a
   delta there is the draw between two compilations, and it may be no loss above `--min-gain-ms` (lease 42's
   `+again`: 0.014 / 0.001 / 0.003 ms).
@@ -116,6 +117,13 @@ def _short_cache(cell: str) -> bool:
     return columns is not None and columns < SHORT_CACHE_COLUMNS
 
 
+def _long_shared_cache(cell: str) -> bool:
+    """ATTENTION_LAUNCH by_columns_shared runs its own launch (over by_columns') in a cell id such as
+    p512-r256-n4-greedy: n > 1 (the shared-prompt kernel) and a cache of SHORT_CACHE_COLUMNS or more."""
+    columns = _cache_columns(cell)
+    return (_samples_per_prompt(cell) or 1) > 1 and columns is not None and columns >= SHORT_CACHE_COLUMNS
+
+
 # a setting whose code runs only in some cells: (which, in words; whether it runs in a cell id); elsewhere the
 # engine runs what it runs without the setting (DECODE_PREFIX shared: a batch of distinct prompts decodes per row;
 # ATTENTION_LAUNCH by_columns: a cache of SHORT_CACHE_COLUMNS or more runs the fixed launch)
@@ -124,7 +132,9 @@ RUNS_ONLY_IN = {("DECODE_PREFIX", "shared"): ("cells with n > 1",
                 ("DECODE_PREFIX", "shared_long"): (f"cells with n > 1 and prompts of {SHARED_PROMPT_MIN_COLUMNS} "
                                                    "columns or more", _long_shared_prompt),
                 ("ATTENTION_LAUNCH", "by_columns"): (f"cells whose cache is under {SHORT_CACHE_COLUMNS} columns",
-                                                     _short_cache)}
+                                                     _short_cache),
+                ("ATTENTION_LAUNCH", "by_columns_shared"): (f"cells with n > 1 whose cache is {SHORT_CACHE_COLUMNS} "
+                                                            "columns or more", _long_shared_cache)}
 
 
 def _suffixes() -> dict[str, tuple[str, Any]]:
