@@ -108,10 +108,12 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
         profile_standin_training.build_parser().parse_args(words[2:])
     elif words[:2] == ["python3", "tools/lab/fill_standin_draft.py"]:
         assert len(words) == 4 and words[3].startswith("params/drafts/"), f"{where}: RECORDS_DIR OUT_YAML: {command}"
-    elif words[:2] in (["python3", "tools/lab/gemm_bench.py"], ["python3", "tools/lab/epilogue_bench.py"]):
-        from tools.lab import epilogue_bench, gemm_bench
+    elif words[:2] in (["python3", "tools/lab/gemm_bench.py"], ["python3", "tools/lab/epilogue_bench.py"],
+                       ["python3", "tools/lab/pdl_bench.py"]):
+        from tools.lab import epilogue_bench, gemm_bench, pdl_bench
 
-        bench = gemm_bench if words[1].endswith("gemm_bench.py") else epilogue_bench
+        bench = {"gemm_bench.py": gemm_bench, "epilogue_bench.py": epilogue_bench,
+                 "pdl_bench.py": pdl_bench}[Path(words[1]).name]
         args = bench.build_parser().parse_args(words[2:])
         assert str(args.out).startswith("outputs/perf/"), f"{where}: its JSON under outputs/perf/: {command}"
     elif words[:2] == ["python3", "tools/lab/pick_engine.py"]:

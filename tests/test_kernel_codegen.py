@@ -36,7 +36,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 spec = json.loads(sys.argv[1])
-module = __import__("rollout_lib.backends." + spec["module"], fromlist=["_kernel"])
+name = spec["module"] if "." in spec["module"] else "rollout_lib.backends." + spec["module"]  # or a lab tool's
+module = __import__(name, fromlist=["_kernel"])
 kernel = getattr(module, spec.get("factory", "_kernel"))()
 signature, constants, attrs = {}, dict(spec["constexprs"]), {}
 for index, name in enumerate(kernel.arg_names):
@@ -74,6 +75,11 @@ cubin = Path(sys.argv[2]) / "kernel.cubin"
 cubin.write_bytes(compiled.asm["cubin"])
 sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
 order = [("load" if "LDG" in line else "fma") for line in sass.splitlines() if "LDG" in line or "FFMA" in line]
+lines = ptx.splitlines()
+waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+ptx_loads = [i for i, line in enumerate(lines) if re.search(r"\bld\.global", line)]
+sass_lines = sass.splitlines()
+acquire = next((i for i, line in enumerate(sass_lines) if "ACQBULK" in line), None)  # griddepcontrol.wait's SASS
 print(json.dumps({"loads": Counter(re.findall(r"ld\.global(?:\.[a-z]+\d*)*\.v?\d*\.?b\d+", ptx)),
                   "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
                   "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)),
@@ -81,7 +87,12 @@ print(json.dumps({"loads": Counter(re.findall(r"ld\.global(?:\.[a-z]+\d*)*\.v?\d
                   "loads_before_first_fma": order.index("fma") if "fma" in order else len(order),
                   "global_stores": len(re.findall(r"\bst\.global", ptx)),
                   "bulk_prefetches_ptx": ptx.count("cp.async.bulk.prefetch.L2.global"),
-                  "bulk_prefetches_sass": sass.count("UBLKPF.L2")}))
+                  "bulk_prefetches_sass": sass.count("UBLKPF.L2"),
+                  "ptx_waits": len(waits),
+                  "ptx_loads_before_wait": sum(i < waits[0] for i in ptx_loads) if waits else None,
+                  "ptx_loads_after_wait": sum(i > waits[0] for i in ptx_loads) if waits else None,
+                  "sass_loads_before_wait": (sum("LDG" in line for line in sass_lines[:acquire])
+                                             if acquire is not None else None)}))
 """
 
 
@@ -293,3 +304,28 @@ def test_the_weight_prefetch_kernel_compiles_to_one_bulk_l2_prefetch_per_region(
                                  weight_prefetch.THREADS // 32, tmp_path)
     assert (result["bulk_prefetches_ptx"], result["bulk_prefetches_sass"]) == (8, 8), result
     assert result["global_stores"] == 0 and result["spill_bytes"] == 0, result
+
+
+@pytest.mark.parametrize("mode", ["off", "wait_first", "weights_first"])
+def test_the_pdl_bench_epilogue_waits_where_its_mode_says(mode, tmp_path):
+    """tools/lab/pdl_bench.py's model epilogue for sm_90a at its 8 warps: `off` has no `griddepcontrol.wait` (it is
+    launched without PDL); `wait_first` waits before any global load (Inductor's placement); `weights_first` loads
+    B and the norm weight before its one wait and what the GEMM wrote (its output, the residual) after it, in the
+    PTX and in ptxas's SASS (the wait is ACQBULK there). No spills. The bench's timings mean what they say only if
+    the wait sits there."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.lab import pdl_bench
+
+    args = {"y_ptr": "*fp32", "b_ptr": "*fp32", "w_ptr": "*bf16", "h_ptr": "*bf16", "h_out_ptr": "*bf16",
+            "x_out_ptr": "*bf16", "y_row": pdl_bench.FEATURES + pdl_bench.PARTS * pdl_bench.RANK, "eps": 1e-6}
+    constexprs = {"FEATURES": pdl_bench.FEATURES, "RANK": pdl_bench.RANK, "WAIT": pdl_bench.MODES[mode]}
+    result = _compile_for_hopper("tools.lab.pdl_bench", args, constexprs, pdl_bench.WARPS, tmp_path)
+    assert result["spill_bytes"] == 0 and result["global_loads"] > 0, result
+    if mode == "off":
+        assert result["ptx_waits"] == 0, result
+    elif mode == "wait_first":
+        assert (result["ptx_waits"], result["ptx_loads_before_wait"], result["sass_loads_before_wait"]) == (1, 0, 0)
+        assert result["ptx_loads_after_wait"] > 0, result
+    else:  # B [16, 1024] float32 as 16 v4 loads and the weight as one; ptxas keeps them before the wait (ACQBULK)
+        assert result["ptx_waits"] == 1 and result["ptx_loads_before_wait"] == 17, result
+        assert result["sass_loads_before_wait"] == 17 and result["ptx_loads_after_wait"] > 0, result
