@@ -41,6 +41,8 @@ module = __import__(name, fromlist=["_kernel"])
 kernel = getattr(module, spec.get("factory", "_kernel"))()
 signature, constants, attrs = {}, dict(spec["constexprs"]), {}
 for index, name in enumerate(kernel.arg_names):
+    if name not in spec["constexprs"] and name not in spec["args"]:  # a constexpr left at its default (PDL=False)
+        spec["constexprs"][name] = constants[name] = kernel.params[index].default
     if name in spec["constexprs"]:
         signature[name] = "constexpr"
         continue
@@ -329,3 +331,39 @@ def test_the_pdl_bench_epilogue_waits_where_its_mode_says(mode, tmp_path):
     else:  # B [16, 1024] float32 as 16 v4 loads and the weight as one; ptxas keeps them before the wait (ACQBULK)
         assert result["ptx_waits"] == 1 and result["ptx_loads_before_wait"] == 17, result
         assert result["sass_loads_before_wait"] == 17 and result["ptx_loads_after_wait"] > 0, result
+
+
+@pytest.mark.parametrize("module", ["norm_epilogue", "mlp_epilogue"])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_epilogues_load_b_before_waiting_for_the_gemm_under_dependent_launch(module, pdl, tmp_path):
+    """DEPENDENT_LAUNCH "epilogues": the o/down kernel (Qwen3-0.6B's o, rank 16) and the gate_up kernel (3,072
+    features a part), compiled for sm_90a with PDL, load B (and o/down the norm's weight) before their one
+    `griddepcontrol.wait` (ACQBULK in the SASS: ptxas keeps them there) and the GEMM's output after it; without PDL
+    (the default) no wait at all. No spills either way."""
+    if module == "norm_epilogue":
+        hidden, rank = 1024, 16
+        args = {"both_ptr": "*fp32", "b_ptr": "*fp32", "h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                "hidden": hidden, "split_stride": 4 * (hidden + 3 * rank), "both_row": hidden + 3 * rank,
+                "h_row": hidden, "out_rows": 4, "out_row": hidden, "scaling": 2.0, "eps": 1e-6, "b_row": 1,
+                "b_col": hidden}
+        constexprs = {"RANK": rank, "SPLITS": 1, "ORACLE_ROUNDING": False, "BLOCK_H": hidden, "RANK_BLOCK": rank,
+                      "PDL": pdl}
+        from rollout_lib.backends.norm_epilogue import WARPS
+    else:
+        inter, rank = 3072, 16
+        args = {"both_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "rows": 4, "inter": inter,
+                "both_row": 2 * inter + 6 * rank, "out_row": inter, "scaling": 2.0, "b_row": 1, "b_col": 2 * inter}
+        from rollout_lib.backends import mlp_epilogue
+        from rollout_lib.backends.mlp_epilogue import WARPS
+
+        constexprs = {"RANK": rank, "LOW": 2 * rank, "ACTIVATION": True, "ORACLE_ROUNDING": False,
+                      "BLOCK_M": mlp_epilogue.BLOCK_M, "BLOCK_N": mlp_epilogue.BLOCK_N, "RANK_BLOCK": rank,
+                      "PDL": pdl}
+    result = _compile_for_hopper(module, args, constexprs, WARPS, tmp_path)
+    assert result["spill_bytes"] == 0 and result["global_loads"] > 0, result
+    if not pdl:
+        assert result["ptx_waits"] == 0, result
+        return
+    assert result["ptx_waits"] == 1 and result["ptx_loads_before_wait"] > 0, result
+    assert result["sass_loads_before_wait"] == result["ptx_loads_before_wait"], result
+    assert result["ptx_loads_after_wait"] > 0, result

@@ -671,6 +671,12 @@ class Layer:
 #   and LoRA B, which those kernels read next (`weight_prefetch`: one bulk-prefetch kernel a layer, forked after
 #   the qkv epilogue, joined at the step's end); "through_next_qkv": the next layer's qkv weight and B too. The
 #   values do not change (a prefetch writes nothing). The probe's `+prefetch` and `+prefetchnext`.
+# - DEPENDENT_LAUNCH "off" (the default): each epilogue kernel starts when the GEMM before it has ended;
+#   "epilogues" (issue 43 candidate, sm_90 or later, with O_EPILOGUE "triton"): the o/down and gate_up epilogue
+#   kernels launched with programmatic dependent launch, loading their LoRA B (and the norm's weight) before they
+#   wait for the GEMM (`griddepcontrol.wait`), so those loads and the kernel's start may overlap the GEMM's tail
+#   (tools/lab/pdl_bench.py measures the pair alone; lease 28's inductor PDL, waiting first, lost). The same
+#   operations on the same values: the same bits. The probe's `+pdlepilogues`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -724,6 +730,8 @@ ATTENTION_LAUNCH = "fixed"
 ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns", "by_columns_shared")
 WEIGHT_PREFETCH = "off"
 WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
+DEPENDENT_LAUNCH = "off"
+DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues")
 # each "<PROJECTION>_EPILOGUE" setting: (the projection whose GEMM output its kernel reads, the kernel's module)
 EPILOGUES = {"GATE_UP_EPILOGUE": ("gate_up", "mlp_epilogue"), "O_EPILOGUE": ("o", "norm_epilogue"),
              "DOWN_EPILOGUE": ("down", "norm_epilogue"), "QKV_EPILOGUE": ("qkv", "qkv_epilogue")}
@@ -752,7 +760,10 @@ SETTING_REQUIRES = {**{("DECODE_PREFIX", value): ("ATTENTION_BACKEND", ("fa3", "
                        for value in ("by_columns", "by_columns_shared")},
                     **{(name, "triton"): ("LORA_SHRINK", "in_base_gemm", f"its kernel reads the shrink's rows from "
                                                                          f"the {projection} GEMM's output")
-                       for name, (projection, _) in EPILOGUES.items()}}
+                       for name, (projection, _) in EPILOGUES.items()},
+                    # after the epilogues' entries: a float32 engine leaves this out once it has left them out
+                    ("DEPENDENT_LAUNCH", "epilogues"): ("O_EPILOGUE", "triton", "it launches the epilogue kernels "
+                                                        "(O_EPILOGUE's, and DOWN_/GATE_UP_EPILOGUE's where on)")}
 
 
 def requirement_met(value: str | None, needed: str | tuple[str, ...]) -> bool:
@@ -803,7 +814,7 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
                    "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, **dict.fromkeys(EPILOGUES, EPILOGUE_ALLOWED),
                    "NORM_EPILOGUE_ROW": NORM_EPILOGUE_ROW_ALLOWED, "ATTENTION_LAUNCH": ATTENTION_LAUNCH_ALLOWED,
-                   "WEIGHT_PREFETCH": WEIGHT_PREFETCH_ALLOWED}
+                   "WEIGHT_PREFETCH": WEIGHT_PREFETCH_ALLOWED, "DEPENDENT_LAUNCH": DEPENDENT_LAUNCH_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -968,6 +979,12 @@ class CompactQwen3:
             from rollout_lib.backends import weight_prefetch
 
             weight_prefetch.check_device(self.device, f"WEIGHT_PREFETCH {self.weight_prefetch}")
+        self.pdl_epilogues = setting("DEPENDENT_LAUNCH") == "epilogues"
+        if self.pdl_epilogues:
+            triton_ops.check_sm90(self.device, "DEPENDENT_LAUNCH epilogues", "programmatic dependent launch")
+            if self.norm_slices:
+                raise ValueError("DEPENDENT_LAUNCH epilogues launches the one-program o/down kernel; this engine: "
+                                 "NORM_EPILOGUE_ROW slices (allowed with it: one_program)")
         # B stored rank-major for a projection whose epilogue kernel reads it: each rank term's B loads are then
         # contiguous across the features a warp computes (lease 34: row-major B made the o/down kernel 10.5 us)
         self.rank_major_b = frozenset(projection for name, (projection, _) in EPILOGUES.items()
@@ -1378,7 +1395,7 @@ class CompactQwen3:
             both = _gemm_for_epilogue(attn.reshape(batch * length, -1), o[0], self._splits(o[0], length),
                                       self._gemm(length, "o"))
             h, x = residual_and_norm(both, o[2], h, post_norm, self.scaling, self.eps, add == "bf16_like_nf4_oracle",
-                                     both.dim() == 3, self.norm_slices)
+                                     both.dim() == 3, self.norm_slices, self.pdl_epilogues)
         else:
             h = h + _fused_linear(attn, *o, self.scaling, fused, add, expand=expand,
                                   split_k=self._splits(o[0], length), gemm=self._gemm(length, "o"))
@@ -1389,7 +1406,7 @@ class CompactQwen3:
             both = _gemm_float32(x.reshape(-1, x.shape[-1]), gate_up[0], self._splits(gate_up[0], length),
                                  self._gemm(length, "gate_up"))
             act = gate_up_activation(both, gate_up[2], self.scaling, gate_up[2].shape[0] // 2,
-                                     add == "bf16_like_nf4_oracle").reshape(batch, length, -1)
+                                     add == "bf16_like_nf4_oracle", self.pdl_epilogues).reshape(batch, length, -1)
         else:
             gate, up = _fused_linear(x, *gate_up, self.scaling, fused, add, expand=expand,
                                      split_k=self._splits(gate_up[0], length),
@@ -1402,7 +1419,8 @@ class CompactQwen3:
             both = _gemm_for_epilogue(act.reshape(batch * length, -1), down[0], self._splits(down[0], length),
                                       self._gemm(length, "down"))
             return residual_and_norm(both, down[2], h, next_norm, self.scaling, self.eps,
-                                     add == "bf16_like_nf4_oracle", both.dim() == 3, self.norm_slices)
+                                     add == "bf16_like_nf4_oracle", both.dim() == 3, self.norm_slices,
+                                     self.pdl_epilogues)
         h = h + _fused_linear(act, *down, self.scaling, fused, add,
                               expand=expand, split_k=self._splits(down[0], length),
                               gemm=self._gemm(length, "down"))

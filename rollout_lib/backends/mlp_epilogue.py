@@ -57,11 +57,17 @@ def _kernel():
     def gate_up_epilogue_kernel(both_ptr, b_ptr, out_ptr, rows, inter, both_row, b_row, b_col, out_row, scaling,
                                 RANK: tl.constexpr, LOW: tl.constexpr, ACTIVATION: tl.constexpr,
                                 ORACLE_ROUNDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                RANK_BLOCK: tl.constexpr):
+                                RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         keep_n, keep_m = n < inter, m < rows
         keep = keep_m[:, None] & keep_n[None, :]
+        if PDL:  # DEPENDENT_LAUNCH "epilogues": B (no kernel of the step writes it) before waiting for the GEMM
+            k = tl.arange(0, RANK_BLOCK)
+            keep_kn = (k < RANK)[:, None] & keep_n[None, :]
+            b_g = tl.load(b_ptr + n[None, :] * b_row + k[:, None] * b_col, mask=keep_kn, other=0.0)
+            b_u = tl.load(b_ptr + (inter + n)[None, :] * b_row + (RANK + k)[:, None] * b_col, mask=keep_kn, other=0.0)
+            tl.extra.cuda.gdc_wait()  # then what the GEMM and the kernels before it wrote
         row = both_ptr + m * both_row
         base_g = tl.load(row[:, None] + n[None, :], mask=keep, other=0.0).to(tl.bfloat16)
         base_u = tl.load(row[:, None] + (inter + n)[None, :], mask=keep, other=0.0).to(tl.bfloat16)
@@ -77,9 +83,11 @@ def _kernel():
         # every rank term of B in one load per part, all in flight at once (lease 35: loaded term by term, the
         # kernel waited out one memory round trip after another, 7.6 us a call), the rank's sum as an exact
         # float32 product (no TF32): gate's own terms, then up's (the other part's terms are zeros, skipped)
-        keep_kn = has_k[:, None] & keep_n[None, :]
-        b_g = tl.load(b_ptr + n[None, :] * b_row + k[:, None] * b_col, mask=keep_kn, other=0.0)
-        b_u = tl.load(b_ptr + (inter + n)[None, :] * b_row + (RANK + k)[:, None] * b_col, mask=keep_kn, other=0.0)
+        if not PDL:
+            keep_kn = has_k[:, None] & keep_n[None, :]
+            b_g = tl.load(b_ptr + n[None, :] * b_row + k[:, None] * b_col, mask=keep_kn, other=0.0)
+            b_u = tl.load(b_ptr + (inter + n)[None, :] * b_row + (RANK + k)[:, None] * b_col, mask=keep_kn,
+                          other=0.0)
         low_g = tl.dot(xa_g, b_g, input_precision="ieee")
         low_u = tl.dot(xa_u, b_u, input_precision="ieee")
         gate = lora_add(base_g, low_g, scaling, ORACLE_ROUNDING)
@@ -97,11 +105,13 @@ def _kernel():
 
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int, oracle_rounding: bool = False,
-           activation: bool = True, block_n: int | None = None, warps: int | None = None) -> torch.Tensor:
+           activation: bool = True, block_n: int | None = None, warps: int | None = None,
+           pdl: bool = False) -> torch.Tensor:
     """The kernel on `both` [rows, 2 inter + 3 x 2 rank] float32 (last dimension contiguous) and B [2 inter,
     2 rank] float32 (any strides): bf16 [rows, inter] (the SiLU product), or [rows, 2 inter] (gate and up, with
     `activation` False). `block_n`, `warps`: features per program and warps (default BLOCK_N, WARPS;
-    tools/lab/epilogue_bench.py times others)."""
+    tools/lab/epilogue_bench.py times others). `pdl` (DEPENDENT_LAUNCH "epilogues", sm_90): launched with
+    programmatic dependent launch, B loaded before the kernel waits for the GEMM before it."""
     import torch
     import triton
 
@@ -116,7 +126,7 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int,
         both, lora_b, out, rows, inter, both.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
         float(scaling), RANK=low // 2, LOW=low, ACTIVATION=activation, ORACLE_ROUNDING=oracle_rounding,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        RANK_BLOCK=max(16, triton.next_power_of_2(low // 2)), num_warps=warps or WARPS)
+        RANK_BLOCK=max(16, triton.next_power_of_2(low // 2)), PDL=pdl, num_warps=warps or WARPS, launch_pdl=pdl)
     return out
 
 
@@ -129,11 +139,13 @@ def _op():
 
         from rollout_lib.backends.triton_ops import opaque_op
 
-        _OP = opaque_op("rollout::gate_up_epilogue", launch,
-                        lambda both, lora_b, scaling, inter, oracle_rounding: both.new_empty(
+        _OP = opaque_op("rollout::gate_up_epilogue",
+                        lambda both, lora_b, scaling, inter, oracle_rounding, pdl: launch(
+                            both, lora_b, scaling, inter, oracle_rounding, pdl=pdl),
+                        lambda both, lora_b, scaling, inter, oracle_rounding, pdl: both.new_empty(
                             (both.shape[0], inter), dtype=torch.bfloat16),
                         {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
-                         "oracle_rounding": bool})
+                         "oracle_rounding": bool, "pdl": bool})
     return _OP
 
 
@@ -144,11 +156,11 @@ def prepare() -> None:
 
 
 def gate_up_activation(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int,
-                       oracle_rounding: bool = False) -> torch.Tensor:
+                       oracle_rounding: bool = False, pdl: bool = False) -> torch.Tensor:
     """The SiLU product of the gate_up projection from its GEMM's float32 output (see the module): `both` [...,
     2 inter + 3 x 2 rank] -> bf16 [..., inter], through the op."""
     rows = both.reshape(-1, both.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = (_OP or _op())(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding))
+    out = (_OP or _op())(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding), bool(pdl))
     return out.reshape(*both.shape[:-1], inter)

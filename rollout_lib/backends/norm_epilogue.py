@@ -77,7 +77,7 @@ def _residual():
     @triton.jit
     def after_projection(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col, h_row,
                          scaling, RANK: tl.constexpr, SPLITS: tl.constexpr, ORACLE_ROUNDING: tl.constexpr,
-                         RANK_BLOCK: tl.constexpr):
+                         RANK_BLOCK: tl.constexpr, b_loaded=0.0, B_LOADED: tl.constexpr = False):
         row = both_ptr + m * both_row
         total = tl.load(row + n, mask=keep, other=0.0)
         for s in tl.static_range(1, SPLITS):  # the split-K partials, in order
@@ -97,7 +97,11 @@ def _residual():
         # every rank term of B in one load [RANK, H], so all of them are in flight at once: loaded term by term
         # in a loop, ptxas kept two terms' loads in flight, and the kernel waited out ~8 memory round trips
         # (lease 35: 5.0 us a call; the SASS load counts in docs/perf-notes.md, "Decode step", lease 36)
-        b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=has[:, None] & keep[None, :], other=0.0)
+        if B_LOADED:  # DEPENDENT_LAUNCH: the caller loaded B before waiting for the GEMM
+            b = b_loaded
+        else:
+            b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=has[:, None] & keep[None, :],
+                        other=0.0)
         low = tl.sum(xa[:, None] * b, axis=0)
         o = lora_add(base, low, scaling, ORACLE_ROUNDING)
         h = tl.load(h_ptr + m * h_row + n, mask=keep, other=0.0)
@@ -118,17 +122,27 @@ def _kernel():
     def residual_norm_epilogue_kernel(both_ptr, b_ptr, h_ptr, w_ptr, out_ptr, hidden, split_stride, both_row, b_row,
                                       b_col, h_row, out_rows, out_row, scaling, eps, RANK: tl.constexpr,
                                       SPLITS: tl.constexpr, ORACLE_ROUNDING: tl.constexpr, BLOCK_H: tl.constexpr,
-                                      RANK_BLOCK: tl.constexpr):
+                                      RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         m = tl.program_id(0)
         n = tl.arange(0, BLOCK_H)
         keep = n < hidden
-        after = residual_after(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col,
-                               h_row, scaling, RANK, SPLITS, ORACLE_ROUNDING, RANK_BLOCK)
+        if PDL:  # DEPENDENT_LAUNCH "epilogues": B and the norm's weight (no kernel of the step writes them) first
+            r = tl.arange(0, RANK_BLOCK)
+            b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=(r < RANK)[:, None] & keep[None, :],
+                        other=0.0)
+            weight = tl.load(w_ptr + n, mask=keep, other=0.0)
+            tl.extra.cuda.gdc_wait()  # then what the GEMM and the kernels before it wrote
+            after = residual_after(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col,
+                                   h_row, scaling, RANK, SPLITS, ORACLE_ROUNDING, RANK_BLOCK, b, True)
+        else:
+            after = residual_after(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col,
+                                   h_row, scaling, RANK, SPLITS, ORACLE_ROUNDING, RANK_BLOCK)
         tl.store(out_ptr + m * out_row + n, after, mask=keep)
         stream = after.to(tl.float32)
         scale = tl.rsqrt(tl.sum(stream * stream, axis=0) / hidden + eps)
         normed = (stream * scale).to(tl.bfloat16)
-        weight = tl.load(w_ptr + n, mask=keep, other=0.0)
+        if not PDL:
+            weight = tl.load(w_ptr + n, mask=keep, other=0.0)
         x = (weight.to(tl.float32) * normed.to(tl.float32)).to(tl.bfloat16)
         tl.store(out_ptr + out_rows * out_row + m * out_row + n, x, mask=keep)
 
@@ -181,12 +195,14 @@ def _slices_kernel():
 
 def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scaling: float,
            eps: float, oracle_rounding: bool = False, warps: int | None = None, slices: bool = False,
-           slice_features: int | None = None) -> torch.Tensor:
+           slice_features: int | None = None, pdl: bool = False) -> torch.Tensor:
     """The kernel on `both` [rows, H + 3 rank] float32 (or its split-K partials [S, rows, H + 3 rank]), B [H, rank]
     float32 (any strides), h [rows, H] bf16 and the norm's weight [H] bf16 (last dimensions contiguous): bf16 [2,
     rows, H], the residual stream after the projection and its norm. `warps`: the program's warps (default WARPS,
     or SLICE_WARPS with `slices`; tools/lab/epilogue_bench.py times others). `slices`: the "slices" kernel (see the
-    module; `prepare(device)` first), `slice_features` features a program (default SLICE_FEATURES)."""
+    module; `prepare(device)` first), `slice_features` features a program (default SLICE_FEATURES). `pdl`
+    (DEPENDENT_LAUNCH "epilogues", sm_90): launched with programmatic dependent launch, B and the norm's weight
+    loaded before the kernel waits for the GEMM before it (`griddepcontrol.wait`); the one-program kernel only."""
     import torch
     import triton
 
@@ -197,6 +213,9 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: to
         raise ValueError(f"O_EPILOGUE triton: the GEMM output {tuple(both.shape)}, B {tuple(lora_b.shape)}, the "
                          f"residual {tuple(h.shape)} and the norm's weight {tuple(weight.shape)} are not one "
                          f"projection of {hidden} features with its shrink's rows")
+    if pdl and slices:
+        raise ValueError("DEPENDENT_LAUNCH epilogues: the one-program kernel only; NORM_EPILOGUE_ROW slices "
+                         "(allowed with it: one_program)")
     out = torch.empty((2, rows, hidden), dtype=torch.bfloat16, device=both.device)
     if slices and 0 < rows <= SLICE_MAX_ROWS:
         key = device_key(both.device)
@@ -217,7 +236,7 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: to
                            lora_b.stride(0), lora_b.stride(1), h.stride(0), rows, out.stride(1), float(scaling),
                            float(eps), RANK=rank, SPLITS=splits, ORACLE_ROUNDING=oracle_rounding,
                            BLOCK_H=triton.next_power_of_2(hidden), RANK_BLOCK=triton.next_power_of_2(rank),
-                           num_warps=warps or WARPS)
+                           PDL=pdl, num_warps=warps or WARPS, launch_pdl=pdl)
     return out
 
 
@@ -231,12 +250,12 @@ def _op():
         from rollout_lib.backends.triton_ops import opaque_op
 
         _OP = opaque_op("rollout::residual_norm_epilogue",
-                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices: launch(
-                            both, lora_b, h, weight, scaling, eps, oracle_rounding, slices=slices),
-                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices: both.new_empty(
+                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices, pdl: launch(
+                            both, lora_b, h, weight, scaling, eps, oracle_rounding, slices=slices, pdl=pdl),
+                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices, pdl: both.new_empty(
                             (2, both.shape[-2], lora_b.shape[0]), dtype=torch.bfloat16),
                         {"both": torch.Tensor, "lora_b": torch.Tensor, "h": torch.Tensor, "weight": torch.Tensor,
-                         "scaling": float, "eps": float, "oracle_rounding": bool, "slices": bool})
+                         "scaling": float, "eps": float, "oracle_rounding": bool, "slices": bool, "pdl": bool})
     return _OP
 
 
@@ -255,7 +274,8 @@ def prepare(device: Any = None) -> None:
 
 def residual_and_norm(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                       scaling: float, eps: float, oracle_rounding: bool = False,
-                      split_partials: bool = False, slices: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      split_partials: bool = False, slices: bool = False,
+                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h', x) from the o (or down) GEMM's float32 output (see the module): `both` [..., H + 3 rank] with h's
     leading dimensions, or (`split_partials`) its split-K partials [S, rows, H + 3 rank], h [..., H] -> two bf16
     [..., H], through the op."""
@@ -267,5 +287,5 @@ def residual_and_norm(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor,
     if stream.stride(-1) != 1:
         stream = stream.contiguous()
     out = (_OP or _op())(rows, lora_b, stream, weight.contiguous(), float(scaling), float(eps), bool(oracle_rounding),
-                         bool(slices))
+                         bool(slices), bool(pdl))
     return out[0].reshape(shape), out[1].reshape(shape)

@@ -88,3 +88,17 @@ def opaque_op(name: str, run: Callable[..., Any], shape_only: Callable[..., Any]
     op = torch.library.custom_op(name, mutates_args=mutates)(call)
     op.register_fake(fake)
     return op
+
+
+def check_sm90(device: Any, setting: str, why: str) -> None:
+    """A CUDA device of compute capability 9.0 or later, with Triton; refused otherwise by `setting`'s name,
+    saying what needs it (`why`: e.g. "programmatic dependent launch")."""
+    import importlib.util
+
+    import torch
+
+    device = torch.device(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability < (9, 0) or importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{setting} needs a CUDA GPU of compute capability 9.0 or later ({why}) and Triton; this "
+                         f"engine: {device}" + (f" (capability {capability[0]}.{capability[1]})" if capability else ""))

@@ -55,16 +55,9 @@ class Plan:
 
 def check_device(device, setting: str) -> None:
     """A CUDA device of compute capability 9.0 or later, with Triton; refused otherwise, by `setting`'s name."""
-    import importlib.util
+    from rollout_lib.backends.triton_ops import check_sm90
 
-    import torch
-
-    device = torch.device(device)
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if capability is None or capability < (9, 0) or importlib.util.find_spec("triton") is None:
-        raise ValueError(f"{setting} needs a CUDA GPU of compute capability 9.0 or later (sm_90's bulk L2 "
-                         f"prefetch) and Triton; this engine: {device}"
-                         + (f" (capability {capability[0]}.{capability[1]})" if capability else ""))
+    check_sm90(device, setting, "sm_90's bulk L2 prefetch")
 
 
 def region(tensor: torch.Tensor) -> tuple[int, int]:

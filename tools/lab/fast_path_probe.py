@@ -24,7 +24,8 @@ candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tri
 the last two move `ms_prefill` and the wall, not the decode step; `+pipelined` (each step's tokens read back
 while the next step runs), `+edges` (the step's work outside its layers compiled), `+splitk` / `+splitk2` /
 `+splitk4` / `+splitk8` (each projection's GEMM split over K, "auto" or that many slices), `+prefetch` /
-`+prefetchnext` (a layer's weights after its attention prefetched into the L2 while the attention runs).
+`+prefetchnext` (a layer's weights after its attention prefetched into the L2 while the attention runs),
+`+pdlepilogues` (the o/down and gate_up epilogues launched with PDL, loading B before waiting for the GEMM).
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -146,6 +147,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # each small GEMM waits on the memory's latency); +prefetchnext: the next layer's qkv weight and B too
             "prefetch": ("WEIGHT_PREFETCH", "rest_of_layer"),
             "prefetchnext": ("WEIGHT_PREFETCH", "through_next_qkv"),
+            # the o/down and gate_up epilogue kernels launched with PDL, their B loaded before they wait for the
+            # GEMM (tools/lab/pdl_bench.py: the pair alone; lease 28's +pdl, inductor's, waited first and lost)
+            "pdlepilogues": ("DEPENDENT_LAUNCH", "epilogues"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),
