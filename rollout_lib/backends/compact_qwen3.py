@@ -979,7 +979,8 @@ class CompactQwen3:
             from rollout_lib.backends import weight_prefetch
 
             weight_prefetch.check_device(self.device, f"WEIGHT_PREFETCH {self.weight_prefetch}")
-        self.pdl_epilogues = setting("DEPENDENT_LAUNCH") == "epilogues"
+        self.dependent_launch = setting("DEPENDENT_LAUNCH")
+        self.pdl_epilogues = self.dependent_launch == "epilogues"
         if self.pdl_epilogues:
             triton_ops.check_sm90(self.device, "DEPENDENT_LAUNCH epilogues", "programmatic dependent launch")
             if self.norm_slices:

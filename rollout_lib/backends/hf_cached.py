@@ -44,7 +44,8 @@ ENGINE_ENVIRONMENT_DEFAULTS = {
     "readback": "per_step", "step_edges": "eager", "gemm_split_k": "off", "autotune_rows": "first_bucket",
     "combo_kernels": "off", "attention_plan": "per_call", "gemm_kernel": "cublas", "reduction_launch": "benchmarked",
     "gate_up_epilogue": "inductor", "o_epilogue": "inductor", "down_epilogue": "inductor", "qkv_epilogue": "inductor",
-    "norm_epilogue_row": "one_program", "attention_launch": "fixed", "weight_prefetch": "off"}
+    "norm_epilogue_row": "one_program", "attention_launch": "fixed", "weight_prefetch": "off",
+    "dependent_launch": "off"}
 
 
 @register_backend
