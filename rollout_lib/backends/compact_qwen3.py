@@ -976,9 +976,7 @@ class CompactQwen3:
         self.attention_launch = setting("ATTENTION_LAUNCH")
         self.weight_prefetch = setting("WEIGHT_PREFETCH")
         if self.weight_prefetch != "off":
-            from rollout_lib.backends import weight_prefetch
-
-            weight_prefetch.check_device(self.device, f"WEIGHT_PREFETCH {self.weight_prefetch}")
+            triton_ops.check_sm90(self.device, f"WEIGHT_PREFETCH {self.weight_prefetch}", "sm_90's bulk L2 prefetch")
         self.dependent_launch = setting("DEPENDENT_LAUNCH")
         self.pdl_epilogues = self.dependent_launch == "epilogues"
         if self.pdl_epilogues:

@@ -40,6 +40,7 @@ _OP = None  # the op, read by the compiled pieces as a global (dynamo does not t
 
 
 lora_add = None  # the LoRA add's two roundings, a Triton function (triton_jit.lora_add), set by _kernel()
+gate_up_b = None  # gate's and up's B tiles, a Triton function, set by _kernel()
 
 
 @functools.cache
@@ -50,8 +51,21 @@ def _kernel():
 
     from rollout_lib.backends import triton_jit
 
-    global lora_add  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    global lora_add, gate_up_b  # globals: Triton's interpreter reads a kernel's globals, not its closure
     lora_add = triton_jit.lora_add
+
+    @triton.jit
+    def b_tiles(b_ptr, n, keep_n, inter, b_row, b_col, RANK: tl.constexpr, RANK_BLOCK: tl.constexpr):
+        """Gate's and up's B tiles for the features `n` [RANK_BLOCK, len(n)] each, float32: every rank term of a
+        part in one load, all in flight at once (lease 35: loaded term by term, the kernel waited out one memory
+        round trip after another, 7.6 us a call); each part's own terms (the other part's are zeros, skipped)."""
+        k = tl.arange(0, RANK_BLOCK)
+        keep_kn = (k < RANK)[:, None] & keep_n[None, :]
+        b_g = tl.load(b_ptr + n[None, :] * b_row + k[:, None] * b_col, mask=keep_kn, other=0.0)
+        b_u = tl.load(b_ptr + (inter + n)[None, :] * b_row + (RANK + k)[:, None] * b_col, mask=keep_kn, other=0.0)
+        return b_g, b_u
+
+    gate_up_b = b_tiles
 
     @triton.jit(do_not_specialize=["rows"])
     def gate_up_epilogue_kernel(both_ptr, b_ptr, out_ptr, rows, inter, both_row, b_row, b_col, out_row, scaling,
@@ -63,10 +77,7 @@ def _kernel():
         keep_n, keep_m = n < inter, m < rows
         keep = keep_m[:, None] & keep_n[None, :]
         if PDL:  # DEPENDENT_LAUNCH "epilogues": B (no kernel of the step writes it) before waiting for the GEMM
-            k = tl.arange(0, RANK_BLOCK)
-            keep_kn = (k < RANK)[:, None] & keep_n[None, :]
-            b_g = tl.load(b_ptr + n[None, :] * b_row + k[:, None] * b_col, mask=keep_kn, other=0.0)
-            b_u = tl.load(b_ptr + (inter + n)[None, :] * b_row + (RANK + k)[:, None] * b_col, mask=keep_kn, other=0.0)
+            b_g, b_u = gate_up_b(b_ptr, n, keep_n, inter, b_row, b_col, RANK, RANK_BLOCK)
             tl.extra.cuda.gdc_wait()  # then what the GEMM and the kernels before it wrote
         row = both_ptr + m * both_row
         base_g = tl.load(row[:, None] + n[None, :], mask=keep, other=0.0).to(tl.bfloat16)
@@ -80,14 +91,9 @@ def _kernel():
             + tl.load(at + 2 * LOW, mask=keep_mk, other=0.0)
         xa_u = (tl.load(at + RANK, mask=keep_mk, other=0.0) + tl.load(at + LOW + RANK, mask=keep_mk, other=0.0)) \
             + tl.load(at + 2 * LOW + RANK, mask=keep_mk, other=0.0)
-        # every rank term of B in one load per part, all in flight at once (lease 35: loaded term by term, the
-        # kernel waited out one memory round trip after another, 7.6 us a call), the rank's sum as an exact
-        # float32 product (no TF32): gate's own terms, then up's (the other part's terms are zeros, skipped)
         if not PDL:
-            keep_kn = has_k[:, None] & keep_n[None, :]
-            b_g = tl.load(b_ptr + n[None, :] * b_row + k[:, None] * b_col, mask=keep_kn, other=0.0)
-            b_u = tl.load(b_ptr + (inter + n)[None, :] * b_row + (RANK + k)[:, None] * b_col, mask=keep_kn,
-                          other=0.0)
+            b_g, b_u = gate_up_b(b_ptr, n, keep_n, inter, b_row, b_col, RANK, RANK_BLOCK)
+        # the rank's sum as an exact float32 product (no TF32): gate's own terms, then up's
         low_g = tl.dot(xa_g, b_g, input_precision="ieee")
         low_u = tl.dot(xa_u, b_u, input_precision="ieee")
         gate = lora_add(base_g, low_g, scaling, ORACLE_ROUNDING)

@@ -61,6 +61,7 @@ _LOCKS: dict[str, Any] = {}  # "slices": one int32 counter per row, per device, 
 
 lora_add = None  # the LoRA add's two roundings, a Triton function (triton_jit.lora_add), set by _residual()
 residual_after = None  # h' for some features of a row, a Triton function both kernels call, set by _residual()
+rank_terms = None  # B's rank terms for some features, one load, a Triton function, set by _residual()
 
 
 @functools.cache
@@ -71,8 +72,19 @@ def _residual():
 
     from rollout_lib.backends import triton_jit
 
-    global lora_add, residual_after  # globals: Triton's interpreter reads a kernel's globals, not its closure
+    global lora_add, residual_after, rank_terms  # globals: Triton's interpreter reads a kernel's globals
     lora_add = triton_jit.lora_add
+
+    @triton.jit
+    def b_rank_terms(b_ptr, n, keep, b_row, b_col, RANK: tl.constexpr, RANK_BLOCK: tl.constexpr):
+        """B's rank terms for the features `n` [RANK_BLOCK, len(n)], float32, in one load: all of them in flight at
+        once (loaded term by term in a loop, ptxas kept two terms' loads in flight, and the kernel waited out ~8
+        memory round trips: lease 35, 5.0 us a call; the SASS load counts in docs/perf-notes.md, lease 36)."""
+        r = tl.arange(0, RANK_BLOCK)
+        return tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=(r < RANK)[:, None] & keep[None, :],
+                       other=0.0)
+
+    rank_terms = b_rank_terms
 
     @triton.jit
     def after_projection(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col, h_row,
@@ -94,14 +106,8 @@ def _residual():
             part1 += tl.load(shrink + s * split_stride + RANK + r, mask=has, other=0.0)
             part2 += tl.load(shrink + s * split_stride + 2 * RANK + r, mask=has, other=0.0)
         xa = (part0 + part1) + part2
-        # every rank term of B in one load [RANK, H], so all of them are in flight at once: loaded term by term
-        # in a loop, ptxas kept two terms' loads in flight, and the kernel waited out ~8 memory round trips
-        # (lease 35: 5.0 us a call; the SASS load counts in docs/perf-notes.md, "Decode step", lease 36)
-        if B_LOADED:  # DEPENDENT_LAUNCH: the caller loaded B before waiting for the GEMM
-            b = b_loaded
-        else:
-            b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=has[:, None] & keep[None, :],
-                        other=0.0)
+        # DEPENDENT_LAUNCH: the caller loaded B before waiting for the GEMM
+        b = b_loaded if B_LOADED else rank_terms(b_ptr, n, keep, b_row, b_col, RANK, RANK_BLOCK)
         low = tl.sum(xa[:, None] * b, axis=0)
         o = lora_add(base, low, scaling, ORACLE_ROUNDING)
         h = tl.load(h_ptr + m * h_row + n, mask=keep, other=0.0)
@@ -127,9 +133,7 @@ def _kernel():
         n = tl.arange(0, BLOCK_H)
         keep = n < hidden
         if PDL:  # DEPENDENT_LAUNCH "epilogues": B and the norm's weight (no kernel of the step writes them) first
-            r = tl.arange(0, RANK_BLOCK)
-            b = tl.load(b_ptr + r[:, None] * b_col + n[None, :] * b_row, mask=(r < RANK)[:, None] & keep[None, :],
-                        other=0.0)
+            b = rank_terms(b_ptr, n, keep, b_row, b_col, RANK, RANK_BLOCK)
             weight = tl.load(w_ptr + n, mask=keep, other=0.0)
             tl.extra.cuda.gdc_wait()  # then what the GEMM and the kernels before it wrote
             after = residual_after(both_ptr, b_ptr, h_ptr, m, n, keep, hidden, split_stride, both_row, b_row, b_col,

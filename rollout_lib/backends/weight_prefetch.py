@@ -53,13 +53,6 @@ class Plan:
         return self.table.shape[0]
 
 
-def check_device(device, setting: str) -> None:
-    """A CUDA device of compute capability 9.0 or later, with Triton; refused otherwise, by `setting`'s name."""
-    from rollout_lib.backends.triton_ops import check_sm90
-
-    check_sm90(device, setting, "sm_90's bulk L2 prefetch")
-
-
 def region(tensor: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the memory a tensor's elements span, widened to whole 16-byte units (the widening stays
     inside the units holding the first and last element, so inside their pages)."""
