@@ -1,12 +1,51 @@
 """DEPENDENT_LAUNCH "epilogues" (issue 43 candidate): the o/down and gate_up epilogue kernels launched with
 programmatic dependent launch, their LoRA B (and o/down's norm weight) loaded before they wait for the GEMM. Where
 the wait sits in each kernel (PTX and SASS for sm_90a): tests/test_kernel_codegen.py; where it is refused (a CPU, no
-O_EPILOGUE triton) and left out (float32): tests/test_fast_path.py. Here, on an sm_90 GPU (the `gpu` tests): an
-engine with it serves the same bits as one without, and its epilogue kernels run."""
+O_EPILOGUE triton) and left out (float32): tests/test_fast_path.py. Here: which calls each value launches with
+PDL (its rows, its kernel; on any machine), and on an sm_90 GPU (the `gpu` tests) an engine with it serves the same
+bits as one without, and its epilogue kernels run."""
 
 from __future__ import annotations
 
 import pytest
+
+
+@pytest.mark.parametrize("value, norm_rows, gate_up_rows", [
+    ("off", (), ()), ("epilogues", (4, 16), (4, 16)), ("norm_epilogues", (4, 16), ()),
+    ("epilogues_from_16_rows", (16,), (16,))])
+def test_each_value_launches_with_pdl_the_calls_it_names(monkeypatch, value, norm_rows, gate_up_rows):
+    """The engine passes each epilogue op its fewest rows (PDL_FROM_ROWS); the op, which sees each call's rows (one
+    per graph bucket), asks its kernel's launch for PDL only from there: a spy in place of each module's `launch`
+    records what a call of 4 and one of 16 rows asked for."""
+    import torch
+
+    from rollout_lib.backends import mlp_epilogue, norm_epilogue
+    from rollout_lib.backends.compact_qwen3 import DEPENDENT_LAUNCH_ALLOWED, PDL_FROM_ROWS
+
+    assert set(PDL_FROM_ROWS) == set(DEPENDENT_LAUNCH_ALLOWED)
+    asked: dict[str, list[int]] = {"norm": [], "gate_up": []}
+
+    def norm_spy(both, lora_b, h, weight, scaling, eps, oracle_rounding=False, slices=False, pdl=False):
+        if pdl:
+            asked["norm"].append(both.shape[-2])
+        return torch.zeros((2, *h.shape), dtype=torch.bfloat16)
+
+    def gate_up_spy(both, lora_b, scaling, inter, oracle_rounding=False, pdl=False):
+        if pdl:
+            asked["gate_up"].append(both.shape[0])
+        return torch.zeros((both.shape[0], inter), dtype=torch.bfloat16)
+
+    monkeypatch.setattr(norm_epilogue, "launch", norm_spy)
+    monkeypatch.setattr(mlp_epilogue, "launch", gate_up_spy)
+    norm_from, gate_up_from = PDL_FROM_ROWS[value]
+    hidden, rank, inter = 8, 2, 4
+    for rows in (4, 16):
+        norm_epilogue.residual_and_norm(torch.zeros(rows, hidden + 3 * rank), torch.zeros(hidden, rank),
+                                        torch.zeros(rows, hidden, dtype=torch.bfloat16),
+                                        torch.ones(hidden, dtype=torch.bfloat16), 2.0, 1e-6, pdl_from_rows=norm_from)
+        mlp_epilogue.gate_up_activation(torch.zeros(rows, 2 * inter + 3 * 2 * rank), torch.zeros(2 * inter, 2 * rank),
+                                        2.0, inter, pdl_from_rows=gate_up_from)
+    assert asked == {"norm": list(norm_rows), "gate_up": list(gate_up_rows)}
 
 
 @pytest.mark.gpu

@@ -115,6 +115,16 @@ def test_the_cells_a_setting_runs_in_are_read_from_the_cell_ids():
     assert [runs(c) for c in cells] == [False, True, True, False]
     assert [(_samples_per_prompt(c) or 1) > 1 and decode_attention.shared_launch_for(_cache_columns(c))
             != decode_attention.launch_for(_cache_columns(c)) for c in cells] == [runs(c) for c in cells]
+    # epilogues_from_16_rows: the engine's rows threshold, against a cell's rows (the study's prompts x n)
+    from rollout_lib.backends.compact_qwen3 import PDL_FROM_ROWS
+    from rollout_lib.study.prereg import load
+    from tools.lab.pick_engine import LOGICAL_PROMPTS
+
+    assert load().workload.logical_prompts == LOGICAL_PROMPTS
+    _, runs = RUNS_ONLY_IN[("DEPENDENT_LAUNCH", "epilogues_from_16_rows")]
+    cells = ("p128-r64-n1-greedy", "p128-r64-n4-stochastic", "p512-r512-n4-greedy", "p512-r256-n1-stochastic")
+    assert [runs(c) for c in cells] == [LOGICAL_PROMPTS * _samples_per_prompt(c) >= min(PDL_FROM_ROWS[
+        "epilogues_from_16_rows"]) for c in cells] == [False, True, True, False]
 
 
 def _three_cell_probe(folder, steps: dict):

@@ -676,7 +676,10 @@ class Layer:
 #   kernels launched with programmatic dependent launch, loading their LoRA B (and the norm's weight) before they
 #   wait for the GEMM (`griddepcontrol.wait`), so those loads and the kernel's start may overlap the GEMM's tail
 #   (tools/lab/pdl_bench.py measures the pair alone; lease 28's inductor PDL, waiting first, lost). The same
-#   operations on the same values: the same bits. The probe's `+pdlepilogues`.
+#   operations on the same values: the same bits. The probe's `+pdlepilogues`. Lease 45 (H100): -0.07/-0.09 ms a
+#   step at 16 rows, +0.023 at 4; so "norm_epilogues" (the o/down kernels only: their trace time fell at both row
+#   counts, the gate_up kernel's rose) and "epilogues_from_16_rows" (both, in calls of 16 rows or more: the op sees
+#   each call's rows) are measured beside it: the probe's `+pdlnorm` and `+pdl16`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -731,7 +734,9 @@ ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns", "by_columns_shared")
 WEIGHT_PREFETCH = "off"
 WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
 DEPENDENT_LAUNCH = "off"
-DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues")
+DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues", "norm_epilogues", "epilogues_from_16_rows")
+# each DEPENDENT_LAUNCH value: (the o/down epilogue's, the gate_up epilogue's) fewest rows launched with PDL, 0 never
+PDL_FROM_ROWS = {"off": (0, 0), "epilogues": (1, 1), "norm_epilogues": (1, 0), "epilogues_from_16_rows": (16, 16)}
 # each "<PROJECTION>_EPILOGUE" setting: (the projection whose GEMM output its kernel reads, the kernel's module)
 EPILOGUES = {"GATE_UP_EPILOGUE": ("gate_up", "mlp_epilogue"), "O_EPILOGUE": ("o", "norm_epilogue"),
              "DOWN_EPILOGUE": ("down", "norm_epilogue"), "QKV_EPILOGUE": ("qkv", "qkv_epilogue")}
@@ -762,8 +767,9 @@ SETTING_REQUIRES = {**{("DECODE_PREFIX", value): ("ATTENTION_BACKEND", ("fa3", "
                                                                          f"the {projection} GEMM's output")
                        for name, (projection, _) in EPILOGUES.items()},
                     # after the epilogues' entries: a float32 engine leaves this out once it has left them out
-                    ("DEPENDENT_LAUNCH", "epilogues"): ("O_EPILOGUE", "triton", "it launches the epilogue kernels "
-                                                        "(O_EPILOGUE's, and DOWN_/GATE_UP_EPILOGUE's where on)")}
+                    **{("DEPENDENT_LAUNCH", value): ("O_EPILOGUE", "triton", "it launches the epilogue kernels "
+                                                     "(O_EPILOGUE's, and DOWN_/GATE_UP_EPILOGUE's where on)")
+                       for value in DEPENDENT_LAUNCH_ALLOWED if value != "off"}}
 
 
 def requirement_met(value: str | None, needed: str | tuple[str, ...]) -> bool:
@@ -978,12 +984,13 @@ class CompactQwen3:
         if self.weight_prefetch != "off":
             triton_ops.check_sm90(self.device, f"WEIGHT_PREFETCH {self.weight_prefetch}", "sm_90's bulk L2 prefetch")
         self.dependent_launch = setting("DEPENDENT_LAUNCH")
-        self.pdl_epilogues = self.dependent_launch == "epilogues"
-        if self.pdl_epilogues:
-            triton_ops.check_sm90(self.device, "DEPENDENT_LAUNCH epilogues", "programmatic dependent launch")
+        self.pdl_norm_from_rows, self.pdl_gate_up_from_rows = PDL_FROM_ROWS[self.dependent_launch]
+        if self.dependent_launch != "off":
+            triton_ops.check_sm90(self.device, f"DEPENDENT_LAUNCH {self.dependent_launch}",
+                                  "programmatic dependent launch")
             if self.norm_slices:
-                raise ValueError("DEPENDENT_LAUNCH epilogues launches the one-program o/down kernel; this engine: "
-                                 "NORM_EPILOGUE_ROW slices (allowed with it: one_program)")
+                raise ValueError(f"DEPENDENT_LAUNCH {self.dependent_launch} launches the one-program o/down kernel; "
+                                 "this engine: NORM_EPILOGUE_ROW slices (allowed with it: one_program)")
         # B stored rank-major for a projection whose epilogue kernel reads it: each rank term's B loads are then
         # contiguous across the features a warp computes (lease 34: row-major B made the o/down kernel 10.5 us)
         self.rank_major_b = frozenset(projection for name, (projection, _) in EPILOGUES.items()
@@ -1394,7 +1401,7 @@ class CompactQwen3:
             both = _gemm_for_epilogue(attn.reshape(batch * length, -1), o[0], self._splits(o[0], length),
                                       self._gemm(length, "o"))
             h, x = residual_and_norm(both, o[2], h, post_norm, self.scaling, self.eps, add == "bf16_like_nf4_oracle",
-                                     both.dim() == 3, self.norm_slices, self.pdl_epilogues)
+                                     both.dim() == 3, self.norm_slices, self.pdl_norm_from_rows)
         else:
             h = h + _fused_linear(attn, *o, self.scaling, fused, add, expand=expand,
                                   split_k=self._splits(o[0], length), gemm=self._gemm(length, "o"))
@@ -1405,7 +1412,8 @@ class CompactQwen3:
             both = _gemm_float32(x.reshape(-1, x.shape[-1]), gate_up[0], self._splits(gate_up[0], length),
                                  self._gemm(length, "gate_up"))
             act = gate_up_activation(both, gate_up[2], self.scaling, gate_up[2].shape[0] // 2,
-                                     add == "bf16_like_nf4_oracle", self.pdl_epilogues).reshape(batch, length, -1)
+                                     add == "bf16_like_nf4_oracle", self.pdl_gate_up_from_rows)
+            act = act.reshape(batch, length, -1)
         else:
             gate, up = _fused_linear(x, *gate_up, self.scaling, fused, add, expand=expand,
                                      split_k=self._splits(gate_up[0], length),
@@ -1419,7 +1427,7 @@ class CompactQwen3:
                                       self._gemm(length, "down"))
             return residual_and_norm(both, down[2], h, next_norm, self.scaling, self.eps,
                                      add == "bf16_like_nf4_oracle", both.dim() == 3, self.norm_slices,
-                                     self.pdl_epilogues)
+                                     self.pdl_norm_from_rows)
         h = h + _fused_linear(act, *down, self.scaling, fused, add,
                               expand=expand, split_k=self._splits(down[0], length),
                               gemm=self._gemm(length, "down"))

@@ -146,12 +146,12 @@ def _op():
         from rollout_lib.backends.triton_ops import opaque_op
 
         _OP = opaque_op("rollout::gate_up_epilogue",
-                        lambda both, lora_b, scaling, inter, oracle_rounding, pdl: launch(
-                            both, lora_b, scaling, inter, oracle_rounding, pdl=pdl),
-                        lambda both, lora_b, scaling, inter, oracle_rounding, pdl: both.new_empty(
+                        lambda both, lora_b, scaling, inter, oracle_rounding, pdl_from_rows: launch(
+                            both, lora_b, scaling, inter, oracle_rounding, pdl=0 < pdl_from_rows <= both.shape[0]),
+                        lambda both, lora_b, scaling, inter, oracle_rounding, pdl_from_rows: both.new_empty(
                             (both.shape[0], inter), dtype=torch.bfloat16),
                         {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,
-                         "oracle_rounding": bool, "pdl": bool})
+                         "oracle_rounding": bool, "pdl_from_rows": int})
     return _OP
 
 
@@ -162,11 +162,12 @@ def prepare() -> None:
 
 
 def gate_up_activation(both: torch.Tensor, lora_b: torch.Tensor, scaling: float, inter: int,
-                       oracle_rounding: bool = False, pdl: bool = False) -> torch.Tensor:
+                       oracle_rounding: bool = False, pdl_from_rows: int = 0) -> torch.Tensor:
     """The SiLU product of the gate_up projection from its GEMM's float32 output (see the module): `both` [...,
-    2 inter + 3 x 2 rank] -> bf16 [..., inter], through the op."""
+    2 inter + 3 x 2 rank] -> bf16 [..., inter], through the op. `pdl_from_rows`: launched with PDL (`launch`'s
+    `pdl`) when the call has at least that many rows, 0 never."""
     rows = both.reshape(-1, both.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = (_OP or _op())(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding), bool(pdl))
+    out = (_OP or _op())(rows, lora_b, float(scaling), int(inter), bool(oracle_rounding), int(pdl_from_rows))
     return out.reshape(*both.shape[:-1], inter)

@@ -254,12 +254,14 @@ def _op():
         from rollout_lib.backends.triton_ops import opaque_op
 
         _OP = opaque_op("rollout::residual_norm_epilogue",
-                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices, pdl: launch(
-                            both, lora_b, h, weight, scaling, eps, oracle_rounding, slices=slices, pdl=pdl),
-                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices, pdl: both.new_empty(
-                            (2, both.shape[-2], lora_b.shape[0]), dtype=torch.bfloat16),
+                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices, pdl_from_rows: launch(
+                            both, lora_b, h, weight, scaling, eps, oracle_rounding, slices=slices,
+                            pdl=0 < pdl_from_rows <= both.shape[-2]),
+                        lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices, pdl_from_rows:
+                            both.new_empty((2, both.shape[-2], lora_b.shape[0]), dtype=torch.bfloat16),
                         {"both": torch.Tensor, "lora_b": torch.Tensor, "h": torch.Tensor, "weight": torch.Tensor,
-                         "scaling": float, "eps": float, "oracle_rounding": bool, "slices": bool, "pdl": bool})
+                         "scaling": float, "eps": float, "oracle_rounding": bool, "slices": bool,
+                         "pdl_from_rows": int})
     return _OP
 
 
@@ -279,10 +281,11 @@ def prepare(device: Any = None) -> None:
 def residual_and_norm(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                       scaling: float, eps: float, oracle_rounding: bool = False,
                       split_partials: bool = False, slices: bool = False,
-                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      pdl_from_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(h', x) from the o (or down) GEMM's float32 output (see the module): `both` [..., H + 3 rank] with h's
     leading dimensions, or (`split_partials`) its split-K partials [S, rows, H + 3 rank], h [..., H] -> two bf16
-    [..., H], through the op."""
+    [..., H], through the op. `pdl_from_rows`: launched with PDL (`launch`'s `pdl`) when the call has at least
+    that many rows, 0 never (the op sees each call's rows, so one graph bucket may have it and another not)."""
     shape = h.shape
     stream = h.reshape(-1, shape[-1])
     rows = both if split_partials else both.reshape(-1, both.shape[-1])
@@ -291,5 +294,5 @@ def residual_and_norm(both: torch.Tensor, lora_b: torch.Tensor, h: torch.Tensor,
     if stream.stride(-1) != 1:
         stream = stream.contiguous()
     out = (_OP or _op())(rows, lora_b, stream, weight.contiguous(), float(scaling), float(eps), bool(oracle_rounding),
-                         bool(slices), bool(pdl))
+                         bool(slices), int(pdl_from_rows))
     return out[0].reshape(shape), out[1].reshape(shape)

@@ -17,7 +17,7 @@ rm -rf /tmp/prof  # traces of an earlier probe in this machine would be trimmed 
 mkdir -p "$OUT" /tmp/prof
 if [[ $STEPS == *probe* ]]; then
   timeout "${PROBE_TIMEOUT_S:-300}" python3 tools/lab/fast_path_probe.py --variants "${VARIANTS:-before,inductor}" --before "$BEFORE" \
-    --cells p128-r64-n1-greedy,p128-r64-n4-stochastic,p512-r256-n4-greedy --repetitions 3 \
+    --cells "${PROBE_CELLS:-p128-r64-n1-greedy,p128-r64-n4-stochastic,p512-r256-n4-greedy}" --repetitions 3 \
     --profile /tmp/prof --profile-cells "${PROFILE_CELLS:-2}" --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1
   for trace in /tmp/prof/*.json; do
     [ -e "$trace" ] && python3 tools/lab/trim_trace.py "$trace" "$OUT/trace-$(basename "$trace" .json)-20ms.json.gz" >> "$OUT/probe.log"

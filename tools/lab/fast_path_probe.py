@@ -25,7 +25,8 @@ the last two move `ms_prefill` and the wall, not the decode step; `+pipelined` (
 while the next step runs), `+edges` (the step's work outside its layers compiled), `+splitk` / `+splitk2` /
 `+splitk4` / `+splitk8` (each projection's GEMM split over K, "auto" or that many slices), `+prefetch` /
 `+prefetchnext` (a layer's weights after its attention prefetched into the L2 while the attention runs),
-`+pdlepilogues` (the o/down and gate_up epilogues launched with PDL, loading B before waiting for the GEMM).
+`+pdlepilogues` (the o/down and gate_up epilogues launched with PDL, loading B before waiting for the GEMM),
+`+pdlnorm` (the o/down epilogues only), `+pdl16` (both, in calls of 16 rows or more).
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -150,6 +151,10 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # the o/down and gate_up epilogue kernels launched with PDL, their B loaded before they wait for the
             # GEMM (tools/lab/pdl_bench.py: the pair alone; lease 28's +pdl, inductor's, waited first and lost)
             "pdlepilogues": ("DEPENDENT_LAUNCH", "epilogues"),
+            # lease 45: +pdlepilogues gained 0.07-0.09 ms at 16 rows and lost 0.023 at 4; the o/down kernels alone
+            # (their trace time fell at both), and both kernels only in calls of 16 rows or more
+            "pdlnorm": ("DEPENDENT_LAUNCH", "norm_epilogues"),
+            "pdl16": ("DEPENDENT_LAUNCH", "epilogues_from_16_rows"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),

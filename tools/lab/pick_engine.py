@@ -124,6 +124,14 @@ def _long_shared_cache(cell: str) -> bool:
     return (_samples_per_prompt(cell) or 1) > 1 and columns is not None and columns >= SHORT_CACHE_COLUMNS
 
 
+LOGICAL_PROMPTS = 4  # params/rollout-runtime-v2.yaml's logical_prompts: a cell decodes 4 x n rows
+
+
+def _rows_from_16(cell: str) -> bool:
+    """DEPENDENT_LAUNCH epilogues_from_16_rows runs in a cell of 16 rows or more (p128-r64-n4-stochastic: 4 x 4)."""
+    return LOGICAL_PROMPTS * (_samples_per_prompt(cell) or 1) >= 16
+
+
 # a setting whose code runs only in some cells: (which, in words; whether it runs in a cell id); elsewhere the
 # engine runs what it runs without the setting (DECODE_PREFIX shared: a batch of distinct prompts decodes per row;
 # ATTENTION_LAUNCH by_columns: a cache of SHORT_CACHE_COLUMNS or more runs the fixed launch)
@@ -134,7 +142,8 @@ RUNS_ONLY_IN = {("DECODE_PREFIX", "shared"): ("cells with n > 1",
                 ("ATTENTION_LAUNCH", "by_columns"): (f"cells whose cache is under {SHORT_CACHE_COLUMNS} columns",
                                                      _short_cache),
                 ("ATTENTION_LAUNCH", "by_columns_shared"): (f"cells with n > 1 whose cache is {SHORT_CACHE_COLUMNS} "
-                                                            "columns or more", _long_shared_cache)}
+                                                            "columns or more", _long_shared_cache),
+                ("DEPENDENT_LAUNCH", "epilogues_from_16_rows"): ("cells of 16 rows or more (n > 1)", _rows_from_16)}
 
 
 def _suffixes() -> dict[str, tuple[str, Any]]:
