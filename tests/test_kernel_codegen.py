@@ -333,14 +333,25 @@ def test_the_pdl_bench_epilogue_waits_where_its_mode_says(mode, tmp_path):
         assert result["sass_loads_before_wait"] == 17 and result["ptx_loads_after_wait"] > 0, result
 
 
-@pytest.mark.parametrize("module", ["norm_epilogue", "mlp_epilogue"])
+@pytest.mark.parametrize("module", ["norm_epilogue", "mlp_epilogue", "qkv_epilogue"])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_epilogues_load_b_before_waiting_for_the_gemm_under_dependent_launch(module, pdl, tmp_path):
-    """DEPENDENT_LAUNCH "epilogues": the o/down kernel (Qwen3-0.6B's o, rank 16) and the gate_up kernel (3,072
-    features a part), compiled for sm_90a with PDL, load B (and o/down the norm's weight) before their one
-    `griddepcontrol.wait` (ACQBULK in the SASS: ptxas keeps them there) and the GEMM's output after it; without PDL
-    (the default) no wait at all. No spills either way."""
-    if module == "norm_epilogue":
+    """DEPENDENT_LAUNCH: the o/down kernel (Qwen3-0.6B's o, rank 16), the gate_up kernel (3,072 features a part)
+    and the qkv kernel (16 + 2 x 8 heads of 128), compiled for sm_90a with PDL, load B (and o/down the norm's
+    weight) before their one `griddepcontrol.wait` (ACQBULK in the SASS: ptxas keeps them there) and the GEMM's
+    output after it; without PDL (the default) no wait at all. No spills either way."""
+    if module == "qkv_epilogue":
+        heads, kv_heads, head_dim, rank = 16, 8, 128, 16
+        features = (heads + 2 * kv_heads) * head_dim
+        args = {"both_ptr": "*fp32", "b_ptr": "*fp32", "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16",
+                "cos_ptr": "*bf16", "sin_ptr": "*bf16", "write_ptr": "*i64", "q_ptr": "*bf16", "cache_k_ptr": "*bf16",
+                "cache_v_ptr": "*bf16", "length": 1, "both_row": features + 9 * rank, "b_row": 1, "b_col": features,
+                "cos_row": head_dim, "sin_row": head_dim, "cache_batch": kv_heads * 640 * head_dim,
+                "cache_head": 640 * head_dim, "cache_column": head_dim, "scaling": 2.0, "eps": 1e-6}
+        constexprs = {"HEADS": heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "RANK": rank,
+                      "ORACLE_ROUNDING": False, "RANK_BLOCK": rank, "PDL": pdl}
+        from rollout_lib.backends.qkv_epilogue import WARPS
+    elif module == "norm_epilogue":
         hidden, rank = 1024, 16
         args = {"both_ptr": "*fp32", "b_ptr": "*fp32", "h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                 "hidden": hidden, "split_stride": 4 * (hidden + 3 * rank), "both_row": hidden + 3 * rank,

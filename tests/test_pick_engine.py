@@ -121,10 +121,12 @@ def test_the_cells_a_setting_runs_in_are_read_from_the_cell_ids():
     from tools.lab.pick_engine import LOGICAL_PROMPTS
 
     assert load().workload.logical_prompts == LOGICAL_PROMPTS
-    _, runs = RUNS_ONLY_IN[("DEPENDENT_LAUNCH", "epilogues_from_16_rows")]
     cells = ("p128-r64-n1-greedy", "p128-r64-n4-stochastic", "p512-r512-n4-greedy", "p512-r256-n1-stochastic")
-    assert [runs(c) for c in cells] == [LOGICAL_PROMPTS * _samples_per_prompt(c) >= min(PDL_FROM_ROWS[
-        "epilogues_from_16_rows"]) for c in cells] == [False, True, True, False]
+    for value in ("epilogues_from_16_rows", "epilogues_and_qkv_from_16_rows"):
+        _, runs = RUNS_ONLY_IN[("DEPENDENT_LAUNCH", value)]
+        fewest = min(rows for rows in PDL_FROM_ROWS[value] if rows)
+        assert [runs(c) for c in cells] == [LOGICAL_PROMPTS * _samples_per_prompt(c) >= fewest for c in cells] \
+            == [False, True, True, False]
 
 
 def _three_cell_probe(folder, steps: dict):
@@ -181,6 +183,24 @@ def test_the_shared_kernels_own_launch_replaces_by_columns_where_it_runs(tmp_pat
     assert any(line.startswith("+sharedlaunch (ATTENTION_LAUNCH by_columns_shared): kept, decode step gains where "
                                "it runs (cells with n > 1 whose cache is 256 columns or more)")
                for line in lines), lines
+
+
+def test_a_base_part_that_a_later_part_of_its_setting_overrides_is_replaced_by_it(tmp_path):
+    """Lease 46's probes: +sharedlaunch, kept in lease 45's probe, is part of the next base after +attnlaunch (both
+    ATTENTION_LAUNCH; the probe sets them in turn, so the engine measured ran by_columns_shared). Both are base parts
+    of the latest probe, and the name's order, not the alphabet, decides between them: by_columns_shared stays."""
+    chain = f"{BASE}+oepilogue+tritonattn+attnlaunch+sharedlong"
+    kept_there = _three_cell_probe(tmp_path / "s", {chain: (1.530, 1.700, 1.885),
+                                                    f"{chain}+sharedlaunch": (1.534, 1.697, 1.845)})
+    later = _three_cell_probe(tmp_path / "t", {f"{chain}+sharedlaunch": (1.53, 1.70, 1.85),
+                                               f"{chain}+sharedlaunch+pdl16": (1.53, 1.64, 1.78)})
+    engine, lines = pick([kept_there, later], 0.02)
+    assert engine["ATTENTION_LAUNCH"] == "by_columns_shared", lines
+    assert engine["DEPENDENT_LAUNCH"] == "epilogues_from_16_rows", lines
+    assert ("ATTENTION_LAUNCH by_columns: replaced by +sharedlaunch (ATTENTION_LAUNCH by_columns_shared), kept "
+            "measured on top of it") in lines
+    # without the probe that kept it, the later base alone says the same
+    assert pick([later], 0.02)[0]["ATTENTION_LAUNCH"] == "by_columns_shared"
 
 
 def test_a_candidate_measured_on_top_of_one_not_kept_is_not_kept(tmp_path):

@@ -679,7 +679,10 @@ class Layer:
 #   operations on the same values: the same bits. The probe's `+pdlepilogues`. Lease 45 (H100): -0.07/-0.09 ms a
 #   step at 16 rows, +0.023 at 4; so "norm_epilogues" (the o/down kernels only: their trace time fell at both row
 #   counts, the gate_up kernel's rose) and "epilogues_from_16_rows" (both, in calls of 16 rows or more: the op sees
-#   each call's rows) are measured beside it: the probe's `+pdlnorm` and `+pdl16`.
+#   each call's rows) are measured beside it: the probe's `+pdlnorm` and `+pdl16`. Session 49's short probe
+#   (H100): `+pdl16` -0.001 / -0.054 / -0.073, `+pdlnorm` +0.014 / -0.054..-0.089 / -0.075: from 16 rows kept.
+#   "epilogues_and_qkv_from_16_rows": the qkv epilogue too (B loaded before its wait; needs QKV_EPILOGUE triton):
+#   the probe's `+pdlqkv16`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -734,9 +737,12 @@ ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns", "by_columns_shared")
 WEIGHT_PREFETCH = "off"
 WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
 DEPENDENT_LAUNCH = "off"
-DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues", "norm_epilogues", "epilogues_from_16_rows")
-# each DEPENDENT_LAUNCH value: (the o/down epilogue's, the gate_up epilogue's) fewest rows launched with PDL, 0 never
-PDL_FROM_ROWS = {"off": (0, 0), "epilogues": (1, 1), "norm_epilogues": (1, 0), "epilogues_from_16_rows": (16, 16)}
+DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues", "norm_epilogues", "epilogues_from_16_rows",
+                            "epilogues_and_qkv_from_16_rows")
+# each DEPENDENT_LAUNCH value: (the o/down epilogue's, the gate_up epilogue's, the qkv epilogue's) fewest rows a call
+# launched with PDL has, 0 never
+PDL_FROM_ROWS = {"off": (0, 0, 0), "epilogues": (1, 1, 0), "norm_epilogues": (1, 0, 0),
+                 "epilogues_from_16_rows": (16, 16, 0), "epilogues_and_qkv_from_16_rows": (16, 16, 16)}
 # each "<PROJECTION>_EPILOGUE" setting: (the projection whose GEMM output its kernel reads, the kernel's module)
 EPILOGUES = {"GATE_UP_EPILOGUE": ("gate_up", "mlp_epilogue"), "O_EPILOGUE": ("o", "norm_epilogue"),
              "DOWN_EPILOGUE": ("down", "norm_epilogue"), "QKV_EPILOGUE": ("qkv", "qkv_epilogue")}
@@ -984,7 +990,11 @@ class CompactQwen3:
         if self.weight_prefetch != "off":
             triton_ops.check_sm90(self.device, f"WEIGHT_PREFETCH {self.weight_prefetch}", "sm_90's bulk L2 prefetch")
         self.dependent_launch = setting("DEPENDENT_LAUNCH")
-        self.pdl_norm_from_rows, self.pdl_gate_up_from_rows = PDL_FROM_ROWS[self.dependent_launch]
+        self.pdl_norm_from_rows, self.pdl_gate_up_from_rows, self.pdl_qkv_from_rows = \
+            PDL_FROM_ROWS[self.dependent_launch]
+        if self.pdl_qkv_from_rows and self.qkv_epilogue != "triton":
+            raise ValueError(f"DEPENDENT_LAUNCH {self.dependent_launch} launches QKV_EPILOGUE triton's kernel; this "
+                             f"engine: QKV_EPILOGUE {self.qkv_epilogue} (allowed with it: triton)")
         if self.dependent_launch != "off":
             triton_ops.check_sm90(self.device, f"DEPENDENT_LAUNCH {self.dependent_launch}",
                                   "programmatic dependent launch")
@@ -1358,7 +1368,7 @@ class CompactQwen3:
                 return both, None, None
             return queries_and_cache_write(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write,
                                            self.heads, self.scaling, self.eps,
-                                           self.lora_add == "bf16_like_nf4_oracle"), None, None
+                                           self.lora_add == "bf16_like_nf4_oracle", self.pdl_qkv_from_rows), None, None
         qkv = _fused_linear(x, weight, lora_a, lora_b, self.scaling, fused,
                             self.lora_add, expand=self.lora_expand,
                             split_k=self._splits(weight, length), part_out=(q_size, kv_size, kv_size),

@@ -56,7 +56,7 @@ def _kernel():
                             cache_v_ptr, length, both_row, b_row, b_col, cos_row, sin_row, cache_batch, cache_head,
                             cache_column, scaling, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, RANK: tl.constexpr, ORACLE_ROUNDING: tl.constexpr,
-                            RANK_BLOCK: tl.constexpr):
+                            RANK_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         m = tl.program_id(0)  # the row: batch b, position t
         slot = tl.program_id(1)  # q heads, then k's, then v's
         b, t = m // length, m % length
@@ -64,20 +64,29 @@ def _kernel():
         half = tl.arange(0, HEAD_DIM // 2)
         first = slot * HEAD_DIM + half  # the head's features, in two halves (the rotary pairs d and d + D / 2)
         second = first + HEAD_DIM // 2
+        if PDL:  # DEPENDENT_LAUNCH: B (no kernel of the step writes it) before waiting for the GEMM
+            r = tl.arange(0, RANK_BLOCK)
+            has = r < RANK
+            column = part * RANK + r
+            b1 = tl.load(b_ptr + first[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+            b2 = tl.load(b_ptr + second[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+            tl.extra.cuda.gdc_wait()  # then what the GEMM and the kernels before it wrote
         row = both_ptr + m * both_row
         base1 = tl.load(row + first).to(tl.bfloat16)
         base2 = tl.load(row + second).to(tl.bfloat16)
         shrink = row + (HEADS + 2 * KV_HEADS) * HEAD_DIM  # part p, rank column j at p * 3 RANK + j
         # the head's projection's own rank terms, B's as one [rank, D / 2] load per half, all in flight at once
         # (lease 35: loaded term by term in a loop, 5.4 us a call)
-        r = tl.arange(0, RANK_BLOCK)
-        has = r < RANK
-        column = part * RANK + r
+        if not PDL:  # (here without PDL: the instructions the kernel had before the setting)
+            r = tl.arange(0, RANK_BLOCK)
+            has = r < RANK
+            column = part * RANK + r
         xa = (tl.load(shrink + column, mask=has, other=0.0)
               + tl.load(shrink + 3 * RANK + column, mask=has, other=0.0)) \
             + tl.load(shrink + 6 * RANK + column, mask=has, other=0.0)
-        b1 = tl.load(b_ptr + first[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
-        b2 = tl.load(b_ptr + second[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+        if not PDL:
+            b1 = tl.load(b_ptr + first[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+            b2 = tl.load(b_ptr + second[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
         low1 = tl.sum(xa[:, None] * b1, axis=0)
         low2 = tl.sum(xa[:, None] * b2, axis=0)
         x1 = lora_add(base1, low1, scaling, ORACLE_ROUNDING)
@@ -120,11 +129,13 @@ def _kernel():
 def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, write: torch.Tensor, heads: int,
            length: int, scaling: float, eps: float, oracle_rounding: bool = False,
-           warps: int | None = None) -> torch.Tensor:
+           warps: int | None = None, pdl: bool = False) -> torch.Tensor:
     """The kernel on `both` [B T, (H + 2 KV) D + 9 rank] float32, B [(H + 2 KV) D, 3 rank] float32 (any strides),
     the q/k norms' weights [D], cos and sin [B T, D] bf16, the caches [B, KV, L, D] (written in place at columns
     `write` [T]; last dimension contiguous): the queries bf16 [B, KV, G T, D], as `_before_attention` returns q.
-    `warps`: each program's warps (default WARPS; tools/lab/epilogue_bench.py times others)."""
+    `warps`: each program's warps (default WARPS; tools/lab/epilogue_bench.py times others). `pdl`
+    (DEPENDENT_LAUNCH "epilogues_and_qkv_from_16_rows", sm_90): launched with programmatic dependent launch, B
+    loaded before the kernel waits for the GEMM before it (`griddepcontrol.wait`)."""
     import torch
     import triton
 
@@ -147,7 +158,7 @@ def launch(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_nor
             lora_b.stride(0), lora_b.stride(1), cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1),
             cache_k.stride(2), float(scaling), float(eps), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
             RANK=low // 3, ORACLE_ROUNDING=oracle_rounding,
-            RANK_BLOCK=triton.next_power_of_2(low // 3), num_warps=warps or WARPS)
+            RANK_BLOCK=triton.next_power_of_2(low // 3), PDL=pdl, num_warps=warps or WARPS, launch_pdl=pdl)
     return q.view(batch, kv_heads, heads // kv_heads * length, head_dim)
 
 
@@ -161,16 +172,22 @@ def _op():
 
         from rollout_lib.backends.triton_ops import opaque_op
 
+        def run(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling, eps,
+                oracle_rounding, pdl_from_rows):
+            return launch(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling,
+                          eps, oracle_rounding, pdl=0 < pdl_from_rows <= both.shape[0])
+
         def shape_only(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling, eps,
-                       oracle_rounding):
+                       oracle_rounding, pdl_from_rows):
             batch, kv_heads, _, head_dim = cache_k.shape
             return both.new_empty((batch, kv_heads, heads // kv_heads * length, head_dim), dtype=torch.bfloat16)
 
-        _OP = opaque_op("rollout::qkv_epilogue", launch, shape_only,
+        _OP = opaque_op("rollout::qkv_epilogue", run, shape_only,
                         {"both": torch.Tensor, "lora_b": torch.Tensor, "q_norm": torch.Tensor,
                          "k_norm": torch.Tensor, "cos": torch.Tensor, "sin": torch.Tensor, "cache_k": torch.Tensor,
                          "cache_v": torch.Tensor, "write": torch.Tensor, "heads": int, "length": int,
-                         "scaling": float, "eps": float, "oracle_rounding": bool}, mutates=("cache_k", "cache_v"))
+                         "scaling": float, "eps": float, "oracle_rounding": bool, "pdl_from_rows": int},
+                        mutates=("cache_k", "cache_v"))
     return _OP
 
 
@@ -183,13 +200,15 @@ def prepare() -> None:
 def queries_and_cache_write(both: torch.Tensor, lora_b: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                             cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                             write: torch.Tensor, heads: int, scaling: float, eps: float,
-                            oracle_rounding: bool = False) -> torch.Tensor:
+                            oracle_rounding: bool = False, pdl_from_rows: int = 0) -> torch.Tensor:
     """q [B, KV, G T, D] from the qkv GEMM's float32 output (see the module), k and v written into the caches at
-    columns `write`, through the op. cos, sin [B, T, D]."""
+    columns `write`, through the op. cos, sin [B, T, D]. `pdl_from_rows`: launched with PDL (`launch`'s `pdl`)
+    when the call has at least that many rows, 0 never."""
     length = write.shape[0]  # not int(): a prefill's length stays symbolic in a compiled piece
     rows = both.reshape(-1, both.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     cos, sin = cos.reshape(-1, cos.shape[-1]).contiguous(), sin.reshape(-1, sin.shape[-1]).contiguous()
     return (_OP or _op())(rows, lora_b, q_norm.contiguous(), k_norm.contiguous(), cos, sin, cache_k, cache_v, write,
-                          int(heads), length, float(scaling), float(eps), bool(oracle_rounding))
+                          int(heads), length, float(scaling), float(eps), bool(oracle_rounding),
+                          int(pdl_from_rows))

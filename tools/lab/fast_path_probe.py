@@ -26,7 +26,8 @@ while the next step runs), `+edges` (the step's work outside its layers compiled
 `+splitk4` / `+splitk8` (each projection's GEMM split over K, "auto" or that many slices), `+prefetch` /
 `+prefetchnext` (a layer's weights after its attention prefetched into the L2 while the attention runs),
 `+pdlepilogues` (the o/down and gate_up epilogues launched with PDL, loading B before waiting for the GEMM),
-`+pdlnorm` (the o/down epilogues only), `+pdl16` (both, in calls of 16 rows or more).
+`+pdlnorm` (the o/down epilogues only), `+pdl16` (both, in calls of 16 rows or more), `+pdlqkv16` (and the
+qkv epilogue).
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -155,6 +156,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # (their trace time fell at both), and both kernels only in calls of 16 rows or more
             "pdlnorm": ("DEPENDENT_LAUNCH", "norm_epilogues"),
             "pdl16": ("DEPENDENT_LAUNCH", "epilogues_from_16_rows"),
+            # session 49: from 16 rows PDL paid 0.05-0.07 ms over 83 pairs; the qkv GEMM -> epilogue pairs too (28)
+            "pdlqkv16": ("DEPENDENT_LAUNCH", "epilogues_and_qkv_from_16_rows"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),

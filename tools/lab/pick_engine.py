@@ -143,7 +143,8 @@ RUNS_ONLY_IN = {("DECODE_PREFIX", "shared"): ("cells with n > 1",
                                                      _short_cache),
                 ("ATTENTION_LAUNCH", "by_columns_shared"): (f"cells with n > 1 whose cache is {SHORT_CACHE_COLUMNS} "
                                                             "columns or more", _long_shared_cache),
-                ("DEPENDENT_LAUNCH", "epilogues_from_16_rows"): ("cells of 16 rows or more (n > 1)", _rows_from_16)}
+                **{("DEPENDENT_LAUNCH", value): ("cells of 16 rows or more (n > 1)", _rows_from_16)
+                   for value in ("epilogues_from_16_rows", "epilogues_and_qkv_from_16_rows")}}
 
 
 def _suffixes() -> dict[str, tuple[str, Any]]:
@@ -199,13 +200,14 @@ def parts_at_once(cells: dict[str, Any]) -> str | None:
     return None
 
 
-def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[set[str], list[dict[str, Any]]]:
-    """The folder's base suffixes, and one record per (variant, its parent, the suffix between them); a source
-    compiled more than once is read by the mean of its compilations (`over_compilations`)."""
+def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The folder's base suffixes (in the base variant's order: the probe sets them in turn, so of two setting
+    one engine setting the later wins), and one record per (variant, its parent, the suffix between them); a
+    source compiled more than once is read by the mean of its compilations (`over_compilations`)."""
     probe = over_compilations(probe)
     variants = [name for name in probe if name != "cells"]
     parts = {name: name.split("+") for name in variants}
-    base = set(parts[variants[0]][1:])
+    base = parts[variants[0]][1:]
     by_parts = {(p[0], frozenset(p[1:])): name for name, p in parts.items()}
     found = []
     for name in variants:
@@ -317,6 +319,7 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
     setting_of = {s: (name, value) for s, (name, value) in suffixes.items() if name in ENGINE_SETTINGS}
     bases: set[str] = set()
     base_at: dict[str, int] = {}  # a base suffix -> the latest folder (its index) whose base runs it
+    overridden: dict[str, str] = {}  # a base suffix -> the later suffix of the latest base with it that overrides it
     records: list[dict[str, Any]] = []
     lines: list[str] = []
     for index, folder in enumerate(folders):
@@ -324,9 +327,18 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
             lines.append(f"{folder}: no probe.json, left out (--skip-missing)")
             continue
         base, found = comparisons(folder, read_probe(folder))
-        bases |= base
+        bases.update(base)
         base_at.update(dict.fromkeys(base, index))
         records += found
+        # a base part a later part of the same base overrides (lease 45's kept +sharedlaunch became the base of
+        # lease 46's probes after +attnlaunch: both ATTENTION_LAUNCH, the later one the value the engine ran)
+        for at, part in enumerate(base):
+            later = [m for m in base[at + 1:] if m in setting_of and part in setting_of
+                     and setting_of[m][0] == setting_of[part][0]]
+            if later:
+                overridden[part] = later[-1]
+            else:
+                overridden.pop(part, None)
     records = _latest_measurements(records)
     singles = sorted({r["suffix"] for r in records if "+" not in r["suffix"]} - bases)
     for suffix in [s for s in singles if s not in setting_of]:
@@ -339,7 +351,8 @@ def pick(folders: list[Path], min_gain_ms: float, skip_missing: bool = False) ->
     def reachable(suffix: str) -> list[dict[str, Any]]:
         return _where_it_runs([r for r in records if r["suffix"] == suffix and r["parent_suffixes"] <= kept_parts])
 
-    replaced: dict[str, str] = {}  # a kept part -> the candidate kept on top of it with another value of its setting
+    replaced: dict[str, str] = dict(overridden)  # a kept part -> what was kept on top of it with another value of
+    # its setting (a candidate, or a later part of a base)
 
     def keep(suffix: str, gain: float, where: list[dict[str, Any]]) -> None:
         gains[suffix] = gain
