@@ -194,6 +194,16 @@ def test_operands_that_are_not_one_decode_step_are_refused_by_name():
         decode_attention.attend(q, cache, cache.clone(), pad, write, 0.25)
     with pytest.raises(ValueError, match=r"^splits 17 is not allowed; allowed: 1-16 or None"):
         decode_attention.Launch(splits=17)
+    # ATTENTION_DEPENDENT_LAUNCH: its prefetch covers a slice's columns as one span of the cache
+    q, cache, pad, write = _zero_step(2, 2)
+    strided = torch.zeros(2, 2, 8, 32, dtype=torch.bfloat16, device=DEVICE)[..., :16]
+    with pytest.raises(ValueError, match=r"^ATTENTION_DEPENDENT_LAUNCH prefetch_kv: a CUDA device and caches whose "
+                                         r"columns are contiguous \(a column 16 elements\); here .*, a column 32 "
+                                         r"elements apart$"):
+        decode_attention.attend(q, strided, strided, pad, write, 0.25, pdl=True)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match=r"^ATTENTION_DEPENDENT_LAUNCH prefetch_kv: a CUDA device .*; here cpu"):
+            decode_attention.attend(q, cache, cache.clone(), pad, write, 0.25, pdl=True)
 
 
 def test_a_bf16_engine_with_the_kernel_serves_the_policy_and_its_tokens(smoke_study, snapshot_cache):

@@ -64,15 +64,17 @@ def test_each_value_launches_with_pdl_the_calls_it_names(monkeypatch, value, nor
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("value, op, kernel", [
-    ("epilogues", "rollout::residual_norm_epilogue", "residual_norm_epilogue_kernel"),
-    ("epilogues_and_qkv_from_16_rows", "rollout::qkv_epilogue", "qkv_epilogue_kernel")])
-def test_an_engine_with_dependent_launch_serves_the_same_bits(smoke_study, snapshot_cache, monkeypatch, value, op,
-                                                              kernel):
-    """The same operations on the same values, only launched earlier: the compiled graphs serve the same tokens
-    and log-probabilities, bit for bit, as without (both engines with REDUCTION_LAUNCH fewest_programs, so inductor
-    draws no launch that could order a sum otherwise), and every decode step runs the epilogue kernel. The value's
-    rows threshold is lowered to 1 here, so the smoke cells' few rows launch every epilogue with PDL."""
+@pytest.mark.parametrize("setting, value, op, kernel", [
+    ("DEPENDENT_LAUNCH", "epilogues", "rollout::residual_norm_epilogue", "residual_norm_epilogue_kernel"),
+    ("DEPENDENT_LAUNCH", "epilogues_and_qkv_from_16_rows", "rollout::qkv_epilogue", "qkv_epilogue_kernel"),
+    ("ATTENTION_DEPENDENT_LAUNCH", "prefetch_kv", "rollout::decode_attention", "decode_attention_kernel")])
+def test_an_engine_with_dependent_launch_serves_the_same_bits(smoke_study, snapshot_cache, monkeypatch, setting,
+                                                              value, op, kernel):
+    """The same operations on the same values, only launched earlier (the attention's k/v asked of the L2 first):
+    the compiled graphs serve the same tokens and log-probabilities, bit for bit, as without (both engines with
+    REDUCTION_LAUNCH fewest_programs, so inductor draws no launch that could order a sum otherwise), and every
+    decode step runs the kernel. DEPENDENT_LAUNCH's rows threshold is lowered to 1 here, so the smoke cells' few
+    rows launch every epilogue with PDL."""
     import torch
 
     from rollout_lib.backends import compact_qwen3
@@ -81,11 +83,13 @@ def test_an_engine_with_dependent_launch_serves_the_same_bits(smoke_study, snaps
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip(f"needs compute capability 9.0 or later (PDL); {torch.cuda.get_device_name()} is "
                     f"{torch.cuda.get_device_capability()}")
-    monkeypatch.setitem(compact_qwen3.PDL_FROM_ROWS, value,
-                        tuple(1 if rows else 0 for rows in compact_qwen3.PDL_FROM_ROWS[value]))
+    if setting == "DEPENDENT_LAUNCH":
+        monkeypatch.setitem(compact_qwen3.PDL_FROM_ROWS, value,
+                            tuple(1 if rows else 0 for rows in compact_qwen3.PDL_FROM_ROWS[value]))
     base = {"LORA_SHRINK": "in_base_gemm", "O_EPILOGUE": "triton", "DOWN_EPILOGUE": "triton",
-            "GATE_UP_EPILOGUE": "triton", "QKV_EPILOGUE": "triton", "REDUCTION_LAUNCH": "fewest_programs"}
-    policy, runs = run_engines(smoke_study, snapshot_cache, (base, {**base, "DEPENDENT_LAUNCH": value}), op, kernel)
+            "GATE_UP_EPILOGUE": "triton", "QKV_EPILOGUE": "triton", "ATTENTION_BACKEND": "triton",
+            "REDUCTION_LAUNCH": "fewest_programs"}
+    policy, runs = run_engines(smoke_study, snapshot_cache, (base, {**base, setting: value}), op, kernel)
     (base_identity, want, before), (identity, got, launched) = runs
     assert base_identity == identity == policy.identity
     assert before and len(launched) == len(before), (len(before), len(launched))

@@ -514,6 +514,9 @@ def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_
      {"LORA_SHRINK": "in_base_gemm: bfloat16 engines only (A is appended to the bf16 base weight as three bf16 parts)",
       "O_EPILOGUE": "triton: needs LORA_SHRINK in_base_gemm, left out in float32",
       "DEPENDENT_LAUNCH": "norm_epilogues: needs O_EPILOGUE triton, left out in float32"}),
+    ({"ATTENTION_BACKEND": "triton", "ATTENTION_DEPENDENT_LAUNCH": "prefetch_kv"}, "float32", {},
+     {"ATTENTION_BACKEND": "triton: bfloat16 engines only (its kernel multiplies bf16 operands)",
+      "ATTENTION_DEPENDENT_LAUNCH": "prefetch_kv: needs ATTENTION_BACKEND triton, left out in float32"}),
 ])
 def test_an_engine_mapping_for_a_dtype_keeps_what_that_dtype_runs(engine, dtype, kept, left_out):
     from rollout_lib.backends.compact_qwen3 import settings_for_dtype
@@ -1162,6 +1165,9 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
     ({"DEPENDENT_LAUNCH": "epilogues"}, "bfloat16",
      r"DEPENDENT_LAUNCH epilogues needs a CUDA GPU of compute capability 9.0 or later \(programmatic dependent "
      r"launch\) and Triton; this engine: cpu$"),
+    ({"ATTENTION_DEPENDENT_LAUNCH": "prefetch_kv"}, "bfloat16",
+     r"ATTENTION_DEPENDENT_LAUNCH prefetch_kv needs a CUDA GPU of compute capability 9.0 or later \(programmatic "
+     r"dependent launch\) and Triton; this engine: cpu$"),
     ({"DEPENDENT_LAUNCH": "epilogues_from_16_rows"}, "bfloat16",
      r"DEPENDENT_LAUNCH epilogues_from_16_rows needs a CUDA GPU of compute capability 9.0 or later \(programmatic "
      r"dependent launch\) and Triton; this engine: cpu$"),

@@ -94,7 +94,11 @@ print(json.dumps({"loads": Counter(re.findall(r"ld\.global(?:\.[a-z]+\d*)*\.v?\d
                   "ptx_loads_before_wait": sum(i < waits[0] for i in ptx_loads) if waits else None,
                   "ptx_loads_after_wait": sum(i > waits[0] for i in ptx_loads) if waits else None,
                   "sass_loads_before_wait": (sum("LDG" in line for line in sass_lines[:acquire])
-                                             if acquire is not None else None)}))
+                                             if acquire is not None else None),
+                  "ptx_prefetches_before_wait": (sum("cp.async.bulk.prefetch.L2" in line for line in lines[:waits[0]])
+                                                 if waits else None),
+                  "sass_prefetches_before_wait": (sum("UBLKPF.L2" in line for line in sass_lines[:acquire])
+                                                  if acquire is not None else None)}))
 """
 
 
@@ -206,10 +210,11 @@ def test_the_qkv_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(t
 
 
 def _compile_decode_attention(columns: int, splits: int, block_n: int, warps: int, tmp_path: Path,
-                              num_stages: int | None = None, shared_rows: int | None = None) -> dict:
+                              num_stages: int | None = None, shared_rows: int | None = None,
+                              pdl: bool | None = None) -> dict:
     """The decode attention kernel at Qwen3-0.6B's attention (8 kv heads of 128, two query heads each) over a cache
     of `columns`, compiled for sm_90a (`_compile_for_hopper`); with `shared_rows`, DECODE_PREFIX shared's kernel
-    for blocks of that many rows."""
+    for blocks of that many rows; with `pdl`, the plain kernel's PDL constexprs as `attend` passes them."""
     from rollout_lib.backends import decode_attention
 
     kv_heads, group, head_dim = 8, 2, 128
@@ -225,7 +230,29 @@ def _compile_decode_attention(columns: int, splits: int, block_n: int, warps: in
         return _compile_for_hopper("decode_attention", args, constexprs, warps, tmp_path, factory="_shared_kernel",
                                    num_stages=num_stages)
     constexprs["BLOCK_G"] = decode_attention.BLOCK_G
+    if pdl is not None:
+        constexprs |= {"PDL": pdl, "LANES": decode_attention.PREFETCH_LANES}
     return _compile_for_hopper("decode_attention", args, constexprs, warps, tmp_path, num_stages=num_stages)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_decode_attention_asks_the_l2_for_its_slice_before_waiting_under_dependent_launch(pdl, tmp_path):
+    """ATTENTION_DEPENDENT_LAUNCH "prefetch_kv" at the long cache's launch (768 columns, 4 slices): with PDL the
+    kernel loads its slice's bounds (pad, write) and issues its bulk L2 prefetches of k and v (PTX and SASS) before
+    its one `griddepcontrol.wait`, and q and the cache after it; without PDL no wait and no prefetch. No spills."""
+    from rollout_lib.backends import decode_attention
+
+    config = decode_attention.launch_for(768)
+    result = _compile_decode_attention(768, 4, config.block_n, config.warps, tmp_path, config.stages, pdl=pdl)
+    assert result["spill_bytes"] == 0 and result["global_loads"] > 0, result
+    if not pdl:
+        assert (result["ptx_waits"], result["bulk_prefetches_ptx"], result["bulk_prefetches_sass"]) == (0, 0, 0)
+        return
+    assert result["ptx_waits"] == 1 and result["bulk_prefetches_ptx"] > 0, result
+    assert result["ptx_prefetches_before_wait"] == result["bulk_prefetches_ptx"], result
+    assert result["sass_prefetches_before_wait"] == result["bulk_prefetches_sass"] > 0, result
+    assert result["ptx_loads_before_wait"] == 2 and result["sass_loads_before_wait"] == 2, result  # pad, write
+    assert result["ptx_loads_after_wait"] > 0, result
 
 
 @pytest.mark.parametrize("splits", [1, 8])

@@ -683,6 +683,12 @@ class Layer:
 #   (H100): `+pdl16` -0.001 / -0.054 / -0.073, `+pdlnorm` +0.014 / -0.054..-0.089 / -0.075: from 16 rows kept.
 #   "epilogues_and_qkv_from_16_rows": the qkv epilogue too (B loaded before its wait; needs QKV_EPILOGUE triton):
 #   the probe's `+pdlqkv16`.
+# - ATTENTION_DEPENDENT_LAUNCH "off" (the default): the Triton attention kernel starts when the kernel before it (the
+#   qkv epilogue) has ended; "prefetch_kv" (issue 43 candidate, sm_90, with ATTENTION_BACKEND "triton"): `attend`'s
+#   kernel launched with PDL, each program asking the L2 for its slice's k and v before it waits for q
+#   (`decode_attention`'s note: the memory is idle during the ~2.2 us epilogue, and a 4-row step over a 768-column
+#   cache reads 12.6 MB of k/v a layer); `attend_shared`'s kernel keeps its launch. The same bits. The probe's
+#   `+pdlattn`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -739,6 +745,8 @@ WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
 DEPENDENT_LAUNCH = "off"
 DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues", "norm_epilogues", "epilogues_from_16_rows",
                             "epilogues_and_qkv_from_16_rows")
+ATTENTION_DEPENDENT_LAUNCH = "off"
+ATTENTION_DEPENDENT_LAUNCH_ALLOWED = ("off", "prefetch_kv")
 # each DEPENDENT_LAUNCH value: (the o/down epilogue's, the gate_up epilogue's, the qkv epilogue's) fewest rows a call
 # launched with PDL has, 0 never
 PDL_FROM_ROWS = {"off": (0, 0, 0), "epilogues": (1, 1, 0), "norm_epilogues": (1, 0, 0),
@@ -772,6 +780,8 @@ SETTING_REQUIRES = {**{("DECODE_PREFIX", value): ("ATTENTION_BACKEND", ("fa3", "
                     **{(name, "triton"): ("LORA_SHRINK", "in_base_gemm", f"its kernel reads the shrink's rows from "
                                                                          f"the {projection} GEMM's output")
                        for name, (projection, _) in EPILOGUES.items()},
+                    ("ATTENTION_DEPENDENT_LAUNCH", "prefetch_kv"): ("ATTENTION_BACKEND", "triton", "it launches "
+                                                                    "that backend's kernel"),
                     # after the epilogues' entries: a float32 engine leaves this out once it has left them out
                     **{("DEPENDENT_LAUNCH", value): ("O_EPILOGUE", "triton", "it launches the epilogue kernels "
                                                      "(O_EPILOGUE's, and DOWN_/GATE_UP_EPILOGUE's where on)")
@@ -826,7 +836,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "ATTENTION_PLAN": ATTENTION_PLAN_ALLOWED, "GEMM_KERNEL": GEMM_KERNEL_ALLOWED,
                    "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, **dict.fromkeys(EPILOGUES, EPILOGUE_ALLOWED),
                    "NORM_EPILOGUE_ROW": NORM_EPILOGUE_ROW_ALLOWED, "ATTENTION_LAUNCH": ATTENTION_LAUNCH_ALLOWED,
-                   "WEIGHT_PREFETCH": WEIGHT_PREFETCH_ALLOWED, "DEPENDENT_LAUNCH": DEPENDENT_LAUNCH_ALLOWED}
+                   "WEIGHT_PREFETCH": WEIGHT_PREFETCH_ALLOWED, "DEPENDENT_LAUNCH": DEPENDENT_LAUNCH_ALLOWED,
+                   "ATTENTION_DEPENDENT_LAUNCH": ATTENTION_DEPENDENT_LAUNCH_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -995,6 +1006,11 @@ class CompactQwen3:
         if self.pdl_qkv_from_rows and self.qkv_epilogue != "triton":
             raise ValueError(f"DEPENDENT_LAUNCH {self.dependent_launch} launches QKV_EPILOGUE triton's kernel; this "
                              f"engine: QKV_EPILOGUE {self.qkv_epilogue} (allowed with it: triton)")
+        self.attention_dependent_launch = setting("ATTENTION_DEPENDENT_LAUNCH")
+        self.pdl_attention = self.attention_dependent_launch != "off"
+        if self.pdl_attention:
+            triton_ops.check_sm90(self.device, f"ATTENTION_DEPENDENT_LAUNCH {self.attention_dependent_launch}",
+                                  "programmatic dependent launch")
         if self.dependent_launch != "off":
             triton_ops.check_sm90(self.device, f"DEPENDENT_LAUNCH {self.dependent_launch}",
                                   "programmatic dependent launch")
@@ -1587,7 +1603,8 @@ class CompactQwen3:
                 attn = attend_shared(q, cache.k[index], cache.v[index], pad, write, prefix_end, group, scale,
                                      shared_launch)
             elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
-                attn = attend(q, cache.k[index], cache.v[index], pad, write, scale, attention_launch)
+                attn = attend(q, cache.k[index], cache.v[index], pad, write, scale, attention_launch,
+                              self.pdl_attention)
             else:
                 with _attention_kernel(self.attention_backend):
                     attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
