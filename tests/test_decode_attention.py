@@ -233,7 +233,8 @@ def test_an_engine_launches_the_kernel_as_the_cache_length_chooses(smoke_study, 
     monkeypatch.setattr(decode_attention, "launch_for", lambda columns: chosen.append(columns) or launch_for(columns))
     seen = []
     attend = decode_attention.attend
-    monkeypatch.setattr(decode_attention, "attend", lambda *args: seen.append(args[-1]) or attend(*args))
+    monkeypatch.setattr(decode_attention, "attend",  # the launch: the seventh argument (after q, the caches, pad,
+                        lambda *args, **kwargs: seen.append(args[6]) or attend(*args, **kwargs))  # write, scale)
     triton = {"ATTENTION_BACKEND": "triton"}
     policy, runs = run_engines(smoke_study, snapshot_cache, (triton, {**triton, "ATTENTION_LAUNCH": "by_columns"}),
                                "rollout::decode_attention", "decode_attention_kernel")

@@ -1604,7 +1604,7 @@ class CompactQwen3:
                                      shared_launch)
             elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
                 attn = attend(q, cache.k[index], cache.v[index], pad, write, scale, attention_launch,
-                              self.pdl_attention)
+                              pdl=self.pdl_attention)
             else:
                 with _attention_kernel(self.attention_backend):
                     attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
