@@ -143,11 +143,12 @@ def _op():
     if _OP is None:
         import torch
 
-        from rollout_lib.backends.triton_ops import opaque_op
+        from rollout_lib.backends.triton_ops import opaque_op, pdl_for_rows
 
         _OP = opaque_op("rollout::gate_up_epilogue",
                         lambda both, lora_b, scaling, inter, oracle_rounding, pdl_from_rows: launch(
-                            both, lora_b, scaling, inter, oracle_rounding, pdl=0 < pdl_from_rows <= both.shape[0]),
+                            both, lora_b, scaling, inter, oracle_rounding,
+                            pdl=pdl_for_rows(pdl_from_rows, both.shape[0])),
                         lambda both, lora_b, scaling, inter, oracle_rounding, pdl_from_rows: both.new_empty(
                             (both.shape[0], inter), dtype=torch.bfloat16),
                         {"both": torch.Tensor, "lora_b": torch.Tensor, "scaling": float, "inter": int,

@@ -251,12 +251,12 @@ def _op():
     if _OP is None:
         import torch
 
-        from rollout_lib.backends.triton_ops import opaque_op
+        from rollout_lib.backends.triton_ops import opaque_op, pdl_for_rows
 
         _OP = opaque_op("rollout::residual_norm_epilogue",
                         lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices, pdl_from_rows: launch(
                             both, lora_b, h, weight, scaling, eps, oracle_rounding, slices=slices,
-                            pdl=0 < pdl_from_rows <= both.shape[-2]),
+                            pdl=pdl_for_rows(pdl_from_rows, both.shape[-2])),
                         lambda both, lora_b, h, weight, scaling, eps, oracle_rounding, slices, pdl_from_rows:
                             both.new_empty((2, both.shape[-2], lora_b.shape[0]), dtype=torch.bfloat16),
                         {"both": torch.Tensor, "lora_b": torch.Tensor, "h": torch.Tensor, "weight": torch.Tensor,

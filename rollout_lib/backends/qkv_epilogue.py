@@ -170,12 +170,12 @@ def _op():
     if _OP is None:
         import torch
 
-        from rollout_lib.backends.triton_ops import opaque_op
+        from rollout_lib.backends.triton_ops import opaque_op, pdl_for_rows
 
         def run(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling, eps,
                 oracle_rounding, pdl_from_rows):
             return launch(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling,
-                          eps, oracle_rounding, pdl=0 < pdl_from_rows <= both.shape[0])
+                          eps, oracle_rounding, pdl=pdl_for_rows(pdl_from_rows, both.shape[0]))
 
         def shape_only(both, lora_b, q_norm, k_norm, cos, sin, cache_k, cache_v, write, heads, length, scaling, eps,
                        oracle_rounding, pdl_from_rows):

@@ -102,3 +102,9 @@ def check_sm90(device: Any, setting: str, why: str) -> None:
     if capability is None or capability < (9, 0) or importlib.util.find_spec("triton") is None:
         raise ValueError(f"{setting} needs a CUDA GPU of compute capability 9.0 or later ({why}) and Triton; this "
                          f"engine: {device}" + (f" (capability {capability[0]}.{capability[1]})" if capability else ""))
+
+
+def pdl_for_rows(pdl_from_rows: int, rows: int) -> bool:
+    """DEPENDENT_LAUNCH's rule for one epilogue call: launched with PDL when the engine's fewest rows for it
+    (`pdl_from_rows`, 0 never) are at most the call's `rows` (each graph bucket's call decides for itself)."""
+    return 0 < pdl_from_rows <= rows

@@ -201,7 +201,7 @@ def parts_at_once(cells: dict[str, Any]) -> str | None:
 
 
 def comparisons(folder: Path, probe: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
-    """The folder's base suffixes (in the base variant's order: the probe sets them in turn, so of two setting
+    """The folder's base suffixes (in the base variant's order: the probe sets them in turn, so of two that set
     one engine setting the later wins), and one record per (variant, its parent, the suffix between them); a
     source compiled more than once is read by the mean of its compilations (`over_compilations`)."""
     probe = over_compilations(probe)
