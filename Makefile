@@ -21,7 +21,8 @@ $(VENV)/.installed: requirements/cpu.txt pyproject.toml
 setup: $(VENV)/.installed  ## CPU install path: CPU torch, no vLLM
 
 # one pytest-xdist worker per core, at most 2 (as measured), a test file each at a time (module fixtures such as a
-# started vLLM engine stay in one worker), the long files first (tests/conftest.py); on a 2-core AMD EPYC .ci/run's
+# started vLLM engine stay in one worker; the files listening on kernel-picked ports, Ray's and the managed
+# servers', as one unit), the long files first (tests/conftest.py); on a 2-core AMD EPYC .ci/run's
 # pytest took 15 min 49 s and 18 min 14 s in two runs (26 min 41 s on one worker)
 test: setup  ## the README's test command: lint + every CPU test (GPU tests skip with a reason)
 	$(VENV)/bin/ruff check .

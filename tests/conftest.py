@@ -31,6 +31,29 @@ def _long_first(item) -> int:
     return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
 
 
+# The files whose processes listen on ports the kernel picks (bind to port 0): Ray's clusters (their gRPC servers)
+# and the managed servers (vLLM's, the stand-in's). The frozen `backends/server.py` picks a free port, closes it,
+# and the child binds it seconds later; a listener on the other worker took it in between once (CI of stop 72:
+# the health check read an HTTP/2 frame, Ray's gRPC). One worker runs these files one after another.
+SHARE_PICKED_PORTS = ("test_vllm_engine.py", "test_ray_executor.py", "test_cycle_placement.py",
+                      "test_vllm_managed.py", "test_lifetime.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent where xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist=loadfile` with the SHARE_PICKED_PORTS files as one work unit (one worker, in collection order)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileSharingPickedPorts(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "files sharing picked ports" if Path(scope).name in SHARE_PICKED_PORTS else scope
+
+    return LoadFileSharingPickedPorts(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_long_first)  # stable: each file keeps its own order
     if _cuda_available():
