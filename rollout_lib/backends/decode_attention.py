@@ -79,6 +79,7 @@ columns_block = None  # the kernel's loop body, a Triton function set by _kernel
 columns = None  # its loop over a slice's columns; set by _kernel()
 finish = None  # its end: the slice's output or partial, and the merge; set by _kernel()
 row_slice = None  # a program's share of its row's columns; set by _kernel()
+bulk_prefetch_l2 = None  # ATTENTION_DEPENDENT_LAUNCH's L2 hint (triton_jit.bulk_prefetch_l2), set by _kernel()
 lora_add = None  # the LoRA add's two roundings (triton_jit.lora_add), set by _fused_kernel()
 _LOCKS: dict[str, torch.Tensor] = {}
 _SMS: dict[str, int] = {}
@@ -158,8 +159,11 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    from rollout_lib.backends import triton_jit
+
     # globals: Triton's interpreter reads a kernel's globals, not its closure
-    global softmax_update, columns_block, columns, finish, row_slice, prefetch_l2
+    global softmax_update, columns_block, columns, finish, row_slice, prefetch_l2, bulk_prefetch_l2
+    bulk_prefetch_l2 = triton_jit.bulk_prefetch_l2
 
     @triton.jit
     def softmax_update(q, k, v, counted, scale_log2, maximum, total, acc, GUARDED: tl.constexpr,
@@ -236,10 +240,7 @@ def _kernel():
         chunk = tl.cdiv(tl.cdiv(size, LANES), 16) * 16
         first = lane * chunk
         length = tl.minimum(tl.maximum(size - first, 0), chunk).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred has; setp.ne.s32 has, $2, 0; @has cp.async.bulk.prefetch.L2.global [$1], $2; "
-            "mov.u32 $0, 0; }", "=r,l,r", [start_ptr.to(tl.pointer_type(tl.int8)) + first, length], dtype=tl.int32,
-            is_pure=False, pack=1)
+        bulk_prefetch_l2(start_ptr.to(tl.pointer_type(tl.int8)) + first, length)
 
     @triton.jit
     def finish(acc, maximum, total, out_at, part_ptr, stat_ptr, lock_ptr, pair, split, g, d, keep_g,

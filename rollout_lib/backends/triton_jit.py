@@ -1,5 +1,6 @@
-"""Triton functions the epilogue kernels share. This module imports Triton when it is imported: only a kernel's
-definition imports it (`_kernel()` of mlp_epilogue, norm_epilogue, qkv_epilogue), where Triton is required anyway.
+"""Triton functions the hand-written kernels share. This module imports Triton when it is imported: only a kernel's
+definition imports it (`_kernel()` of mlp_epilogue, norm_epilogue, qkv_epilogue, decode_attention, weight_prefetch),
+where Triton is required anyway.
 Module-level functions, so Triton's interpreter (which reads a function's globals, not its closure) finds
 `tl` here and a kernel finds them as its module's globals."""
 
@@ -18,3 +19,14 @@ def lora_add(base, low, scaling, ORACLE_ROUNDING: tl.constexpr):
         return (base.to(tl.float32) + (low * scaling).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
     else:
         return (base.to(tl.float32) + low * scaling).to(tl.bfloat16)
+
+
+@triton.jit
+def bulk_prefetch_l2(address, length):
+    """Per element, one bulk L2 prefetch (`cp.async.bulk.prefetch.L2.global`, sm_90) of `length` bytes (int32, a
+    multiple of 16) from `address` (a 64-bit address or pointer, 16-byte aligned); a zero length issues nothing (it
+    is not a valid prefetch). A hint that completes on its own and writes nothing. Compiled only: Triton's
+    interpreter has no inline PTX."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred has; setp.ne.s32 has, $2, 0; @has cp.async.bulk.prefetch.L2.global [$1], $2; "
+        "mov.u32 $0, 0; }", "=r,l,r", [address, length], dtype=tl.int32, is_pure=False, pack=1)

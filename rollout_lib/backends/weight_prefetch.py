@@ -38,6 +38,7 @@ CHUNK_BYTES = 32 * 1024  # at most, per thread and region: programs enough that 
 ALIGN = 16  # the bulk prefetch's address and size unit
 
 _KERNEL = None
+bulk_prefetch_l2 = None  # the L2 hint, a Triton function (triton_jit.bulk_prefetch_l2), set by _kernel()
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,11 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    from rollout_lib.backends import triton_jit
+
+    global bulk_prefetch_l2  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    bulk_prefetch_l2 = triton_jit.bulk_prefetch_l2
+
     @triton.jit
     def l2_prefetch_kernel(table_ptr, REGIONS: tl.constexpr, THREADS: tl.constexpr, ALIGN: tl.constexpr):
         program = tl.program_id(0)
@@ -97,9 +103,7 @@ def _kernel():
             start = lane * chunk
             length = tl.minimum(tl.maximum(size - start, 0), chunk).to(tl.int32)
             # a thread with nothing left of the region issues nothing (a zero size is not a valid prefetch)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred has; setp.ne.s32 has, $2, 0; @has cp.async.bulk.prefetch.L2.global [$1], $2; "
-                "mov.u32 $0, 0; }", "=r,l,r", [address + start, length], dtype=tl.int32, is_pure=False, pack=1)
+            bulk_prefetch_l2(address + start, length)
 
     _KERNEL = l2_prefetch_kernel
     return _KERNEL
