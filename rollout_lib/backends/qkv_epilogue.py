@@ -38,6 +38,7 @@ _OP = None  # the op, read by the compiled pieces as a global (dynamo does not t
 
 
 lora_add = None  # the LoRA add's two roundings, a Triton function (triton_jit.lora_add), set by _kernel()
+head_b = None  # the head's B tiles, a Triton function set by _kernel()
 
 
 @functools.cache
@@ -48,8 +49,19 @@ def _kernel():
 
     from rollout_lib.backends import triton_jit
 
-    global lora_add  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    global lora_add, head_b  # globals: Triton's interpreter reads a kernel's globals, not its closure
     lora_add = triton_jit.lora_add
+
+    @triton.jit
+    def b_halves(b_ptr, first, second, column, has, b_row, b_col):
+        """B's tiles for the head's two halves of features, [RANK_BLOCK, D / 2] float32 each: the head's projection's
+        own rank terms (`column`, where `has`) as one load per half, all in flight at once (lease 35: loaded term by
+        term in a loop, 5.4 us a call)."""
+        b1 = tl.load(b_ptr + first[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+        b2 = tl.load(b_ptr + second[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+        return b1, b2
+
+    head_b = b_halves
 
     @triton.jit(do_not_specialize=["length"])
     def qkv_epilogue_kernel(both_ptr, b_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, write_ptr, q_ptr, cache_k_ptr,
@@ -64,29 +76,21 @@ def _kernel():
         half = tl.arange(0, HEAD_DIM // 2)
         first = slot * HEAD_DIM + half  # the head's features, in two halves (the rotary pairs d and d + D / 2)
         second = first + HEAD_DIM // 2
+        r = tl.arange(0, RANK_BLOCK)
+        has = r < RANK
         if PDL:  # DEPENDENT_LAUNCH: B (no kernel of the step writes it) before waiting for the GEMM
-            r = tl.arange(0, RANK_BLOCK)
-            has = r < RANK
-            column = part * RANK + r
-            b1 = tl.load(b_ptr + first[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
-            b2 = tl.load(b_ptr + second[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+            b1, b2 = head_b(b_ptr, first, second, part * RANK + r, has, b_row, b_col)
             tl.extra.cuda.gdc_wait()  # then what the GEMM and the kernels before it wrote
         row = both_ptr + m * both_row
         base1 = tl.load(row + first).to(tl.bfloat16)
         base2 = tl.load(row + second).to(tl.bfloat16)
         shrink = row + (HEADS + 2 * KV_HEADS) * HEAD_DIM  # part p, rank column j at p * 3 RANK + j
-        # the head's projection's own rank terms, B's as one [rank, D / 2] load per half, all in flight at once
-        # (lease 35: loaded term by term in a loop, 5.4 us a call)
-        if not PDL:  # (here without PDL: the instructions the kernel had before the setting)
-            r = tl.arange(0, RANK_BLOCK)
-            has = r < RANK
-            column = part * RANK + r
+        column = part * RANK + r  # the head's projection's own rank terms
         xa = (tl.load(shrink + column, mask=has, other=0.0)
               + tl.load(shrink + 3 * RANK + column, mask=has, other=0.0)) \
             + tl.load(shrink + 6 * RANK + column, mask=has, other=0.0)
         if not PDL:
-            b1 = tl.load(b_ptr + first[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
-            b2 = tl.load(b_ptr + second[None, :] * b_row + column[:, None] * b_col, mask=has[:, None], other=0.0)
+            b1, b2 = head_b(b_ptr, first, second, column, has, b_row, b_col)
         low1 = tl.sum(xa[:, None] * b1, axis=0)
         low2 = tl.sum(xa[:, None] * b2, axis=0)
         x1 = lora_add(base1, low1, scaling, ORACLE_ROUNDING)
