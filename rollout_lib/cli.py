@@ -481,7 +481,6 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
     from rollout_lib.checks.vllm_inprocess import check_variants, run_diagnostic
-    from rollout_lib.core import write_json_atomic
     from rollout_lib.study.prereg import load
 
     study = load(args.params)
@@ -494,18 +493,38 @@ def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
         raise CommandError(f"stream-intervals: {args.stream_intervals!r} is not a list of integers >= 1, "
                            "e.g. 1,8") from exc
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    written = _GrowingEvidence(out)
     try:  # run_diagnostic checks the values before it starts anything
         check_variants(variants)
         report = run_diagnostic(study, cells, args.repetitions, stream_intervals=intervals,
                                 non_streamed=args.non_streamed, variants=variants,
-                                hf_cached_options=_backend_options(args.hf_cached_option), rounds=args.rounds)
+                                hf_cached_options=_backend_options(args.hf_cached_option), rounds=args.rounds,
+                                on_round=written.write)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
-    write_json_atomic(out, report)
+    written.write(report)
     for row in report["rows"]:
         print(f"{row['cell_id']}: " + "; ".join(_diagnostic_figures(row)))
     print(f"wrote {out}")
     return 0
+
+
+class _GrowingEvidence:
+    """One run's file, rewritten (atomically) as its rounds finish, so a run stopped later keeps the rounds it
+    measured. It replaces only the bytes this run wrote last: a file someone else put there is refused."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.sha256 = out, None
+
+    def write(self, report: dict) -> None:
+        from rollout_lib.core import sha256_file, write_json_atomic
+
+        if self.sha256 is not None and (not self.out.is_file() or sha256_file(self.out) != self.sha256):
+            raise CommandError(f"out: {self.out} changed since this run wrote it; evidence is never overwritten")
+        self.sha256 = write_json_atomic(self.out, report, overwrite=self.sha256 is not None)
+        if not report.get("complete", True):
+            print(f"round {report['rounds']} of {report['rounds_requested']} measured; wrote {self.out} "
+                  "(incomplete until the last round)", flush=True)
 
 
 def _diagnostic_figures(row: dict) -> list[str]:
@@ -1182,8 +1201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure the in-process engines and hf_cached this many times, interleaved, each time in "
                         "a fresh process; each side's median over the rounds is compared, each round's ratio "
-                        "shown (default 1; not with managed)")
-    p.add_argument("--out", required=True, help="JSON file to create (never overwritten)")
+                        "shown (default 1; not with managed); after each round but the last, --out holds the "
+                        "rounds measured so far, marked incomplete")
+    p.add_argument("--out", required=True, help="JSON file to create (an existing file is refused)")
     p.set_defaults(func=cmd_vllm_diagnostic)
 
     p = sub.add_parser("vllm-compare", help="vLLM settings side by side on the same requests (diagnostic, no gate): "

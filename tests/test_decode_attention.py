@@ -354,3 +354,20 @@ def test_a_bf16_engine_with_the_qkv_epilogue_inside_attention_serves_the_policy_
     assert identity == default_identity == policy.identity
     assert none == [] and len(used) >= Workload(smoke_study).arch.num_hidden_layers
     assert_parts_only_after_close_logprobs(default, got, 0.05 if DEVICE == "cuda" else 0.1)
+
+
+def test_a_weight_prefetch_table_is_refused_off_a_cuda_device():
+    """WEIGHT_PREFETCH_BY attention's table asks for Hopper's bulk L2 prefetch, which Triton's CPU interpreter does
+    not have: refused by name, before any launch, never silently dropped."""
+    import torch
+
+    from rollout_lib.backends import decode_attention
+
+    decode_attention.prepare(torch.device("cpu"))
+    q = torch.zeros(1, 2, 2, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    table = torch.tensor([[0, 16]], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"^WEIGHT_PREFETCH_BY attention: a CUDA device and a prefetch table on it "
+                                         r"\(int64 \[regions, 2\], at least one region\); here cpu"):
+        decode_attention.attend(q, cache, cache, torch.zeros(1, dtype=torch.int64),
+                                torch.tensor([3], dtype=torch.int64), 0.25, weights=table)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +167,65 @@ def test_rounds_interleave_fresh_processes_and_compare_each_sides_median(smoke_s
     from rollout_lib.report.diagnostics import _inprocess_row
 
     assert _inprocess_row(row)["hf_cached / no LoRA, each round"] == "1.20, 1.12, 1.20"
+
+
+def test_a_run_stopped_in_a_later_round_leaves_the_rounds_it_finished(smoke_study, snapshot_cache, tmp_path,
+                                                                      monkeypatch, capsys):
+    """Lease 46: three rounds overran their 480 s job and nothing was written. Now each finished round but the
+    last replaces --out atomically, marked incomplete; a run that dies in round 2 leaves round 1's figures and
+    its own error, and a run that finishes ends complete."""
+    from rollout_lib import cli
+    from rollout_lib.checks import vllm_inprocess
+
+    rounds_started = []
+
+    def engine_child(python, job):
+        rounds_started.append("engine")
+        if len(rounds_started) == 2:  # round 2's first side: the job's time limit, or a crash
+            raise RuntimeError("in-process vLLM child failed (exit -9): killed")
+        return {"adapter": False, "cells": {c: {"tokens_per_s": 50.0} for c in job["cells"]}}
+
+    def hf_child(job):
+        return {"gpu": "no GPU", "cells": {c: {"tokens_per_s": 80.0, "rows": 4, "median_decode_step_s": 0.0125}
+                                           for c in job["cells"]}}
+
+    monkeypatch.setattr(vllm_inprocess, "run_child", engine_child)
+    monkeypatch.setattr(vllm_inprocess, "run_backend_child", hf_child)
+    out = tmp_path / "side-by-side.json"
+    argv = ["vllm-diagnostic", "--params", smoke_study.source_path, "--cells", "p16-r8-n1-greedy",
+            "--variants", "inprocess_no_adapter,hf_cached", "--rounds", "3", "--repetitions", "1", "--out", str(out)]
+    monkeypatch.setattr("rollout_lib.backends.vllm_managed.DEFAULT_CACHE_DIR", Path(snapshot_cache))
+    with pytest.raises(RuntimeError, match="killed"):
+        cli.main(argv)
+    assert "round 1 of 3 measured; wrote" in capsys.readouterr().out
+    partial = json.loads(out.read_text())
+    assert (partial["rounds"], partial["rounds_requested"], partial["complete"]) == (1, 3, False)
+    (row,) = partial["rows"]
+    assert row["hf_cached_over_inprocess_no_adapter_by_round"] == [pytest.approx(1.6)]
+    assert list(tmp_path.glob("*.tmp*")) == [], "no temporary file is left beside --out"
+
+    rounds_started[:] = ["engine", "engine"]  # the same stand-ins, now every round finishes
+    done = tmp_path / "side-by-side-2.json"
+    assert cli.main([*argv[:-1], str(done)]) == 0
+    full = json.loads(done.read_text())
+    assert (full["rounds"], full["rounds_requested"], full["complete"]) == (3, 3, True)
+    assert full["rows"][0]["hf_cached_over_inprocess_no_adapter_by_round"] == pytest.approx([1.6, 1.6, 1.6])
+
+    # a file put in the run's place between two rounds is not replaced
+    swapped = tmp_path / "side-by-side-3.json"
+    calls = []
+
+    def swapping_child(job):
+        calls.append(1)
+        if len(calls) == 2:
+            swapped.write_text('{"kind": "someone else\'s"}')
+        return hf_child(job)
+
+    monkeypatch.setattr(vllm_inprocess, "run_backend_child", swapping_child)
+    rounds_started[:] = ["engine", "engine"]
+    assert cli.main([*argv[:-1], str(swapped)]) == 2
+    assert "changed since this run wrote it" in capsys.readouterr().err
+    assert json.loads(swapped.read_text()) == {"kind": "someone else's"}
 
 
 def test_the_report_table_shows_only_the_sides_that_ran():

@@ -1171,6 +1171,12 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
     ({"DEPENDENT_LAUNCH": "epilogues_from_16_rows"}, "bfloat16",
      r"DEPENDENT_LAUNCH epilogues_from_16_rows needs a CUDA GPU of compute capability 9.0 or later \(programmatic "
      r"dependent launch\) and Triton; this engine: cpu$"),
+    ({"WEIGHT_PREFETCH_BY": "attention"}, "bfloat16",
+     r"WEIGHT_PREFETCH_BY attention issues WEIGHT_PREFETCH's plans from ATTENTION_BACKEND triton's kernel; this "
+     r"engine: WEIGHT_PREFETCH off, ATTENTION_BACKEND auto \(allowed with it: WEIGHT_PREFETCH rest_of_layer or "
+     r"through_next_qkv, ATTENTION_BACKEND triton\)$"),
+    ({"WEIGHT_PREFETCH_BY": "attention", "WEIGHT_PREFETCH": "rest_of_layer"}, "bfloat16",
+     r"WEIGHT_PREFETCH_BY attention .* this engine: WEIGHT_PREFETCH rest_of_layer, ATTENTION_BACKEND auto "),
 ])
 def test_an_engine_setting_is_refused_where_it_cannot_run(smoke_study, snapshot_cache, monkeypatch, settings, dtype,
                                                           message):

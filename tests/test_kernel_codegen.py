@@ -211,16 +211,19 @@ def test_the_qkv_epilogue_compiles_for_hopper_without_spills_with_b_rank_major(t
 
 def _compile_decode_attention(columns: int, splits: int, block_n: int, warps: int, tmp_path: Path,
                               num_stages: int | None = None, shared_rows: int | None = None,
-                              pdl: bool | None = None) -> dict:
+                              pdl: bool | None = None, weight_regions: int = 0) -> dict:
     """The decode attention kernel at Qwen3-0.6B's attention (8 kv heads of 128, two query heads each) over a cache
     of `columns`, compiled for sm_90a (`_compile_for_hopper`); with `shared_rows`, DECODE_PREFIX shared's kernel
-    for blocks of that many rows; with `pdl`, the plain kernel's PDL constexprs as `attend` passes them."""
+    for blocks of that many rows; with `pdl`, the plain kernel's PDL constexprs as `attend` passes them; with
+    `weight_regions`, the plain kernel asking the L2 for that many regions of weights (WEIGHT_PREFETCH_BY
+    attention)."""
     from rollout_lib.backends import decode_attention
 
     kv_heads, group, head_dim = 8, 2, 128
     args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64", "write_ptr": "*i64",
             **({"prefix_ptr": "*i64"} if shared_rows else {}),
             "out_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "lock_ptr": "*i32",
+            **({} if shared_rows else {"weights_ptr": "*i64"}),
             "q_batch": kv_heads * group * head_dim, "q_head": group * head_dim,
             "cache_batch": kv_heads * columns * head_dim, "cache_head": columns * head_dim, "cache_column": head_dim,
             "scale_log2": 0.1275}
@@ -232,7 +235,33 @@ def _compile_decode_attention(columns: int, splits: int, block_n: int, warps: in
     constexprs["BLOCK_G"] = decode_attention.BLOCK_G
     if pdl is not None:
         constexprs |= {"PDL": pdl, "LANES": decode_attention.PREFETCH_LANES}
+    if weight_regions:
+        constexprs |= {"WEIGHT_REGIONS": weight_regions, "WEIGHT_LANES": decode_attention.WEIGHT_LANES}
     return _compile_for_hopper("decode_attention", args, constexprs, warps, tmp_path, num_stages=num_stages)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_decode_attention_asks_the_l2_for_the_layers_weights_once_per_region(pdl, tmp_path):
+    """WEIGHT_PREFETCH_BY attention at 8 regions (a "through_next_qkv" plan with LORA_SHRINK in_base_gemm), at the
+    long cache's launch, with and without PDL's k/v prefetch: each region becomes one predicated bulk L2 prefetch
+    per thread (PTX and SASS), on top of what the kernel issued without them, with no store and no spill added;
+    under PDL the weights' prefetches come before the wait, as the k/v ones do."""
+    from rollout_lib.backends import decode_attention
+
+    config = decode_attention.launch_for(768)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "asking").mkdir()
+    plain = _compile_decode_attention(768, 4, config.block_n, config.warps, tmp_path / "plain", config.stages,
+                                      pdl=pdl)
+    asking = _compile_decode_attention(768, 4, config.block_n, config.warps, tmp_path / "asking", config.stages,
+                                       pdl=pdl, weight_regions=8)
+    assert asking["bulk_prefetches_ptx"] == plain["bulk_prefetches_ptx"] + 8, (plain, asking)
+    assert asking["bulk_prefetches_sass"] == plain["bulk_prefetches_sass"] + 8, (plain, asking)
+    assert asking["global_stores"] == plain["global_stores"] and asking["spill_bytes"] == 0, asking
+    if pdl:
+        assert asking["ptx_waits"] == 1, asking
+        assert asking["ptx_prefetches_before_wait"] == asking["bulk_prefetches_ptx"], asking
+        assert asking["sass_prefetches_before_wait"] == asking["bulk_prefetches_sass"], asking
 
 
 @pytest.mark.parametrize("pdl", [False, True])

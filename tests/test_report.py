@@ -871,3 +871,38 @@ def test_the_side_by_sides_are_summed_up_oldest_first_with_the_newest_in_a_sente
     (perf / "a-new-20261206T072815Z.json").unlink()
     (perf / "b-old-20261205T144350Z.json").unlink()
     assert diagnostics.side_by_side_summary(diagnostics.diagnostic_files(tmp_path)) == ("", None)
+
+
+def test_a_side_by_side_stopped_before_its_last_round_is_read_as_incomplete(tmp_path):
+    """`vllm-diagnostic --rounds 3` rewrites its file after each round; a run stopped after round 1 leaves a file
+    whose figures are real but whose goal is not decided: the table says `1 of 3 (stopped)`, the goal is not
+    counted as met, and the caption says the run is incomplete."""
+    import json
+
+    from rollout_lib.report import diagnostics
+
+    perf = tmp_path / "perf"
+    perf.mkdir()
+    rows = [{"cell_id": "a", "hf_cached_tokens_per_s": 2000.0, "hf_cached_over_inprocess_no_adapter": 2.0,
+             "hf_cached_over_inprocess_no_adapter_by_round": [2.0]}]
+    stopped = {"kind": "vllm_inprocess_diagnostic", "variants": ["inprocess_no_adapter", "hf_cached"],
+               "hf_cached": {"gpu": "NVIDIA H100 80GB HBM3"}, "hf_cached_options": {}, "rounds": 1,
+               "rounds_requested": 3, "complete": False, "rows": rows,
+               "inprocess": {"no_adapter": {"cells": {"a": {"tokens_per_s": 1000.0,
+                                                            "tokens_per_s_by_round": [1000.0]}}}},
+               "verdict": {"hf_cached_at_least_1.3x_inprocess_no_adapter": True,
+                           "hf_cached_at_least_1.3x_inprocess_no_adapter_in_every_round": True}}
+    path = perf / "side-by-side-20261207T150000Z.json"
+    path.write_text(json.dumps(stopped))
+    found = diagnostics.diagnostic_files(tmp_path)
+    sentence, table = diagnostics.side_by_side_summary(found)
+    (row,) = table.to_dict("records")
+    assert row["rounds"] == "1 of 3 (stopped)"
+    assert row["goal"] == ">= 1.3x in every cell: not decided (the run stopped before its last round)"
+    assert sentence.endswith("Runs meeting the goal in every reading: 0 of 1.")
+    assert "**incomplete**: 1 of 3 rounds ran before it stopped" in diagnostics.caption(path, stopped)
+    finished = stopped | {"rounds": 3, "complete": True}
+    path.write_text(json.dumps(finished))
+    (row,) = diagnostics.side_by_side_summary(diagnostics.diagnostic_files(tmp_path))[1].to_dict("records")
+    assert row["rounds"] == "3" and row["goal"] == ">= 1.3x in every cell: met in every reading"
+    assert "incomplete" not in diagnostics.caption(path, finished)

@@ -90,3 +90,22 @@ def test_an_engine_that_prefetches_serves_the_same_bits(smoke_study, snapshot_ca
     for cell in want:
         for a, b in zip(want[cell], got[cell], strict=True):
             assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), (cell, a.request_id)
+
+
+@pytest.mark.gpu
+def test_an_engine_whose_attention_issues_the_prefetch_serves_the_same_bits_without_the_side_stream(smoke_study,
+                                                                                                      snapshot_cache):
+    """WEIGHT_PREFETCH_BY attention: `attend`'s kernel asks the L2 for the layer's plan, so where it runs (every
+    decode step of these cells: no shared prompt) no prefetch kernel is launched, and the tokens and
+    log-probabilities are the side stream's, bit for bit (a prefetch writes nothing)."""
+    from tests.triton_here import run_engines
+
+    base = {"ATTENTION_BACKEND": "triton", "REDUCTION_LAUNCH": "fewest_programs", "WEIGHT_PREFETCH": "through_next_qkv"}
+    policy, runs = run_engines(smoke_study, snapshot_cache, (base, {**base, "WEIGHT_PREFETCH_BY": "attention"}),
+                               "rollout::weight_prefetch", "l2_prefetch_kernel")
+    (base_identity, want, by_stream), (identity, got, by_attention) = runs
+    assert base_identity == identity == policy.identity
+    assert by_stream and by_attention == [], (len(by_stream), len(by_attention))
+    for cell in want:
+        for a, b in zip(want[cell], got[cell], strict=True):
+            assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), (cell, a.request_id)

@@ -689,6 +689,13 @@ class Layer:
 #   (`decode_attention`'s note: the memory is idle during the ~2.2 us epilogue, and a 4-row step over a 768-column
 #   cache reads 12.6 MB of k/v a layer); `attend_shared`'s kernel keeps its launch. The same bits. The probe's
 #   `+pdlattn`.
+# - WEIGHT_PREFETCH_BY "side_stream" (the default): WEIGHT_PREFETCH's plans issued by their own kernel on a side
+#   stream; "attention" (issue 43 candidate, with ATTENTION_BACKEND "triton" and a WEIGHT_PREFETCH plan): issued by
+#   `attend`'s kernel, each of its programs asking the L2 for its share of the layer's regions before its attention,
+#   so no side stream and 28 kernels a step fewer; where another attention kernel runs (`attend_shared`, FA3, SDPA)
+#   the side stream still issues them. Why: lease 46's pdl4 diagnosis (H100, p128 x 4): without the side stream,
+#   DEPENDENT_LAUNCH epilogues gained 0.071 ms a step, where with it they lost 0.02. The same bits (a prefetch
+#   writes nothing). The probe's `+attnprefetch`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -742,6 +749,8 @@ ATTENTION_LAUNCH = "fixed"
 ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns", "by_columns_shared")
 WEIGHT_PREFETCH = "off"
 WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
+WEIGHT_PREFETCH_BY = "side_stream"
+WEIGHT_PREFETCH_BY_ALLOWED = ("side_stream", "attention")
 DEPENDENT_LAUNCH = "off"
 DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues", "norm_epilogues", "epilogues_from_16_rows",
                             "epilogues_and_qkv_from_16_rows")
@@ -837,7 +846,8 @@ ENGINE_SETTINGS = {"LORA_SHRINK": LORA_SHRINK_ALLOWED, "LORA_EXPAND": LORA_EXPAN
                    "REDUCTION_LAUNCH": REDUCTION_LAUNCH_ALLOWED, **dict.fromkeys(EPILOGUES, EPILOGUE_ALLOWED),
                    "NORM_EPILOGUE_ROW": NORM_EPILOGUE_ROW_ALLOWED, "ATTENTION_LAUNCH": ATTENTION_LAUNCH_ALLOWED,
                    "WEIGHT_PREFETCH": WEIGHT_PREFETCH_ALLOWED, "DEPENDENT_LAUNCH": DEPENDENT_LAUNCH_ALLOWED,
-                   "ATTENTION_DEPENDENT_LAUNCH": ATTENTION_DEPENDENT_LAUNCH_ALLOWED}
+                   "ATTENTION_DEPENDENT_LAUNCH": ATTENTION_DEPENDENT_LAUNCH_ALLOWED,
+                   "WEIGHT_PREFETCH_BY": WEIGHT_PREFETCH_BY_ALLOWED}
 
 
 def check_engine_settings(settings: Any) -> dict[str, str]:
@@ -998,6 +1008,13 @@ class CompactQwen3:
         self.norm_slices = self.norm_epilogue_row == "slices"
         self.attention_launch = setting("ATTENTION_LAUNCH")
         self.weight_prefetch = setting("WEIGHT_PREFETCH")
+        self.weight_prefetch_by = setting("WEIGHT_PREFETCH_BY")
+        if self.weight_prefetch_by == "attention" and (self.weight_prefetch == "off"
+                                                       or self.attention_backend != "triton"):
+            raise ValueError(f"WEIGHT_PREFETCH_BY attention issues WEIGHT_PREFETCH's plans from ATTENTION_BACKEND "
+                             f"triton's kernel; this engine: WEIGHT_PREFETCH {self.weight_prefetch}, "
+                             f"ATTENTION_BACKEND {self.attention_backend} (allowed with it: WEIGHT_PREFETCH "
+                             "rest_of_layer or through_next_qkv, ATTENTION_BACKEND triton)")
         if self.weight_prefetch != "off":
             triton_ops.check_sm90(self.device, f"WEIGHT_PREFETCH {self.weight_prefetch}", "sm_90's bulk L2 prefetch")
         self.dependent_launch = setting("DEPENDENT_LAUNCH")
@@ -1556,6 +1573,7 @@ class CompactQwen3:
         normed = None  # DOWN_EPILOGUE "triton": the next layer's input norm, from this layer's down epilogue
         # WEIGHT_PREFETCH: a compiled decode step's layers prefetch what follows their attention (see __init__)
         prefetching = self._prefetch_stream is not None and compiled and tokens.shape[1] == 1
+        forked = False  # whether a layer's plan went to the side stream (WEIGHT_PREFETCH_BY attention: maybe none)
         if prefetching:
             from rollout_lib.backends import weight_prefetch
         for index, layer in enumerate(self.layers):
@@ -1570,8 +1588,13 @@ class CompactQwen3:
                 q, k, v = before(h, cos, sin, layer.input_norm, layer.q_norm, layer.k_norm, *layer.tensors("qkv"),
                                  fused=compiled, **write_inside)
             # else: q, k, v come from the previous layer's `between` piece
-            if prefetching:  # forked here: the attention's inputs are enqueued, the GEMMs after it are not
+            # WEIGHT_PREFETCH_BY attention: `attend`'s kernel issues the layer's plan, where it is the kernel that runs
+            by_attention = (prefetching and self.weight_prefetch_by == "attention" and triton_attention and not flex
+                            and not fa3 and not (projected and q.dtype == torch.float32)
+                            and not (group > 1 and prefix_end is not None))
+            if prefetching and not by_attention:  # forked here: the attention's inputs are enqueued, the GEMMs not
                 weight_prefetch.launch(self._prefetch_plans[index], self._prefetch_stream)
+                forked = True
             if not inside:
                 cache.k[index].index_copy_(2, write, k)
                 cache.v[index].index_copy_(2, write, v)
@@ -1604,7 +1627,8 @@ class CompactQwen3:
                                      shared_launch)
             elif triton_attention:  # the grouped rows [B, kv, G, D] as they are
                 attn = attend(q, cache.k[index], cache.v[index], pad, write, scale, attention_launch,
-                              pdl=self.pdl_attention)
+                              pdl=self.pdl_attention,
+                              weights=self._prefetch_plans[index].table if by_attention else None)
             else:
                 with _attention_kernel(self.attention_backend):
                     attn = torch.nn.functional.scaled_dot_product_attention(q, cache.k[index], cache.v[index],
@@ -1626,7 +1650,7 @@ class CompactQwen3:
                 continue
             h = after(h, attn, layer.post_norm, layer.tensors("o"), layer.tensors("gate_up"), layer.tensors("down"),
                       fused=compiled)
-        if prefetching:  # joined: a captured graph ends with every stream it forked
+        if forked:  # joined: a captured graph ends with every stream it forked
             weight_prefetch.join(self._prefetch_stream)
         h = (self.final_rms if inputs is not None else _rms)(h[:, -keep:, :], self.final_norm, self.eps)
         if self.head_mode == HEAD_BF16_OPERANDS:

@@ -71,6 +71,7 @@ MAX_SPLITS = 16
 LOCK_SLOTS = 4096  # counters per device: one per (row, kv head), or per (block, kv head) in `attend_shared`
 MAX_TILE_ROWS = 64  # `attend_shared`: a block's rows x query heads per kv head, at most (the MMA tile's height)
 PREFETCH_LANES = 64  # ATTENTION_DEPENDENT_LAUNCH prefetch_kv: bulk L2 prefetches per program and cache
+WEIGHT_LANES = 64  # WEIGHT_PREFETCH_BY attention: bulk L2 prefetches per program and region of the layer's weights
 LOG2_E = 1.4426950408889634
 
 _KERNEL = None
@@ -80,6 +81,7 @@ columns = None  # its loop over a slice's columns; set by _kernel()
 finish = None  # its end: the slice's output or partial, and the merge; set by _kernel()
 row_slice = None  # a program's share of its row's columns; set by _kernel()
 bulk_prefetch_l2 = None  # ATTENTION_DEPENDENT_LAUNCH's L2 hint (triton_jit.bulk_prefetch_l2), set by _kernel()
+bulk_prefetch_regions = None  # WEIGHT_PREFETCH_BY attention's (triton_jit.bulk_prefetch_regions), set by _kernel()
 lora_add = None  # the LoRA add's two roundings (triton_jit.lora_add), set by _fused_kernel()
 _LOCKS: dict[str, torch.Tensor] = {}
 _SMS: dict[str, int] = {}
@@ -163,7 +165,9 @@ def _kernel():
 
     # globals: Triton's interpreter reads a kernel's globals, not its closure
     global softmax_update, columns_block, columns, finish, row_slice, prefetch_l2, bulk_prefetch_l2
+    global bulk_prefetch_regions
     bulk_prefetch_l2 = triton_jit.bulk_prefetch_l2
+    bulk_prefetch_regions = triton_jit.bulk_prefetch_regions
 
     @triton.jit
     def softmax_update(q, k, v, counted, scale_log2, maximum, total, acc, GUARDED: tl.constexpr,
@@ -277,14 +281,20 @@ def _kernel():
 
     @triton.jit
     def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, write_ptr, out_ptr, part_ptr, stat_ptr, lock_ptr,
-                                q_batch, q_head, cache_batch, cache_head, cache_column, scale_log2,
+                                weights_ptr, q_batch, q_head, cache_batch, cache_head, cache_column, scale_log2,
                                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                                 BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
-                                PDL: tl.constexpr = False, LANES: tl.constexpr = 64):
+                                PDL: tl.constexpr = False, LANES: tl.constexpr = 64,
+                                WEIGHT_REGIONS: tl.constexpr = 0, WEIGHT_LANES: tl.constexpr = 64):
         b = tl.program_id(0)
         kv = tl.program_id(1)
         split = tl.program_id(2)
         kv_heads = tl.num_programs(1)
+        if WEIGHT_REGIONS > 0:  # WEIGHT_PREFETCH_BY attention: what the layer reads after attention, asked first
+            programs = tl.num_programs(0) * kv_heads * tl.num_programs(2)
+            program = (b * kv_heads + kv) * tl.num_programs(2) + split
+            lane = (program * WEIGHT_LANES + tl.arange(0, WEIGHT_LANES)).to(tl.int64)
+            bulk_prefetch_regions(weights_ptr, WEIGHT_REGIONS, lane, programs * WEIGHT_LANES, 16)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
         keep_g = g < GROUP
@@ -543,13 +553,16 @@ def _launch_buffers(setting: str, out_shape: tuple[int, ...], units: int, unit: 
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: torch.Tensor, write: torch.Tensor,
-           scale: float, config: Launch = DEFAULT, pdl: bool = False) -> torch.Tensor:
+           scale: float, config: Launch = DEFAULT, pdl: bool = False,
+           weights: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the grouped query rows q [B, KV, G, D] (bf16) over the caches [B, KV, L, D] (bf16, last
     dimension contiguous), row b over columns min(pad[b], write) <= j <= write (`pad` [B], `write` [1]: integer
     tensors on the device): bf16 [B, KV, G, D], as SDPA returns it for the default path's mask. `prepare(device)`
     first (the engine calls it when it is built). `pdl` (ATTENTION_DEPENDENT_LAUNCH "prefetch_kv", sm_90, CUDA
     only): launched with programmatic dependent launch, each program's k/v slice asked of the L2 before it waits
-    for the kernel before it (see the module)."""
+    for the kernel before it (see the module). `weights` (WEIGHT_PREFETCH_BY attention, sm_90, CUDA only): a
+    `weight_prefetch.Plan`'s table [regions, 2] (int64 address, bytes), asked of the L2 by the kernel's programs
+    before their attention, instead of by a prefetch kernel on a side stream."""
     import torch
 
     batch, kv_heads, group, head_dim = q.shape
@@ -568,6 +581,12 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: t
         raise ValueError(f"ATTENTION_DEPENDENT_LAUNCH prefetch_kv: a CUDA device and caches whose columns are "
                          f"contiguous (a column {head_dim} elements); here {q.device.type}, a column "
                          f"{cache_k.stride(2)} elements apart")
+    if weights is not None and (q.device.type != "cuda" or weights.device != q.device
+                                or weights.dtype != torch.int64 or weights.dim() != 2 or weights.shape[1] != 2
+                                or not weights.shape[0] or not weights.is_contiguous()):
+        raise ValueError(f"WEIGHT_PREFETCH_BY attention: a CUDA device and a prefetch table on it (int64 [regions, "
+                         f"2], at least one region); here {q.device.type}, a table {tuple(weights.shape)} "
+                         f"{weights.dtype} on {weights.device}")
     if not q.is_contiguous():  # the output is contiguous and stored at q's offsets
         q = q.contiguous()
     splits, out, parts, stats = _launch_buffers("ATTENTION_BACKEND triton", q.shape, batch, "rows", cache_k.shape[2],
@@ -575,11 +594,13 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, pad: t
     if batch:
         with torch.profiler.record_function("rollout::decode_attention"):  # the CPU tests count its calls by this
             _kernel()[(batch, kv_heads, splits)](
-                q, cache_k, cache_v, pad, write, out, parts, stats, _LOCKS[key], q.stride(0), q.stride(1),
+                q, cache_k, cache_v, pad, write, out, parts, stats, _LOCKS[key],
+                weights if weights is not None else pad, q.stride(0), q.stride(1),
                 cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(scale) * LOG2_E, GROUP=group,
                 HEAD_DIM=head_dim, BLOCK_G=BLOCK_G, BLOCK_N=config.block_n, SPLITS=splits,
-                INTERPRETED=q.device.type == "cpu", PDL=pdl, LANES=PREFETCH_LANES, num_warps=config.warps,
-                num_stages=config.stages, launch_pdl=pdl)
+                INTERPRETED=q.device.type == "cpu", PDL=pdl, LANES=PREFETCH_LANES,
+                WEIGHT_REGIONS=0 if weights is None else weights.shape[0], WEIGHT_LANES=WEIGHT_LANES,
+                num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl)
     return out
 
 

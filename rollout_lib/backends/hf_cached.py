@@ -45,7 +45,7 @@ ENGINE_ENVIRONMENT_DEFAULTS = {
     "combo_kernels": "off", "attention_plan": "per_call", "gemm_kernel": "cublas", "reduction_launch": "benchmarked",
     "gate_up_epilogue": "inductor", "o_epilogue": "inductor", "down_epilogue": "inductor", "qkv_epilogue": "inductor",
     "norm_epilogue_row": "one_program", "attention_launch": "fixed", "weight_prefetch": "off",
-    "dependent_launch": "off", "attention_dependent_launch": "off"}
+    "dependent_launch": "off", "attention_dependent_launch": "off", "weight_prefetch_by": "side_stream"}
 
 
 @register_backend

@@ -30,3 +30,18 @@ def bulk_prefetch_l2(address, length):
     tl.inline_asm_elementwise(
         "{ .reg .pred has; setp.ne.s32 has, $2, 0; @has cp.async.bulk.prefetch.L2.global [$1], $2; "
         "mov.u32 $0, 0; }", "=r,l,r", [address, length], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def bulk_prefetch_regions(table_ptr, REGIONS: tl.constexpr, lane, lanes, ALIGN: tl.constexpr):
+    """The regions of `table_ptr` ([REGIONS, 2] int64: device address, bytes; ALIGN-aligned, multiples of ALIGN)
+    asked of the L2: each region split into `lanes` equal ALIGN-aligned chunks, and each element of `lane` (int64
+    lane indices below `lanes`) issues one bulk prefetch of its chunk of each region, in the table's order (a lane
+    with nothing left of a region issues nothing)."""
+    for index in tl.static_range(REGIONS):
+        address = tl.load(table_ptr + 2 * index)
+        size = tl.load(table_ptr + 2 * index + 1)
+        chunk = tl.cdiv(tl.cdiv(size, lanes), ALIGN) * ALIGN
+        start = lane * chunk
+        length = tl.minimum(tl.maximum(size - start, 0), chunk).to(tl.int32)
+        bulk_prefetch_l2(address + start, length)

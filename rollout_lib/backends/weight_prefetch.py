@@ -38,7 +38,7 @@ CHUNK_BYTES = 32 * 1024  # at most, per thread and region: programs enough that 
 ALIGN = 16  # the bulk prefetch's address and size unit
 
 _KERNEL = None
-bulk_prefetch_l2 = None  # the L2 hint, a Triton function (triton_jit.bulk_prefetch_l2), set by _kernel()
+bulk_prefetch_regions = None  # the L2 hints, a Triton function (triton_jit.bulk_prefetch_regions), set by _kernel()
 
 
 @dataclass(frozen=True)
@@ -88,22 +88,15 @@ def _kernel():
 
     from rollout_lib.backends import triton_jit
 
-    global bulk_prefetch_l2  # a global: Triton's interpreter reads a kernel's globals, not its closure
-    bulk_prefetch_l2 = triton_jit.bulk_prefetch_l2
+    global bulk_prefetch_regions  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    bulk_prefetch_regions = triton_jit.bulk_prefetch_regions
 
     @triton.jit
     def l2_prefetch_kernel(table_ptr, REGIONS: tl.constexpr, THREADS: tl.constexpr, ALIGN: tl.constexpr):
         program = tl.program_id(0)
         lanes = tl.num_programs(0) * THREADS
         lane = (program * THREADS + tl.arange(0, THREADS)).to(tl.int64)
-        for index in tl.static_range(REGIONS):
-            address = tl.load(table_ptr + 2 * index)
-            size = tl.load(table_ptr + 2 * index + 1)
-            chunk = tl.cdiv(tl.cdiv(size, lanes), ALIGN) * ALIGN
-            start = lane * chunk
-            length = tl.minimum(tl.maximum(size - start, 0), chunk).to(tl.int32)
-            # a thread with nothing left of the region issues nothing (a zero size is not a valid prefetch)
-            bulk_prefetch_l2(address + start, length)
+        bulk_prefetch_regions(table_ptr, REGIONS, lane, lanes, ALIGN)
 
     _KERNEL = l2_prefetch_kernel
     return _KERNEL

@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,8 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
                    backend_options: dict[str, Any] | None = None,
                    stream_intervals: tuple[int, ...] = (1,), non_streamed: bool = False,
                    variants: tuple[str, ...] = DEFAULT_VARIANTS,
-                   hf_cached_options: dict[str, Any] | None = None, rounds: int = 1) -> dict[str, Any]:
+                   hf_cached_options: dict[str, Any] | None = None, rounds: int = 1,
+                   on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """`stream_intervals`: the managed backend once per value (`stream_interval` option; 1 is the
     preregistered setting and the one the 5% goal is judged on). `non_streamed`: once more with
     `streaming: false` (one response per request, built once at the end as the in-process engine
@@ -158,7 +160,9 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
     round 2, ...), so a ratio is read against each side's spread across processes (lease 31, one H100 hold: the
     engine without LoRA at 1,286 and 1,993 tok/s on one cell in two processes); each side's figure is its median
     over the rounds, each round's figure and each round's ratio beside it. The managed backend is not repeated:
-    with it, `rounds` must be 1."""
+    with it, `rounds` must be 1. `on_round`: called after each round but the last with the report of the rounds
+    measured so far (`complete` false, `rounds` of `rounds_requested`), so a run stopped by a time limit keeps its
+    finished rounds (lease 46: three rounds overran a 480 s job and left nothing)."""
     if 1 not in stream_intervals or any(not isinstance(n, int) or n < 1 for n in stream_intervals):
         raise ValueError(f"stream_intervals {list(stream_intervals)!r}: integers >= 1, including 1 (the "
                          "preregistered setting)")
@@ -199,17 +203,32 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
             "params": str(Path(study.source_path).resolve()), "backend": "hf_cached", "cells": cells,
             "repetitions": repetitions, "options": hf_cached_options or {}})
     by_round: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
-    for _ in range(rounds):
+    for done in range(1, rounds + 1):
         for side, measure in sides.items():
             by_round[side].append(measure())
-    measured = {side: results[0] if rounds == 1 else _over_rounds(results) for side, results in by_round.items()}
-    hf_cached = measured.pop("hf_cached", None)
-    inprocess = measured
+        if on_round is not None and done < rounds:  # rounds > 1: no managed side, nothing else to measure
+            on_round(_assemble(study, workload, cells, repetitions, variants, policy, by_round, rounds,
+                               hf_cached_options, {}, None))
     by_interval = ({n: _measure_managed(study, workload, policy, cells, repetitions,
                                         options | {"stream_interval": n}) for n in sorted(set(stream_intervals))}
                    if "managed" in variants else {})
     unstreamed = (_measure_managed(study, workload, policy, cells, repetitions, options | {"streaming": False})
                   if non_streamed else None)
+    return _assemble(study, workload, cells, repetitions, variants, policy, by_round, rounds, hf_cached_options,
+                     by_interval, unstreamed)
+
+
+def _assemble(study: Preregistration, workload: Workload, cells: list[str], repetitions: int,
+              variants: tuple[str, ...], policy, by_round: dict[str, list[dict[str, Any]]], rounds_requested: int,
+              hf_cached_options: dict[str, Any] | None, by_interval: dict[int, dict[str, Any]],
+              unstreamed: dict[str, Any] | None) -> dict[str, Any]:
+    """The diagnostic's report from the rounds measured so far (`by_round`: each side's child results) and the
+    managed backend's runs: per cell the rates and ratios, and the verdicts over the cells."""
+    rounds = min(len(results) for results in by_round.values()) if by_round else rounds_requested
+    measured = {side: results[0] if rounds_requested == 1 else _over_rounds(results)
+                for side, results in by_round.items()}
+    hf_cached = measured.pop("hf_cached", None)
+    inprocess = measured
     rows = []
     for cell_id in cells:
         row: dict[str, Any] = {"cell_id": cell_id}
@@ -239,7 +258,7 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
         if hf_cached is not None:
             row |= _hf_cached_columns(study, workload, cell_id, hf_cached["cells"][cell_id], hf_cached["gpu"],
                                       inprocess)
-            for engine in ENGINES_WITHOUT_LORA if rounds > 1 else ():
+            for engine in ENGINES_WITHOUT_LORA if rounds_requested > 1 else ():
                 if engine in inprocess:  # each round's ratio, the two sides measured next to each other
                     row[f"hf_cached_over_inprocess_{engine}_by_round"] = [
                         h["cells"][cell_id]["tokens_per_s"] / v["cells"][cell_id]["tokens_per_s"]
@@ -253,10 +272,11 @@ def run_diagnostic(study: Preregistration, cells: list[str], repetitions: int = 
         if engine in inprocess:
             verdict[f"hf_cached_at_least_{HF_CACHED_GOAL}x_inprocess_{engine}"] = all(
                 r[f"hf_cached_over_inprocess_{engine}"] >= HF_CACHED_GOAL for r in rows)
-            if rounds > 1:
+            if rounds_requested > 1:
                 verdict[f"hf_cached_at_least_{HF_CACHED_GOAL}x_inprocess_{engine}_in_every_round"] = all(
                     min(r[f"hf_cached_over_inprocess_{engine}_by_round"]) >= HF_CACHED_GOAL for r in rows)
     return {"kind": "vllm_inprocess_diagnostic", "cells": cells, "repetitions": repetitions, "rounds": rounds,
+            "rounds_requested": rounds_requested, "complete": rounds == rounds_requested,
             "variants": list(variants),
             "policy_identity": policy.identity, **({"managed": by_interval[1]} if by_interval else {}),
             "managed_by_stream_interval": {str(n): v for n, v in by_interval.items() if n != 1},

@@ -87,16 +87,19 @@ def side_by_side_summary(found: list[tuple[Path, dict[str, Any]]]) -> tuple[str,
         goals = [m.group(1) for m in map(_GOAL.match, verdict) if m]
         readings = [v for k, v in verdict.items() if k.startswith("hf_cached_at_least_")]
         options = (report.get("hf_cached_options") or {}).get("engine") or {}
-        met.append(bool(goals and readings and all(readings)))
+        complete = report.get("complete", True)  # files before session 51 were written once, at the end
+        met.append(bool(complete and goals and readings and all(readings)))
         rows.append({"run": path.name, "GPU": (report.get("hf_cached") or {}).get("gpu") or "not_measured",
                      "hf_cached engine": f"candidate ({len(options)} settings)" if options else "the campaign's",
-                     "rounds": str(report.get("rounds", 1)),
+                     "rounds": _rounds(report) + ("" if complete else " (stopped)"),
                      "lowest hf_cached / vLLM without LoRA": _lowest(
                          [r.get("hf_cached_over_inprocess_no_adapter") for r in report.get("rows", [])]),
                      "lowest, vLLM's prefix cache reset per call": _lowest(
                          [r.get("hf_cached_over_inprocess_no_adapter_reset_cache") for r in report.get("rows", [])]),
                      "lowest, against vLLM's fastest round": _over_fastest_round(report),
-                     "goal": (f">= {goals[0]}x in every cell: " + ("met in every reading" if met[-1] else "not met")
+                     "goal": (f">= {goals[0]}x in every cell: "
+                              + ("met in every reading" if met[-1] else "not met" if complete
+                                 else "not decided (the run stopped before its last round)")
                               if goals and readings else "not_measured")})
     newest = rows[-1]
     lowest = newest["lowest hf_cached / vLLM without LoRA"]
@@ -107,6 +110,13 @@ def side_by_side_summary(found: list[tuple[Path, dict[str, Any]]]) -> tuple[str,
                 f"Runs meeting the goal in every reading: {sum(met)} of {len(rows)}.")
     table = pd.DataFrame([{k: (_num(v, 2) if isinstance(v, float) else v) for k, v in row.items()} for row in rows])
     return sentence, table
+
+
+def _rounds(report: dict[str, Any]) -> str:
+    """The rounds a side by side measured; `k of n` when it stopped before the n it was asked for."""
+    done = report.get("rounds", 1)
+    requested = report.get("rounds_requested", done)
+    return str(done) if done == requested else f"{done} of {requested}"
 
 
 def _num(value: Any, digits: int = 4) -> str:
@@ -277,5 +287,7 @@ def caption(path: Path, report: dict[str, Any]) -> str:
         title += f"; on {gpu}"
     ran = len(report.get("rungs", report.get("rows", [])))
     partial = ("" if report.get("complete", True) else
+               f" — **incomplete**: {_rounds(report)} rounds ran before it stopped"
+               if report["kind"] == "vllm_inprocess_diagnostic" else
                f" — **incomplete**: {ran} of {len(report.get('rungs_planned', []))} settings ran before it stopped")
     return f"**{title}** — `{path.name}`, sha256 `{sha256_file(path)[:16]}…`{partial}"

@@ -27,7 +27,8 @@ while the next step runs), `+edges` (the step's work outside its layers compiled
 `+prefetchnext` (a layer's weights after its attention prefetched into the L2 while the attention runs),
 `+pdlepilogues` (the o/down and gate_up epilogues launched with PDL, loading B before waiting for the GEMM),
 `+pdlnorm` (the o/down epilogues only), `+pdl16` (both, in calls of 16 rows or more), `+pdlqkv16` (and the
-qkv epilogue), `+pdlattn` (the attention kernel with PDL, its k/v slice prefetched into the L2 before it waits).
+qkv epilogue), `+pdlattn` (the attention kernel with PDL, its k/v slice prefetched into the L2 before it waits),
+`+attnprefetch` (`+prefetch`'s plans issued by the attention kernel, not a side stream).
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -161,6 +162,9 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # the attention launched with PDL after the qkv epilogue, its k/v slice asked of the L2 before the wait
             # (a 4-row step over 768 columns reads 12.6 MB of k/v a layer: ~9.6 us a call, 2.6x its bytes' time)
             "pdlattn": ("ATTENTION_DEPENDENT_LAUNCH", "prefetch_kv"),
+            # lease 46: without the prefetch's side stream PDL gained 0.071 ms at 4 rows (with it, +0.02): the
+            # plan issued by `attend`'s kernel instead (no side stream where that kernel runs)
+            "attnprefetch": ("WEIGHT_PREFETCH_BY", "attention"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),
