@@ -1175,6 +1175,9 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
      r"WEIGHT_PREFETCH_BY attention issues WEIGHT_PREFETCH's plans from ATTENTION_BACKEND triton's kernel; this "
      r"engine: WEIGHT_PREFETCH off, ATTENTION_BACKEND auto \(allowed with it: WEIGHT_PREFETCH rest_of_layer or "
      r"through_next_qkv, ATTENTION_BACKEND triton\)$"),
+    ({"WEIGHT_PREFETCH_BY": "side_stream_wide"}, "bfloat16",
+     r"WEIGHT_PREFETCH_BY side_stream_wide widens WEIGHT_PREFETCH's kernel; this engine: WEIGHT_PREFETCH off "
+     r"\(allowed with it: rest_of_layer, through_next_qkv\)$"),
     ({"WEIGHT_PREFETCH_BY": "attention", "WEIGHT_PREFETCH": "rest_of_layer"}, "bfloat16",
      r"WEIGHT_PREFETCH_BY attention .* this engine: WEIGHT_PREFETCH rest_of_layer, ATTENTION_BACKEND auto "),
 ])

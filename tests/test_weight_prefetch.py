@@ -38,6 +38,23 @@ def test_a_plan_takes_programs_enough_for_its_largest_region():
         weight_prefetch.plan([None, torch.empty(0)], "cpu")
 
 
+def test_a_narrower_chunk_takes_more_programs_for_the_same_table():
+    """WEIGHT_PREFETCH_BY side_stream_wide: the same regions, each thread's chunk 4 KB instead of 32, so 8x the
+    programs (at Qwen3-0.6B's gate_up, 12.6 MB: 24 instead of 3); a chunk that is not a positive multiple of the
+    bulk prefetch's 16-byte unit is refused by name."""
+    from rollout_lib.backends.compact_qwen3 import PREFETCH_CHUNK_BYTES
+
+    gate_up = torch.empty(2 * 3072 * 1024 * 2, dtype=torch.uint8)
+    narrow = weight_prefetch.plan([gate_up], "cpu", PREFETCH_CHUNK_BYTES["side_stream_wide"])
+    default = weight_prefetch.plan([gate_up], "cpu", PREFETCH_CHUNK_BYTES["side_stream"])
+    assert (default.programs, narrow.programs) == (3, 24)
+    assert narrow.table.tolist() == default.table.tolist()
+    for bad in (0, 24, 4096.0):
+        with pytest.raises(ValueError, match=rf"^WEIGHT_PREFETCH: chunk_bytes {bad!r}; allowed: a positive multiple "
+                                             "of 16$"):
+            weight_prefetch.plan([gate_up], "cpu", bad)
+
+
 @pytest.mark.parametrize("shrink", ["reductions", "in_base_gemm"])
 def test_each_layers_plan_names_what_its_kernels_read_after_attention(smoke_study, snapshot_cache, shrink):
     """The engine's plans: per layer the o, gate_up and down GEMMs' weights (with the shrink's rows in them under
@@ -93,19 +110,21 @@ def test_an_engine_that_prefetches_serves_the_same_bits(smoke_study, snapshot_ca
 
 
 @pytest.mark.gpu
-def test_an_engine_whose_attention_issues_the_prefetch_serves_the_same_bits_without_the_side_stream(smoke_study,
-                                                                                                      snapshot_cache):
+@pytest.mark.parametrize("issuer", ["attention", "side_stream_wide"])
+def test_an_engine_that_issues_the_prefetch_otherwise_serves_the_same_bits(smoke_study, snapshot_cache, issuer):
     """WEIGHT_PREFETCH_BY attention: `attend`'s kernel asks the L2 for the layer's plan, so where it runs (every
-    decode step of these cells: no shared prompt) no prefetch kernel is launched, and the tokens and
-    log-probabilities are the side stream's, bit for bit (a prefetch writes nothing)."""
+    decode step of these cells: no shared prompt) no prefetch kernel is launched; side_stream_wide: the side
+    stream's kernel as often as before, with more programs. The tokens and log-probabilities are the side stream's,
+    bit for bit (a prefetch writes nothing)."""
     from tests.triton_here import run_engines
 
     base = {"ATTENTION_BACKEND": "triton", "REDUCTION_LAUNCH": "fewest_programs", "WEIGHT_PREFETCH": "through_next_qkv"}
-    policy, runs = run_engines(smoke_study, snapshot_cache, (base, {**base, "WEIGHT_PREFETCH_BY": "attention"}),
+    policy, runs = run_engines(smoke_study, snapshot_cache, (base, {**base, "WEIGHT_PREFETCH_BY": issuer}),
                                "rollout::weight_prefetch", "l2_prefetch_kernel")
-    (base_identity, want, by_stream), (identity, got, by_attention) = runs
+    (base_identity, want, by_stream), (identity, got, launched) = runs
     assert base_identity == identity == policy.identity
-    assert by_stream and by_attention == [], (len(by_stream), len(by_attention))
+    assert by_stream and len(launched) == (0 if issuer == "attention" else len(by_stream)), (len(by_stream),
+                                                                                            len(launched))
     for cell in want:
         for a, b in zip(want[cell], got[cell], strict=True):
             assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), (cell, a.request_id)

@@ -695,7 +695,10 @@ class Layer:
 #   so no side stream and 28 kernels a step fewer; where another attention kernel runs (`attend_shared`, FA3, SDPA)
 #   the side stream still issues them. Why: lease 46's pdl4 diagnosis (H100, p128 x 4): without the side stream,
 #   DEPENDENT_LAUNCH epilogues gained 0.071 ms a step, where with it they lost 0.02. The same bits (a prefetch
-#   writes nothing). The probe's `+attnprefetch`.
+#   writes nothing). The probe's `+attnprefetch`. "side_stream_wide": the side stream's kernel with 8x the
+#   programs (each thread's chunk of a region at most 4 KB, not 32): lease 46's traces (H100, 4 rows) show its 4
+#   programs taking 40 us a layer for ~31 MB (0.8 TB/s) of a ~49 us layer, so the gate_up and down GEMMs start
+#   before their weights are in the L2; wider, the plan is asked for sooner. The probe's `+prefetchwide`.
 STEP_SHAPES = "dynamic"
 CACHE_WRITE = "inside"
 INDUCTOR_OPTIONS: dict[str, bool | int | str] = {}
@@ -750,7 +753,10 @@ ATTENTION_LAUNCH_ALLOWED = ("fixed", "by_columns", "by_columns_shared")
 WEIGHT_PREFETCH = "off"
 WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
 WEIGHT_PREFETCH_BY = "side_stream"
-WEIGHT_PREFETCH_BY_ALLOWED = ("side_stream", "attention")
+WEIGHT_PREFETCH_BY_ALLOWED = ("side_stream", "side_stream_wide", "attention")
+# each WEIGHT_PREFETCH_BY value: the side stream's kernel's largest chunk a thread (weight_prefetch.plan; "attention"
+# keeps that kernel where `attend` does not run)
+PREFETCH_CHUNK_BYTES = {"side_stream": 32 * 1024, "side_stream_wide": 4 * 1024, "attention": 32 * 1024}
 DEPENDENT_LAUNCH = "off"
 DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues", "norm_epilogues", "epilogues_from_16_rows",
                             "epilogues_and_qkv_from_16_rows")
@@ -1009,6 +1015,9 @@ class CompactQwen3:
         self.attention_launch = setting("ATTENTION_LAUNCH")
         self.weight_prefetch = setting("WEIGHT_PREFETCH")
         self.weight_prefetch_by = setting("WEIGHT_PREFETCH_BY")
+        if self.weight_prefetch_by == "side_stream_wide" and self.weight_prefetch == "off":
+            raise ValueError("WEIGHT_PREFETCH_BY side_stream_wide widens WEIGHT_PREFETCH's kernel; this engine: "
+                             "WEIGHT_PREFETCH off (allowed with it: rest_of_layer, through_next_qkv)")
         if self.weight_prefetch_by == "attention" and (self.weight_prefetch == "off"
                                                        or self.attention_backend != "triton"):
             raise ValueError(f"WEIGHT_PREFETCH_BY attention issues WEIGHT_PREFETCH's plans from ATTENTION_BACKEND "
@@ -1152,7 +1161,7 @@ class CompactQwen3:
             tensors = [t for fused in ("o", "gate_up", "down") for t in read(layer, fused)]
             if self.weight_prefetch == "through_next_qkv" and index + 1 < len(self.layers):
                 tensors += read(self.layers[index + 1], "qkv")
-            plans.append(weight_prefetch.plan(tensors, self.device))
+            plans.append(weight_prefetch.plan(tensors, self.device, PREFETCH_CHUNK_BYTES[self.weight_prefetch_by]))
         return plans
 
     def mark_rows(self, *tensors: torch.Tensor | None) -> None:

@@ -64,16 +64,18 @@ def region(tensor: torch.Tensor) -> tuple[int, int]:
     return start, -(-(end - start) // ALIGN) * ALIGN
 
 
-def plan(tensors: list[torch.Tensor], device) -> Plan:
+def plan(tensors: list[torch.Tensor], device, chunk_bytes: int = CHUNK_BYTES) -> Plan:
     """A launch that prefetches `tensors`' memory, in their order: the table on `device`, programs enough that each
-    thread's chunk of the largest region is at most CHUNK_BYTES."""
+    thread's chunk of the largest region is at most `chunk_bytes` (a positive multiple of ALIGN)."""
     import torch
 
+    if not isinstance(chunk_bytes, int) or chunk_bytes < ALIGN or chunk_bytes % ALIGN:
+        raise ValueError(f"WEIGHT_PREFETCH: chunk_bytes {chunk_bytes!r}; allowed: a positive multiple of {ALIGN}")
     regions = [region(t) for t in tensors if t is not None and t.numel()]
     if not regions:
         raise ValueError("WEIGHT_PREFETCH: a prefetch plan needs at least one tensor with elements")
     largest = max(size for _, size in regions)
-    programs = max(1, -(-largest // (THREADS * CHUNK_BYTES)))
+    programs = max(1, -(-largest // (THREADS * chunk_bytes)))
     table = torch.tensor(regions, dtype=torch.int64, device=device)
     return Plan(table, programs)
 

@@ -28,7 +28,8 @@ while the next step runs), `+edges` (the step's work outside its layers compiled
 `+pdlepilogues` (the o/down and gate_up epilogues launched with PDL, loading B before waiting for the GEMM),
 `+pdlnorm` (the o/down epilogues only), `+pdl16` (both, in calls of 16 rows or more), `+pdlqkv16` (and the
 qkv epilogue), `+pdlattn` (the attention kernel with PDL, its k/v slice prefetched into the L2 before it waits),
-`+attnprefetch` (`+prefetch`'s plans issued by the attention kernel, not a side stream).
+`+attnprefetch` (`+prefetch`'s plans issued by the attention kernel, not a side stream), `+prefetchwide` (the side
+stream's prefetch kernel with 8x the programs).
 Every variant starts from an empty dynamo cache (compiled entries are shared across engines whose
 calls pass their guards) and an empty inductor cache (`torch._inductor.utils.fresh_cache`: otherwise a
 kernel of the same source reuses the launch configuration an earlier variant's first launch chose).
@@ -165,6 +166,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             # lease 46: without the prefetch's side stream PDL gained 0.071 ms at 4 rows (with it, +0.02): the
             # plan issued by `attend`'s kernel instead (no side stream where that kernel runs)
             "attnprefetch": ("WEIGHT_PREFETCH_BY", "attention"),
+            # lease 46's traces: the prefetch kernel's 4 programs took 40 us a layer (0.8 TB/s); 8x the programs
+            "prefetchwide": ("WEIGHT_PREFETCH_BY", "side_stream_wide"),
             # each projection's skinny GEMM over slices of K as one batched GEMM (more thread blocks than 17-98
             # output tiles on 132 SMs), the partial sums added in the next compiled kernel; "auto" per projection
             "splitk": ("GEMM_SPLIT_K", "auto"),
