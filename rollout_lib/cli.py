@@ -519,6 +519,8 @@ class _GrowingEvidence:
     def write(self, report: dict) -> None:
         from rollout_lib.core import sha256_file, write_json_atomic
 
+        if self.sha256 is None and self.out.exists():  # put there while the first round ran
+            raise CommandError(f"out: {self.out} exists; evidence is never overwritten, choose another path")
         if self.sha256 is not None and (not self.out.is_file() or sha256_file(self.out) != self.sha256):
             raise CommandError(f"out: {self.out} changed since this run wrote it; evidence is never overwritten")
         self.sha256 = write_json_atomic(self.out, report, overwrite=self.sha256 is not None)

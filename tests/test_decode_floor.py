@@ -227,6 +227,17 @@ def test_a_run_stopped_in_a_later_round_leaves_the_rounds_it_finished(smoke_stud
     assert "changed since this run wrote it" in capsys.readouterr().err
     assert json.loads(swapped.read_text()) == {"kind": "someone else's"}
 
+    # nor one put there before the run's first write
+    early = tmp_path / "side-by-side-4.json"
+    calls.clear()
+    monkeypatch.setattr(vllm_inprocess, "run_backend_child",
+                        lambda job: (early.write_text('{"kind": "early"}'), hf_child(job))[1])
+    rounds_started[:] = ["engine", "engine"]
+    assert cli.main([*argv[:-1], str(early)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exists; evidence is never overwritten" in err[0], err
+    assert json.loads(early.read_text()) == {"kind": "early"}
+
 
 def test_the_report_table_shows_only_the_sides_that_ran():
     from rollout_lib.report.diagnostics import _inprocess_row
