@@ -42,11 +42,9 @@ def test_a_narrower_chunk_takes_more_programs_for_the_same_table():
     """WEIGHT_PREFETCH_BY side_stream_wide: the same regions, each thread's chunk 4 KB instead of 32, so 8x the
     programs (at Qwen3-0.6B's gate_up, 12.6 MB: 24 instead of 3); a chunk that is not a positive multiple of the
     bulk prefetch's 16-byte unit is refused by name."""
-    from rollout_lib.backends.compact_qwen3 import PREFETCH_CHUNK_BYTES
-
     gate_up = torch.empty(2 * 3072 * 1024 * 2, dtype=torch.uint8)
-    narrow = weight_prefetch.plan([gate_up], "cpu", PREFETCH_CHUNK_BYTES["side_stream_wide"])
-    default = weight_prefetch.plan([gate_up], "cpu", PREFETCH_CHUNK_BYTES["side_stream"])
+    narrow = weight_prefetch.plan([gate_up], "cpu", weight_prefetch.WIDE_CHUNK_BYTES)
+    default = weight_prefetch.plan([gate_up], "cpu")
     assert (default.programs, narrow.programs) == (3, 24)
     assert narrow.table.tolist() == default.table.tolist()
     for bad in (0, 24, 4096.0):

@@ -754,9 +754,6 @@ WEIGHT_PREFETCH = "off"
 WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
 WEIGHT_PREFETCH_BY = "side_stream"
 WEIGHT_PREFETCH_BY_ALLOWED = ("side_stream", "side_stream_wide", "attention")
-# each WEIGHT_PREFETCH_BY value: the side stream's kernel's largest chunk a thread (weight_prefetch.plan; "attention"
-# keeps that kernel where `attend` does not run)
-PREFETCH_CHUNK_BYTES = {"side_stream": 32 * 1024, "side_stream_wide": 4 * 1024, "attention": 32 * 1024}
 DEPENDENT_LAUNCH = "off"
 DEPENDENT_LAUNCH_ALLOWED = ("off", "epilogues", "norm_epilogues", "epilogues_from_16_rows",
                             "epilogues_and_qkv_from_16_rows")
@@ -1156,12 +1153,15 @@ class CompactQwen3:
             in_gemm = layer.proj[fused].weight_cat is not None  # A's rows are in the weight
             return [weight, *([] if in_gemm else [lora_a]), lora_b]
 
+        # the side stream's kernel's largest chunk a thread ("attention" keeps it where `attend` does not run)
+        chunk = (weight_prefetch.WIDE_CHUNK_BYTES if self.weight_prefetch_by == "side_stream_wide"
+                 else weight_prefetch.CHUNK_BYTES)
         plans = []
         for index, layer in enumerate(self.layers):
             tensors = [t for fused in ("o", "gate_up", "down") for t in read(layer, fused)]
             if self.weight_prefetch == "through_next_qkv" and index + 1 < len(self.layers):
                 tensors += read(self.layers[index + 1], "qkv")
-            plans.append(weight_prefetch.plan(tensors, self.device, PREFETCH_CHUNK_BYTES[self.weight_prefetch_by]))
+            plans.append(weight_prefetch.plan(tensors, self.device, chunk))
         return plans
 
     def mark_rows(self, *tensors: torch.Tensor | None) -> None:

@@ -80,7 +80,7 @@ columns_block = None  # the kernel's loop body, a Triton function set by _kernel
 columns = None  # its loop over a slice's columns; set by _kernel()
 finish = None  # its end: the slice's output or partial, and the merge; set by _kernel()
 row_slice = None  # a program's share of its row's columns; set by _kernel()
-bulk_prefetch_l2 = None  # ATTENTION_DEPENDENT_LAUNCH's L2 hint (triton_jit.bulk_prefetch_l2), set by _kernel()
+bulk_prefetch_share = None  # ATTENTION_DEPENDENT_LAUNCH's L2 hints (triton_jit.bulk_prefetch_share), set by _kernel()
 bulk_prefetch_regions = None  # WEIGHT_PREFETCH_BY attention's (triton_jit.bulk_prefetch_regions), set by _kernel()
 lora_add = None  # the LoRA add's two roundings (triton_jit.lora_add), set by _fused_kernel()
 _LOCKS: dict[str, torch.Tensor] = {}
@@ -164,9 +164,8 @@ def _kernel():
     from rollout_lib.backends import triton_jit
 
     # globals: Triton's interpreter reads a kernel's globals, not its closure
-    global softmax_update, columns_block, columns, finish, row_slice, prefetch_l2, bulk_prefetch_l2
-    global bulk_prefetch_regions
-    bulk_prefetch_l2 = triton_jit.bulk_prefetch_l2
+    global softmax_update, columns_block, columns, finish, row_slice, bulk_prefetch_share, bulk_prefetch_regions
+    bulk_prefetch_share = triton_jit.bulk_prefetch_share
     bulk_prefetch_regions = triton_jit.bulk_prefetch_regions
 
     @triton.jit
@@ -236,17 +235,6 @@ def _kernel():
         return low, low + share, write
 
     @triton.jit
-    def prefetch_l2(start_ptr, size, LANES: tl.constexpr):
-        """`size` bytes from `start_ptr` (16-byte aligned, `size` a multiple of 16) asked of the L2 as LANES bulk
-        prefetches of equal 16-byte-aligned chunks: hints that complete on their own and write nothing (a zero
-        chunk is not issued: not a valid prefetch)."""
-        lane = tl.arange(0, LANES).to(tl.int64)
-        chunk = tl.cdiv(tl.cdiv(size, LANES), 16) * 16
-        first = lane * chunk
-        length = tl.minimum(tl.maximum(size - first, 0), chunk).to(tl.int32)
-        bulk_prefetch_l2(start_ptr.to(tl.pointer_type(tl.int8)) + first, length)
-
-    @triton.jit
     def finish(acc, maximum, total, out_at, part_ptr, stat_ptr, lock_ptr, pair, split, g, d, keep_g,
                HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr):
         """A slice's running (output, maximum, sum) to the output: divided and stored with one slice; with several,
@@ -305,8 +293,11 @@ def _kernel():
             high = tl.minimum(high, write + 1)
             cache = b * cache_batch + kv * cache_head
             size = (tl.maximum(high - low, 0) * cache_column * 2).to(tl.int64)  # bf16: 2 bytes an element
-            prefetch_l2(k_ptr + cache + low * cache_column, size, LANES)
-            prefetch_l2(v_ptr + cache + low * cache_column, size, LANES)
+            lanes = tl.arange(0, LANES).to(tl.int64)  # LANES bulk prefetches a cache, sharing the slice's bytes
+            bulk_prefetch_share((k_ptr + cache + low * cache_column).to(tl.pointer_type(tl.int8)), size, lanes,
+                                LANES, 16)
+            bulk_prefetch_share((v_ptr + cache + low * cache_column).to(tl.pointer_type(tl.int8)), size, lanes,
+                                LANES, 16)
             tl.extra.cuda.gdc_wait()  # then what the qkv epilogue wrote: q, and this step's k/v column
         q = tl.load(q_ptr + q_at, mask=keep_g[:, None], other=0.0)
         if INTERPRETED:  # Triton 3.5's CPU interpreter multiplies bf16 tiles as raw bits: their exact upcasts

@@ -33,15 +33,19 @@ def bulk_prefetch_l2(address, length):
 
 
 @triton.jit
+def bulk_prefetch_share(address, size, lane, lanes, ALIGN: tl.constexpr):
+    """`size` bytes from `address` (ALIGN-aligned, a multiple of ALIGN) asked of the L2, split into `lanes` equal
+    ALIGN-aligned chunks: each element of `lane` (int64 lane indices below `lanes`) issues one bulk prefetch of its
+    chunk (a lane with nothing left issues nothing)."""
+    chunk = tl.cdiv(tl.cdiv(size, lanes), ALIGN) * ALIGN
+    start = lane * chunk
+    length = tl.minimum(tl.maximum(size - start, 0), chunk).to(tl.int32)
+    bulk_prefetch_l2(address + start, length)
+
+
+@triton.jit
 def bulk_prefetch_regions(table_ptr, REGIONS: tl.constexpr, lane, lanes, ALIGN: tl.constexpr):
-    """The regions of `table_ptr` ([REGIONS, 2] int64: device address, bytes; ALIGN-aligned, multiples of ALIGN)
-    asked of the L2: each region split into `lanes` equal ALIGN-aligned chunks, and each element of `lane` (int64
-    lane indices below `lanes`) issues one bulk prefetch of its chunk of each region, in the table's order (a lane
-    with nothing left of a region issues nothing)."""
+    """The regions of `table_ptr` ([REGIONS, 2] int64: device address, bytes) asked of the L2 in the table's order,
+    each shared among the lanes as `bulk_prefetch_share` shares it."""
     for index in tl.static_range(REGIONS):
-        address = tl.load(table_ptr + 2 * index)
-        size = tl.load(table_ptr + 2 * index + 1)
-        chunk = tl.cdiv(tl.cdiv(size, lanes), ALIGN) * ALIGN
-        start = lane * chunk
-        length = tl.minimum(tl.maximum(size - start, 0), chunk).to(tl.int32)
-        bulk_prefetch_l2(address + start, length)
+        bulk_prefetch_share(tl.load(table_ptr + 2 * index), tl.load(table_ptr + 2 * index + 1), lane, lanes, ALIGN)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 WEIGHT_PREFETCH_ALLOWED = ("off", "rest_of_layer", "through_next_qkv")
 THREADS = 128  # one program's threads (4 warps), one chunk of each region a thread
 CHUNK_BYTES = 32 * 1024  # at most, per thread and region: programs enough that no thread's chunk is larger
+WIDE_CHUNK_BYTES = 4 * 1024  # WEIGHT_PREFETCH_BY side_stream_wide's: 8x the programs for the same table
 ALIGN = 16  # the bulk prefetch's address and size unit
 
 _KERNEL = None
