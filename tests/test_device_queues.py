@@ -239,3 +239,30 @@ def test_queue_skips_a_job_past_the_lease_and_bounds_each_deadline(tmp_path):
     assert 60 <= deadline_s <= 70 and lease_s == 70  # the lease's remainder, under 200 - 10; the whole lease
     assert not (perf / "too-late.txt").exists()
     assert (tmp_path / "out" / "queue.tgz").stat().st_size > 0
+
+
+@pytest.mark.parametrize("probe_sleeps_s, expected_rc", [(0, 0), (30, 124)])
+def test_a_probe_cut_by_its_timeout_fails_the_job_and_says_so_in_its_log(tmp_path, probe_sleeps_s, expected_rc):
+    """fast_path_evidence.sh, run on CPU in a throwaway checkout with a stand-in probe: lease 47's probe was cut
+    after two of its three variants and the job still exited 0. A cut probe now makes the job exit 124, with a
+    line in probe.log saying which variants were not measured; what the probe wrote and evidence.tgz still come
+    back. A probe that finishes leaves the job's status 0 and no such line."""
+    import os
+    import shutil
+    import subprocess
+
+    checkout = tmp_path / "checkout"
+    (checkout / "tools" / "lab").mkdir(parents=True)
+    (checkout / "outputs" / "conformance").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / "tools" / "lab" / "fast_path_evidence.sh", checkout / "tools" / "lab")
+    (checkout / "tools" / "lab" / "fast_path_probe.py").write_text(
+        f"import time\nprint('variant one measured', flush=True)\ntime.sleep({probe_sleeps_s})\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "STEPS": "probe", "PROBE_TIMEOUT_S": "3", "VARIANTS": "inductor"}
+    result = subprocess.run(["bash", "tools/lab/fast_path_evidence.sh"], cwd=checkout, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == expected_rc, result.stderr
+    log = (out / "probe.log").read_text()
+    assert log.startswith("variant one measured")
+    assert ("probe: exit 124 (124: stopped by PROBE_TIMEOUT_S=3)" in log) == (expected_rc == 124), log
+    assert (out / "evidence.tgz").is_file()
