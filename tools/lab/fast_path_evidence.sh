@@ -9,7 +9,7 @@
 #                            8-refresh run (merge SEALS.jsonl: the local file must be a prefix)
 # BEFORE names the older compact_qwen3.py (default: the copy of commit fdebb33 under .stage/before: `git show fdebb33:rollout_lib/backends/compact_qwen3.py`).
 set -u
-status=0  # the first failed step's exit status, returned after everything is packed
+status=0  # the probe's exit status where it failed (the other steps' are not kept), returned after everything is packed
 export PYTHONPATH=/tmp/site:$PWD
 BEFORE=${BEFORE:-.stage/before/compact_qwen3_fdebb33.py}
 CAMPAIGN=${CAMPAIGN:-h200-v2}
