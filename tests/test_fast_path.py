@@ -514,6 +514,8 @@ def test_a_conformance_run_leaves_a_bf16_only_engine_setting_out_of_its_float32_
      {"LORA_SHRINK": "in_base_gemm: bfloat16 engines only (A is appended to the bf16 base weight as three bf16 parts)",
       "O_EPILOGUE": "triton: needs LORA_SHRINK in_base_gemm, left out in float32",
       "DEPENDENT_LAUNCH": "norm_epilogues: needs O_EPILOGUE triton, left out in float32"}),
+    # the sampler kernel takes float32 logits in either dtype: conformance runs it in float32 too
+    ({"SAMPLER": "triton"}, "float32", {"SAMPLER": "triton"}, {}),
     ({"ATTENTION_BACKEND": "triton", "ATTENTION_DEPENDENT_LAUNCH": "prefetch_kv"}, "float32", {},
      {"ATTENTION_BACKEND": "triton: bfloat16 engines only (its kernel multiplies bf16 operands)",
       "ATTENTION_DEPENDENT_LAUNCH": "prefetch_kv: needs ATTENTION_BACKEND triton, left out in float32"}),

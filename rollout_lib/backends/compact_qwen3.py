@@ -560,7 +560,10 @@ class Layer:
 # - SAMPLER "row" (the default): the decode step's sampler reduces each row's 151,936 logits in one program (a
 #   compiled step: 4-16 programs, ~85 us per step on the H200, lease 23's traces); "chunked" (issue 43
 #   candidate): the same noise and formulas with every vocabulary reduction split into up to 128 chunks
-#   (`counter_noise.sample_chunked`). The probe's `+chunkedsampler`.
+#   (`counter_noise.sample_chunked`). The probe's `+chunkedsampler`. "triton" (issue 43 candidate): one
+#   hand-written kernel reading the logits once, the row's last program combining its chunks
+#   (`triton_sampler`: the same noise and race, the tokens apart only at float32 near-ties). The probe's
+#   `+tritonsampler`.
 # - DECODE_PREFIX "per_row" (the default): each row's decode attention reads its own copy of its prompt's k/v;
 #   "shared" (issue 43 item 5, candidate; with ATTENTION_BACKEND "fa3" or "triton"): when a batch's rows come in
 #   blocks of n consecutive rows with one prompt each (a GRPO group, the workload's n > 1 cells), each
@@ -721,7 +724,7 @@ PREFILL_STEP_ALLOWED = ("eager", "compiled_graph")
 STEP_PIECES = "per_half_layer"
 STEP_PIECES_ALLOWED = ("per_half_layer", "across_layers")
 SAMPLER = "row"
-SAMPLER_ALLOWED = ("row", "chunked")
+SAMPLER_ALLOWED = ("row", "chunked", "triton")
 DECODE_PREFIX = "per_row"
 DECODE_PREFIX_ALLOWED = ("per_row", "shared", "shared_long")
 SHARED_PROMPT_MIN_COLUMNS = 256  # DECODE_PREFIX "shared_long": the shortest (padded) prompt read once per block
@@ -995,6 +998,11 @@ class CompactQwen3:
         self.prefill_step = setting("PREFILL_STEP")
         self.step_pieces = setting("STEP_PIECES")
         self.sampler_reduction = setting("SAMPLER")
+        if self.sampler_reduction == "triton":
+            from rollout_lib.backends import triton_sampler
+
+            triton_ops.check_triton_runs_here(self.device, "SAMPLER triton")
+            triton_sampler.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.decode_prefix = setting("DECODE_PREFIX")
         self.readback = setting("READBACK")
         self.step_edges = setting("STEP_EDGES")
@@ -1128,6 +1136,10 @@ class CompactQwen3:
                                else None)
         if self.sampler_reduction == "row":
             self.sample = compile(counter_noise.sample) if self.compiled else counter_noise.sample
+        elif self.sampler_reduction == "triton":  # one opaque op: nothing for inductor to compile
+            from rollout_lib.backends import triton_sampler
+
+            self.sample = triton_sampler.sample
         else:  # the vocabulary viewed in chunks outside the compiled part (see sample_chunked)
             self.sample = functools.partial(
                 counter_noise.sample_chunked, chunks=counter_noise.vocabulary_chunks(self.vocab),

@@ -17,6 +17,7 @@ configuration per reduction, no benchmark at first launch: the choice that moved
 candidates: `+shrinkgemm`, `+expandgemm`, `+unrollexpand`, `+partsexpand`, `+tritonexpand`, `+tunelargest`, `+sdpaeff`,
 `+sdpacudnn`, `+flex`, `+fa3` (vLLM staged), `+pdl`,
 `+maxat`, `+combo`, `+acrosslayers` (one compiled piece from one layer's attention to the next), `+chunkedsampler`,
+`+tritonsampler` (the sampler as one Triton kernel reading the logits once),
 `+sharedprefix` (with `+fa3` or `+tritonattn`: each block of n rows reads its shared prompt's k/v once),
 `+sharedlong` (the same for prompts of 256 columns or more), `+sharedlaunch` (that kernel's own launch over
 256 columns or more),
@@ -112,6 +113,8 @@ SUFFIXES = {"f32head": ("_cuda_bf16_gemm_with_float32_output", lambda *_: False)
             "prefillgraph": ("PREFILL_STEP", "compiled_graph"),
             "acrosslayers": ("STEP_PIECES", "across_layers"),
             "chunkedsampler": ("SAMPLER", "chunked"),
+            # the sampler as one hand-written kernel reading the logits once (after +chunkedsampler in a name, it wins)
+            "tritonsampler": ("SAMPLER", "triton"),
             # with +fa3 (cascade attention) or +tritonattn (one kernel): a block of n rows with one prompt reads
             # the prompt's k/v once
             "sharedprefix": ("DECODE_PREFIX", "shared"),
