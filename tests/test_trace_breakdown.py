@@ -102,6 +102,7 @@ def test_categories_follow_the_documented_order():
     ("qkv_epilogue_kernel", "low_rank_reductions"),  # QKV_EPILOGUE triton: the expand, q/k norms, rotary, cache writes
     # a sampler kernel that multiplies and reduces is the sampler's, not a LoRA term
     ("triton_red_fused__log_softmax_exp_mul_sub_sum_3", "sampling"),
+    ("counter_sample_kernel", "sampling"),  # SAMPLER triton: the whole sampler as one kernel
     ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_slice_split_with_sizes_view_5", "rmsnorm"),
     # float32 GEMMs (the expand as a GEMM, an old float32 head) apart from the bf16-operand ones
     ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize32x128x8_stage3_warpsize1x2x1_ffma", "gemm_float32"),

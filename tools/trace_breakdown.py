@@ -49,7 +49,8 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("gemm_float32", r"f32f32_f32f32|sgemm|gemmsn_tn_kernel<float|nvjet_sm\d+_s"),
     ("gemm", r"nvjet|gemm|cublas|cutlass|xmma|splitkreduce"),
     ("rmsnorm", r"rsqrt"),
-    ("sampling", r"exponential|argmax|topk|sort|multinomial|softmax|philox"),
+    # SAMPLER triton's kernel by name (the chunked sampler's inductor reductions mostly fall into the rest)
+    ("sampling", r"exponential|argmax|topk|sort|multinomial|softmax|philox|counter_sample"),
     # the epilogue kernels (GATE_UP_, O_, DOWN_, QKV_EPILOGUE) are a LoRA expand with what they carry (the SiLU
     # product; the residual add and a norm; the q/k norms, the rotary embedding and the cache writes)
     ("low_rank_reductions", r"mul_(\w+_)?sum|sum_mul|gate_up_epilogue|residual_norm_epilogue|qkv_epilogue"),
