@@ -107,6 +107,20 @@ def test_minus_infinity_logits_are_never_drawn_and_a_chunk_of_them_adds_nothing(
     assert bool(torch.isfinite(logp).all()) and float((logp - want_logp).abs().max()) < 5e-5
 
 
+def test_nan_logits_still_give_a_token_inside_the_vocabulary():
+    """A broken model's NaN logits match no maximum; the token read back (and its logit, read by the last program)
+    stays inside the row."""
+    from rollout_lib.backends import triton_sampler
+
+    logits, seeds, step, inv_temperature, greedy = _inputs(3, 5_000, 3)
+    logits[:, 4_999] = float("nan")
+    logits[1] = float("nan")
+    triton_sampler.prepare(logits.device)
+    tokens, _ = triton_sampler.launch(logits, seeds, step, inv_temperature, greedy)
+    assert all(0 <= t < 5_000 for t in tokens.tolist())
+    assert _counters_zero()
+
+
 def test_the_op_is_the_kernel_and_a_second_launch_on_the_same_counters_gives_the_same():
     from rollout_lib.backends import triton_sampler
 

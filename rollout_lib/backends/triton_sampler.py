@@ -110,6 +110,7 @@ def _kernel():
             log_sum = tl.log(tl.sum(tl.where(has, ss * tl.exp(ms - safe_top), 0.0), axis=0))
             winner = tl.max(keys, axis=0)
             token = tl.min(tl.where(has & (keys == winner), ats, vocab), axis=0)  # chunks in order: the first
+            token = tl.minimum(token, vocab - 1)  # NaN logits match no maximum: a token inside the row all the same
             z_token = tl.load(logits_ptr + row * logits_row + token) * inv_t
             tl.store(tokens_ptr + row, token.to(tl.int64))
             tl.store(logp_ptr + row, (z_token - safe_top) - log_sum)
