@@ -434,3 +434,31 @@ def test_the_epilogues_load_b_before_waiting_for_the_gemm_under_dependent_launch
     assert result["ptx_waits"] == 1 and result["ptx_loads_before_wait"] > 0, result
     assert result["sass_loads_before_wait"] == result["ptx_loads_before_wait"], result
     assert result["ptx_loads_after_wait"] > 0, result
+
+
+def test_the_sampler_kernel_compiles_for_hopper_without_spills_and_hashes_in_32_bits(tmp_path):
+    """SAMPLER "triton" at Qwen3's vocabulary (75 chunks of 2,048 entries) at the module's warps: it compiles for
+    sm_90a, with its atomic count and the last program's combine, without spills, its logits loaded 16 bytes at a
+    time; and the noise's hash multiplies
+    in 32 bits (`counter_noise`'s int64 products, masked to 32 bits, cost inductor's sampler 64-bit multiplies, which
+    a GPU runs as several 32-bit ones)."""
+    from rollout_lib.backends import counter_noise, triton_sampler
+
+    vocab = 151_936
+    args = {"logits_ptr": "*fp32", "seeds_ptr": "*i64", "step_ptr": "*i64", "inv_t_ptr": "*fp32", "greedy_ptr": "*u8",
+            "m_ptr": "*fp32", "s_ptr": "*fp32", "key_ptr": "*fp32", "at_ptr": "*i32", "lock_ptr": "*i32",
+            "tokens_ptr": "*i64", "logp_ptr": "*fp32", "vocab": vocab, "logits_row": vocab}
+    chunks = -(-vocab // triton_sampler.BLOCK)
+    constexprs = {"CHUNKS": chunks, "CHUNKS_BLOCK": 128, "BLOCK": triton_sampler.BLOCK,
+                  "SALT": counter_noise.STREAM_SALT, "MULT_1": counter_noise.MULT_1, "MULT_2": counter_noise.MULT_2}
+    result = _compile_for_hopper("triton_sampler", args, constexprs, triton_sampler.WARPS, tmp_path)
+    assert result["spill_bytes"] == 0, result
+    # the chunk's logits in 16-byte loads (2,048 entries over 128 threads: 4 a thread), the vocabulary and the row's
+    # stride specialized (with either left unspecialized, the mask and the address lose their alignment: 16 scalar
+    # loads a thread)
+    assert result["loads"]["ld.global.v4.b32"] == triton_sampler.BLOCK // (32 * triton_sampler.WARPS * 4), result
+    ptx = (tmp_path / "kernel.ptx").read_text()
+    assert "atom.global" in ptx  # the row's count
+    products = [line.split()[0] for line in ptx.splitlines()
+                if "mul" in line and any(str(c) in line for c in (counter_noise.MULT_1, counter_noise.MULT_2))]
+    assert products and all(op.endswith(("32", "32;")) and ".wide" not in op for op in products), products

@@ -1,6 +1,6 @@
 """Triton functions the hand-written kernels share. This module imports Triton when it is imported: only a kernel's
-definition imports it (`_kernel()` of mlp_epilogue, norm_epilogue, qkv_epilogue, decode_attention, weight_prefetch),
-where Triton is required anyway.
+definition imports it (`_kernel()` of mlp_epilogue, norm_epilogue, qkv_epilogue, decode_attention, weight_prefetch,
+triton_sampler), where Triton is required anyway.
 Module-level functions, so Triton's interpreter (which reads a function's globals, not its closure) finds
 `tl` here and a kernel finds them as its module's globals."""
 
@@ -49,3 +49,14 @@ def bulk_prefetch_regions(table_ptr, REGIONS: tl.constexpr, lane, lanes, ALIGN: 
     each shared among the lanes as `bulk_prefetch_share` shares it."""
     for index in tl.static_range(REGIONS):
         bulk_prefetch_share(tl.load(table_ptr + 2 * index), tl.load(table_ptr + 2 * index + 1), lane, lanes, ALIGN)
+
+
+@triton.jit
+def mix32(x, MULT_1: tl.constexpr, MULT_2: tl.constexpr):
+    """`counter_noise.mix32` on uint32 values (`triton_sampler`): each product wraps modulo 2**32, the bits the masked
+    int64 product keeps."""
+    x = x ^ (x >> 16)
+    x = x * MULT_1
+    x = x ^ (x >> 15)
+    x = x * MULT_2
+    return x ^ (x >> 16)

@@ -42,7 +42,7 @@ MAX_ROWS = 65536  # rows a launch may have: one int32 counter each, made by prep
 _LOCKS: dict[str, Any] = {}  # device -> int32 counters [MAX_ROWS], zeroed before any capture (prepare)
 _OP = None  # the op, read by the compiled step as a global
 
-mix32 = None  # the hash's avalanche, a Triton function set by _kernel() (a global: the interpreter reads globals)
+mix32 = None  # the hash's avalanche, a Triton function (triton_jit.mix32) set by _kernel()
 
 
 @functools.cache
@@ -51,21 +51,12 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global mix32
+    from rollout_lib.backends import triton_jit
 
-    @triton.jit
-    def avalanche(x, MULT_1: tl.constexpr, MULT_2: tl.constexpr):
-        """`counter_noise.mix32` on uint32 values: each product wraps modulo 2**32, the bits the masked int64
-        product keeps."""
-        x = x ^ (x >> 16)
-        x = x * MULT_1
-        x = x ^ (x >> 15)
-        x = x * MULT_2
-        return x ^ (x >> 16)
+    global mix32  # a global: Triton's interpreter reads a kernel's globals, not its closure
+    mix32 = triton_jit.mix32
 
-    mix32 = avalanche
-
-    @triton.jit(do_not_specialize=["vocab", "logits_row"])
+    @triton.jit  # vocab and the row's stride specialized: divisible by 16 (151,936), the loads are 16 bytes wide
     def counter_sample_kernel(logits_ptr, seeds_ptr, step_ptr, inv_t_ptr, greedy_ptr, m_ptr, s_ptr, key_ptr, at_ptr,
                               lock_ptr, tokens_ptr, logp_ptr, vocab, logits_row, CHUNKS: tl.constexpr,
                               CHUNKS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, SALT: tl.constexpr,
