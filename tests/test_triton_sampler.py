@@ -14,6 +14,7 @@ from rollout_lib.backends.triton_ops import device_key
 from tests.triton_here import (  # noqa: F401 (an autouse fixture)
     DEVICE,
     MARKS,
+    assert_parts_only_after_close_logprobs,
     interpreter_on_a_cpu,
     run_engines,
 )
@@ -165,13 +166,18 @@ def test_a_bf16_engine_with_the_kernel_samples_the_tokens_of_the_chunked_sampler
     """The kernel as the compiled decode step's sampler (an opaque op after the LM head): the synced policy's
     identity is the chunked sampler's engine's; every decode step went through it (on a CPU: the op's calls; on a
     GPU: its kernel's launches, which CUDA graphs replay without calling the op); and the greedy and stochastic
-    cells' tokens are the chunked sampler's, their log-probabilities within a float32 rounding (the same logits:
-    nothing before the sampler changed)."""
+    cells' tokens are the chunked sampler's, their log-probabilities within a float32 rounding (on a CPU the same
+    logits: nothing before the sampler changed)."""
     policy, runs = run_engines(smoke_study, snapshot_cache, ({"SAMPLER": "chunked"}, {"SAMPLER": "triton"}),
                                "rollout::counter_sample", "counter_sample_kernel")
     (default_identity, default, none), (identity, got, used) = runs
     assert identity == default_identity == policy.identity
     assert none == [] and len(used) >= 2  # at least a step in each cell
+    if DEVICE == "cuda":
+        # each engine's inductor pieces choose their reductions' launches at first run (the default REDUCTION_LAUNCH),
+        # so the two engines' bf16 logits may part by a rounding: tokens apart only after close log-probabilities
+        assert_parts_only_after_close_logprobs(default, got, 0.05)
+        return
     for cell, results in default.items():
         for a, b in zip(results, got[cell], strict=True):
             assert a.token_ids == b.token_ids, (cell, a.request_id)
