@@ -1161,6 +1161,7 @@ def test_an_engine_under_a_reduction_launch_rule_compiles_each_piece_under_it(sm
     ({"ATTENTION_LAUNCH": "by_columns"}, "bfloat16",
      r"ATTENTION_LAUNCH by_columns needs ATTENTION_BACKEND triton \(it chooses that kernel's launch configuration\); "
      r"this engine: ATTENTION_BACKEND auto"),
+    ({"SAMPLER": "triton"}, "float32", r"SAMPLER triton needs a CUDA GPU and Triton; this engine: cpu"),
     ({"WEIGHT_PREFETCH": "rest_of_layer"}, "bfloat16",
      r"WEIGHT_PREFETCH rest_of_layer needs a CUDA GPU of compute capability 9.0 or later \(sm_90's bulk L2 "
      r"prefetch\) and Triton; this engine: cpu$"),
