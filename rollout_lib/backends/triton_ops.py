@@ -63,18 +63,20 @@ def check_triton_runs_here(device, setting: str) -> None:
 
 
 def opaque_op(name: str, run: Callable[..., Any], shape_only: Callable[..., Any], arguments: dict[str, type],
-              mutates: tuple[str, ...] = ()) -> Any:
+              mutates: tuple[str, ...] = (), returns: Any = None) -> Any:
     """The custom op `name` (register it once per process) calling `run`, with `shape_only` as its fake: a compiled
     piece calls it as it calls a cuBLAS GEMM (its launch recorded in the piece's CUDA graph) and inductor chooses
-    nothing for it. `arguments`: each argument's type, in order (the op's schema is read from them; it returns one
-    tensor); `mutates`: the arguments it writes in place (none by default)."""
+    nothing for it. `arguments`: each argument's type, in order (the op's schema is read from them and `returns`:
+    one tensor by default, or e.g. `tuple[torch.Tensor, torch.Tensor]`); `mutates`: the arguments it writes in
+    place (none by default)."""
     import inspect
 
     import torch
 
+    returns = torch.Tensor if returns is None else returns
     signature = inspect.Signature([inspect.Parameter(argument, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                      annotation=kind) for argument, kind in arguments.items()],
-                                  return_annotation=torch.Tensor)
+                                  return_annotation=returns)
 
     def call(*args):
         return run(*args)
@@ -84,7 +86,7 @@ def opaque_op(name: str, run: Callable[..., Any], shape_only: Callable[..., Any]
 
     for function in (call, fake):
         function.__signature__ = signature
-        function.__annotations__ = {**arguments, "return": torch.Tensor}
+        function.__annotations__ = {**arguments, "return": returns}
     op = torch.library.custom_op(name, mutates_args=mutates)(call)
     op.register_fake(fake)
     return op

@@ -30,7 +30,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from rollout_lib.backends import counter_noise
-from rollout_lib.backends.triton_ops import device_key, zeroed_counters
+from rollout_lib.backends.triton_ops import device_key, opaque_op, zeroed_counters
 
 if TYPE_CHECKING:
     import torch
@@ -151,18 +151,12 @@ def _op():
     if _OP is None:
         import torch
 
-        # the schema spelled out: this module's annotations are strings (`from __future__ import annotations`)
-        @torch.library.custom_op("rollout::counter_sample", mutates_args=(), schema=(
-            "(Tensor logits, Tensor seeds, Tensor step, Tensor inv_temperature, Tensor greedy) -> (Tensor, Tensor)"))
-        def counter_sample(logits, seeds, step, inv_temperature, greedy):
-            return launch(logits, seeds, step, inv_temperature, greedy)
-
-        @counter_sample.register_fake
-        def _(logits, seeds, step, inv_temperature, greedy):
-            rows = logits.shape[0]
-            return (logits.new_empty((rows,), dtype=torch.int64), logits.new_empty((rows,), dtype=torch.float32))
-
-        _OP = counter_sample
+        _OP = opaque_op("rollout::counter_sample", launch,
+                        lambda logits, seeds, step, inv_temperature, greedy: (
+                            logits.new_empty((logits.shape[0],), dtype=torch.int64),
+                            logits.new_empty((logits.shape[0],), dtype=torch.float32)),
+                        dict.fromkeys(("logits", "seeds", "step", "inv_temperature", "greedy"), torch.Tensor),
+                        returns=tuple[torch.Tensor, torch.Tensor])
     return _OP
 
 
