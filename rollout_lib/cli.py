@@ -871,6 +871,32 @@ def _campaign_cells_option(study, campaign: str, backend: str, output_dir: Path,
     return [c for c in base if c not in set(excluded)]
 
 
+def cmd_profile_breakdown(args: argparse.Namespace) -> int:
+    from rollout_lib.core import write_json_atomic
+    from rollout_lib.measure.step_profile import StepProfileError, breakdown_record, check_label, render
+
+    out = Path(args.json) if args.json else None
+    if out is not None:
+        _refuse_existing(out)
+    layers = args.layers
+    try:  # every value is checked before the trace is read
+        check_label(args.label)
+        if layers is None:
+            from rollout_lib.study.arch import get_architecture
+            from rollout_lib.study.prereg import load
+
+            layers = get_architecture(load(args.params).actor.architecture.name).num_hidden_layers
+        record = breakdown_record(args.trace, layers, steps=args.steps, label=args.label, cell=args.cell)
+    except StepProfileError as exc:
+        raise CommandError(str(exc)) from exc
+    print(f"{record['trace']['path']} ({record['gpu']}, cell {record['cell']}, {layers} layers)")
+    print(render(record))
+    if out is not None:
+        write_json_atomic(out, record)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 def cmd_source_stamp(args: argparse.Namespace) -> int:
     from rollout_lib.measure.identity import SOURCE_STAMP, write_source_stamp
 
@@ -941,6 +967,10 @@ EXPLAINED: dict[str, tuple[str, str]] = {
                       "--output-dir outputs/smoke --check"),
     "seal": ("Seal raw files whose run will not be resumed into the SEALS.jsonl manifest beside them.",
              "rollout seal outputs/raw/h200-v2/vllm/20261202T101500Z-g0.jsonl --reason 'lease ended, writer dead'"),
+    "profile-breakdown": ("Break a profiled decode window down per step: kernels, GEMMs, attention, norms, LoRA, "
+                          "sampling, gaps.",
+                          "rollout profile-breakdown outputs/smoke/profiles/smoke/hf_cached/RUN-CELL.trace.json.gz "
+                          "--params params/profiles/smoke.yaml --json /tmp/breakdown.json"),
     "source-stamp": ("Write .source-commit (commit + dirty flag) for a tree copied without .git.",
                      "rollout source-stamp"),
 }
@@ -1266,6 +1296,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after-the-fact", action="store_true",
                    help="a finished file from before seals existed: sealed byte for byte, nothing appended")
     p.set_defaults(func=cmd_seal)
+
+    p = sub.add_parser("profile-breakdown", help="per-step GPU kernel breakdown of a Chrome trace (the measure "
+                                                 "notebook's profile_cell); writes JSON only with --json")
+    p.add_argument("trace", help="a torch-profiler Chrome trace (.json or .json.gz) of whole decode steps")
+    _common(p)
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (one attention call each per step; default: the --params actor's)")
+    p.add_argument("--steps", type=float, default=None,
+                   help="decode steps in the window (default: counted from the read-backs, else attention calls)")
+    p.add_argument("--cell", default=None, help="the cell id the trace profiled (default: read from the file name)")
+    p.add_argument("--label", default="", help="what was profiled, e.g. an engine's name (shown in the report)")
+    p.add_argument("--json", default=None, help="also write the breakdown record here (never overwrites)")
+    p.set_defaults(func=cmd_profile_breakdown)
 
     p = sub.add_parser("source-stamp", help="write .source-commit (commit + dirty flag) for a tree copied without .git")
     p.set_defaults(func=cmd_source_stamp)

@@ -29,6 +29,7 @@ LIMITS: dict[str, int] = {
     "evidence": 16 * MiB,         # conformance / refresh JSON: the largest committed one is 70 KB
     "aggregate": 64 * MiB,        # the h200-v2 aggregate is ~0.5 MB
     "calculator": 1 * MiB,
+    "trace": 256 * MiB,           # a torch-profiler Chrome trace (gzipped or not): a whole p512-r512 cell is tens of MB
 }
 
 

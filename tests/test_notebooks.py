@@ -64,6 +64,9 @@ def test_measure_notebook_profiles_a_cell(tmp_path):
     assert trace.stat().st_size > 1000
     assert not (tmp_path / "outputs" / "raw").exists()  # profiling does not write measurements
     assert os.path.exists(trace)
+    # a CPU run's trace has no GPU kernel: no decode step breakdown, said so, and no record beside the trace
+    assert "decode step breakdown: not_applicable (trace: no GPU kernels in it" in text
+    assert not trace.with_name("p-p16-r8-n1-greedy.breakdown.json").exists()
 
 
 def test_committed_notebooks_are_what_the_builder_writes():

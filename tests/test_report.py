@@ -906,3 +906,49 @@ def test_a_side_by_side_stopped_before_its_last_round_is_read_as_incomplete(tmp_
     (row,) = diagnostics.side_by_side_summary(diagnostics.diagnostic_files(tmp_path))[1].to_dict("records")
     assert row["rounds"] == "3" and row["goal"] == ">= 1.3x in every cell: met in every reading"
     assert "incomplete" not in diagnostics.caption(path, finished)
+
+
+def test_the_decode_step_profiles_are_one_row_a_trace_and_a_sentence_a_cell(tmp_path):
+    """Issue 43 item 1's before and after: the records `rollout profile-breakdown --json` writes under perf/ are
+    read back, a cell's traces in the order they were taken (not by file name), the first and the last compared
+    in a sentence that says when the GPUs differ; other JSON under perf/ is left alone."""
+    import gzip
+    import json
+
+    from rollout_lib.cli import main
+    from rollout_lib.report import sections, step_profiles
+
+    from .test_step_profile import _two_steps_of_two_layers
+
+    folder = tmp_path / "perf" / "decode-profile"
+    folder.mkdir(parents=True)
+    # the norms fused away; their time stays in the span as gaps (the other kernels keep their times)
+    lean = [e for e in _two_steps_of_two_layers() if "rsqrt" not in e["name"]]
+    for name, gpu, base, events in (("a-after", "NVIDIA H100 80GB HBM3", 1_790_000_000_000_000_000, lean),
+                                    ("b-before", "NVIDIA H200", 1_780_000_000_000_000_000,
+                                     _two_steps_of_two_layers())):
+        trace = tmp_path / f"{name}-p128-r64-n1-greedy.json.gz"
+        trace.write_bytes(gzip.compress(json.dumps({"deviceProperties": [{"name": gpu}], "baseTimeNanoseconds": base,
+                                                    "traceEvents": events}).encode()))
+        assert main(["profile-breakdown", str(trace), "--layers", "2", "--label", f"engine {name}",
+                     "--json", str(folder / f"breakdown-{name}.json")]) == 0
+    (folder / "breakdown-junk.json").write_text("{not json")
+    (tmp_path / "perf" / "breakdown-other.json").write_text(json.dumps({"kind": "vllm_ladder"}))
+    found = step_profiles.step_profile_records(tmp_path)
+    assert [path.name for path, _ in found] == ["breakdown-b-before.json", "breakdown-a-after.json"]
+    sentence = step_profiles.step_profile_sentence(found)
+    assert sentence == ("p128-r64-n1-greedy: 9 → 7 kernels and 146 → 141 µs a step (NVIDIA H200 → NVIDIA H100 "
+                        "80GB HBM3: different GPUs, compare loosely)")
+    rows = step_profiles.step_profile_table(found).to_dict("records")
+    assert [r["profiled"] for r in rows] == ["engine b-before", "engine a-after"]
+    assert rows[0]["norms µs"] == "20" and rows[1]["norms µs"] == "0" and rows[1]["GEMMs µs"] == "60"
+    assert rows[0]["taken (UTC)"] < rows[1]["taken (UTC)"]
+    soup = BeautifulSoup(sections._step_profiles_html(tmp_path), "html.parser")
+    assert "9 → 7 kernels" in soup.p.get_text() and len(soup.select("table tbody tr")) == 2
+    assert sections._step_profiles_html(tmp_path / "nothing-here") == ""
+
+
+def test_the_smoke_report_has_no_decode_step_profile_without_records(smoke_html):
+    soup, _ = smoke_html
+    summaries = [s.get_text() for s in soup.select("#speed details summary")]
+    assert summaries and not any("kernel by kernel" in s for s in summaries)

@@ -29,7 +29,8 @@ safe on a laptop; the study is `params=params/rollout-runtime-v2.yaml` on a GPU
 
 Set `profile_cell` to a cell id to profile that one cell with `torch.profiler` instead of
 measuring (no raw file is written): the top operators table is shown and a Chrome trace is saved
-under `<output_dir>/profiles/<campaign>/<backend>/`."""
+under `<output_dir>/profiles/<campaign>/<backend>/`; on a GPU, the decode step kernel by kernel too
+(kernels, GEMMs, attention, norms, LoRA, sampling and the gaps a step), saved beside the trace."""
 
 PARAMETERS = """backend: str = "hf_cached"  # hf_reference, hf_cached or vllm
 params: str = "params/profiles/smoke.yaml"  # the smoke profile; the study: params/rollout-runtime-v2.yaml
@@ -108,7 +109,22 @@ PROFILE = """if profile_cell:
     finally:  # a failed profile still releases the GPU memory and any engine process
         profiled.teardown()
     print(operator_table)
-    print(f"Chrome trace: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")"""
+    print(f"Chrome trace: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")
+
+    # the decode step kernel by kernel (GPU traces only): GEMMs, attention, norms, LoRA, sampling, gaps
+    from rollout_lib.core import write_json_atomic
+    from rollout_lib.measure.step_profile import StepProfileError, breakdown_record, render
+
+    try:
+        step = breakdown_record(trace_path, workload.arch.num_hidden_layers, label=f"{spec.backend} ({campaign})",
+                                cell=profile_cell, root=output_dir)
+    except StepProfileError as exc:
+        print(f"decode step breakdown: not_applicable ({exc})")
+    else:
+        print(render(step))
+        record = trace_path.with_name(trace_path.name.replace(".trace.json.gz", ".breakdown.json"))
+        write_json_atomic(record, step, overwrite=True)  # it describes the trace just written beside it
+        print(f"breakdown record: {record} (`rollout profile-breakdown` writes the same from any trace)")"""
 
 
 SUMMARY_PARAMETERS = """campaign: str = "h200-v2"

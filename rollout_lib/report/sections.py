@@ -110,7 +110,26 @@ def speed_html(aggregate: dict[str, Any], study: Preregistration, inputs: dict[s
     if side_by_side:
         details += (("hf_cached beside vLLM's in-process engine without LoRA (diagnostic runs, beside the gates)",
                      side_by_side),)
+    profiles = _step_profiles_html(output_dir) if output_dir is not None else ""
+    if profiles:
+        details += (("Decode step, kernel by kernel (profiled traces, beside the gates)", profiles),)
     return section("speed", "Speed", finding, body, details)
+
+
+def _step_profiles_html(output_dir: Path) -> str:
+    """The breakdown records `rollout profile-breakdown --json` wrote under the output tree's perf/ folder."""
+    from rollout_lib.report import step_profiles
+
+    found = step_profiles.step_profile_records(output_dir)
+    if not found:
+        return ""
+    sentence = step_profiles.step_profile_sentence(found)
+    return ((f"<p>{html.escape(sentence)}.</p>" if sentence else "")
+            + "<p>Each row is one torch-profiler trace of whole decode steps, broken down by <code>rollout "
+              "profile-breakdown</code>: µs per decode step by kind of kernel, named by the kernels' names. GPU "
+              "active is the span less its gaps; the L2 prefetch runs on a side stream beside other kernels, so the "
+              "kinds' sum can pass the span. Rows of different GPUs compare only loosely.</p>"
+            + table_html(step_profiles.step_profile_table(found)))
 
 
 def _side_by_side_html(output_dir: Path) -> str:

@@ -5,16 +5,16 @@ cell, from what `tools/lab/fast_path_probe.py` and `fast_path_evidence.sh` retur
 
 Per folder: `probe.json` gives each variant's ms per decode step, tok/s, prefill ms, peak reserved memory
 and cold start (or its error); each `trace-<variant>-<cell>-20ms.json.gz` beside it, a window of decode steps,
-gives kernels per step, GPU busy time and the gaps between kernels (`tools/trace_breakdown.py`). The
+gives kernels per step, GPU busy time and the gaps between kernels (`rollout profile-breakdown`). The
 baseline is the folder's first variant unless `--baseline` names another (the lab's queues list the
-shrink-only engine first). A trace's steps are counted by its read-backs (`tools/trace_breakdown.py`); a
+shrink-only engine first). A trace's steps are counted by its read-backs (`rollout profile-breakdown`); a
 trace without two of them is counted by attention kernels, and where that count disagrees by more than 25 %
 with its span over the probe's ms per step (a variant whose attention takes two kernels a layer, e.g.
 split-KV with a combine kernel) by the span instead, and its row says so. Prints two markdown
 tables per folder: the speed of each variant against the baseline, then where a decode step's GPU time goes
 (ms per step by kernel category: GEMMs, float32 GEMMs, LoRA reductions, attention, norms, sampling, the rest,
 the gaps, the part of them just before attention kernels and the part that is the GPU waiting for the host;
-`tools/trace_breakdown.py` says how kernels are sorted). `--launches` adds a third table: per traced row,
+`rollout profile-breakdown` says how kernels are sorted). `--launches` adds a third table: per traced row,
 inductor's reduction kernels (us per step in all) and the launch shapes of the four that took longest, so a
 delta can be checked against the draw of launch configurations each compilation makes (docs/perf-notes.md,
 lease 28). `--kernels N` adds each traced row's N kernels with the most time per step (name, launch shape, calls
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from rollout_lib.core import write_json_atomic  # noqa: E402
-from tools.trace_breakdown import breakdown, read_trace  # noqa: E402
+from rollout_lib.measure.step_profile import StepProfileError, breakdown, gpu_events, read_trace  # noqa: E402
 
 STEP_COUNT_TOLERANCE = 0.25
 MAX_PROBE_BYTES = 16 * 1024 * 1024
@@ -42,10 +42,10 @@ MAX_PROBE_BYTES = 16 * 1024 * 1024
 
 def _trace_figures(path: Path, ms_per_step: float | None) -> dict[str, Any]:
     """Kernels, busy and gaps per decode step of one trimmed trace."""
-    events = read_trace(path)
+    events = read_trace(path)[0]["traceEvents"]
     try:
         result = breakdown(events)
-    except SystemExit as exc:  # no attention kernel to count steps by: the span is all there is
+    except StepProfileError as exc:  # no attention kernel to count steps by: the span is all there is
         result = None
         why = str(exc)
     else:
@@ -70,8 +70,8 @@ def _trace_figures(path: Path, ms_per_step: float | None) -> dict[str, Any]:
 
 
 def _span_us(events: list[dict[str, Any]]) -> float:
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
-    return max(float(k["ts"]) + float(k.get("dur", 0)) for k in kernels) - min(float(k["ts"]) for k in kernels)
+    kernels = gpu_events(events)
+    return max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
 
 
 def read_probe(folder: Path) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# The time table's columns: (heading, trace_breakdown categories summed into it); what no column names is "rest".
+# The time table's columns: (heading, step_profile categories summed into it); what no column names is "rest".
 TIME_COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("GEMM", ("gemm",)), ("float32 GEMM", ("gemm_float32",)), ("LoRA reductions", ("low_rank_reductions",)),
     ("attention", ("attention",)), ("norms", ("rmsnorm",)), ("sampling", ("sampling",)))

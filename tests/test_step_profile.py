@@ -1,14 +1,25 @@
-"""tools/trace_breakdown.py (issue 43's per-kernel profile of a decode step) on a hand-made trace whose
-answer is known, and its refusals."""
+"""rollout_lib/measure/step_profile.py and `rollout profile-breakdown` (issue 43's per-kernel profile of a
+decode step) on hand-made traces whose answer is known, and their refusals."""
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 
 import pytest
 
-from tools.trace_breakdown import breakdown, category, main, read_trace
+from rollout_lib.cli import main
+from rollout_lib.measure.step_profile import (
+    RECORD_KIND,
+    StepProfileError,
+    breakdown,
+    breakdown_record,
+    category,
+    column_us,
+    read_trace,
+)
+from rollout_lib.safe_read import UnsafeInput
 
 
 def _kernel(name, ts, dur, cat="kernel"):
@@ -38,6 +49,7 @@ def test_a_known_trace_gives_its_known_breakdown():
     assert result["gpu_busy_us_per_step"] == 2 * (10 + 30 + 5 + 20) + 8
     assert result["gaps_us_per_step"] == 2 * 4
     assert result["span_us_per_step"] == result["gpu_busy_us_per_step"] + result["gaps_us_per_step"]
+    assert result["gpu_active_us_per_step"] == result["gpu_busy_us_per_step"]  # one stream: nothing overlaps
     categories = result["categories"]
     assert {k: v["us"] for k, v in categories.items()} == {"gemm": 60, "attention": 40, "rmsnorm": 20,
                                                            "low_rank_reductions": 10, "sampling": 8}
@@ -116,26 +128,89 @@ def test_the_lora_terms_and_float32_gemms_are_told_apart(name, expected):
     assert category(name, "kernel") == expected
 
 
-def test_the_command_reads_a_gzipped_trace_and_writes_json(tmp_path, capsys):
-    trace = tmp_path / "t.json.gz"
-    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": _two_steps_of_two_layers()}).encode()))
+H100 = [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "numSms": 132}]
+
+
+def _write_trace(path, events, devices=H100):
+    path.write_bytes(gzip.compress(json.dumps({"deviceProperties": devices, "traceEvents": events}).encode()))
+    return path
+
+
+def test_the_command_reads_a_gzipped_trace_and_writes_its_record(tmp_path, capsys):
+    trace = _write_trace(tmp_path / "run1-p128-r64-n1-greedy.trace.json.gz", _two_steps_of_two_layers())
     out = tmp_path / "b.json"
-    assert main([str(trace), "--layers", "2", "--json", str(out)]) == 0
+    assert main(["profile-breakdown", str(trace), "--layers", "2", "--label", "engine U", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
+    assert "(NVIDIA H100 80GB HBM3, cell p128-r64-n1-greedy, 2 layers)" in printed
     assert "2.0 steps (attention kernels / 2 layers): 9.0 kernels/step" in printed
     assert "gaps 8.0 us/step (before attention kernels 8.0, host waits over 20 us 0.0)" in printed
-    assert json.loads(out.read_text())["gpu_busy_us_per_step"] == 138
+    record = json.loads(out.read_text())
+    assert record["kind"] == RECORD_KIND and record["label"] == "engine U" and record["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert record["gpu_busy_us_per_step"] == 138 and record["cell"] == "p128-r64-n1-greedy"
+    assert record["trace"]["sha256"] == hashlib.sha256(trace.read_bytes()).hexdigest()
+    assert record["trace"]["bytes"] == trace.stat().st_size
+    # evidence is never overwritten
+    assert main(["profile-breakdown", str(trace), "--layers", "2", "--json", str(out)]) == 2
+    assert "exists; evidence is never overwritten" in capsys.readouterr().err
 
 
-def test_refusals_name_the_problem(tmp_path):
-    with pytest.raises(SystemExit, match="not a regular file"):
+def test_the_layers_default_to_the_studys_actor(tmp_path, capsys):
+    """The smoke profile's tiny actor has 2 layers: its trace's steps are counted by them without --layers."""
+    trace = _write_trace(tmp_path / "t.json.gz", _two_steps_of_two_layers(), devices=[])
+    assert main(["profile-breakdown", str(trace), "--params", "params/profiles/smoke.yaml"]) == 0
+    printed = capsys.readouterr().out
+    assert "(not_measured, cell not_measured, 2 layers)" in printed and "2.0 steps (attention kernels / 2" in printed
+
+
+def test_a_plain_trace_and_a_bare_event_list_read_as_the_gzipped_one(tmp_path):
+    events = _two_steps_of_two_layers()
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(events))
+    record = breakdown_record(plain, 2, cell="p512-r256-n4-greedy")
+    assert record["gpu_busy_us_per_step"] == 138 and record["cell"] == "p512-r256-n4-greedy"
+    assert record["gpu"] == "not_measured" and record["label"] == "not_measured"
+
+
+def test_the_report_columns_sum_every_category_once():
+    record = breakdown(_two_steps_of_two_layers(), layers=2)
+    record["categories"]["kv_cache_write"] = {"kernels": 1, "us": 3.0, "share_of_busy": 0.0}
+    record["categories"]["gemm_float32"] = {"kernels": 1, "us": 2.0, "share_of_busy": 0.0}
+    columns = column_us(record)
+    assert columns == {"GEMMs": 62.0, "attention": 40.0, "norms": 20.0, "LoRA terms and epilogues": 10.0,
+                       "sampling": 8.0, "L2 prefetch (side stream)": 0.0, "other": 3.0}
+    assert sum(columns.values()) == sum(v["us"] for v in record["categories"].values())
+
+
+def test_refusals_name_the_problem(tmp_path, capsys):
+    with pytest.raises(UnsafeInput, match="is a directory, not a regular file"):
         read_trace(tmp_path)
-    with pytest.raises(SystemExit, match="no GPU kernels"):
+    (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises((UnsafeInput, FileNotFoundError)):
+        read_trace(tmp_path / "link.json")
+    (tmp_path / "junk.json.gz").write_bytes(b"\x1f\x8bnot gzip at all")
+    with pytest.raises(StepProfileError, match="not a readable gzip file"):
+        read_trace(tmp_path / "junk.json.gz")
+    (tmp_path / "object.json").write_text('{"events": []}')
+    with pytest.raises(StepProfileError, match="no traceEvents list"):
+        read_trace(tmp_path / "object.json")
+    with pytest.raises(StepProfileError, match="no GPU kernels"):
         breakdown([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}])
-    with pytest.raises(SystemExit, match=r"no attention kernel .*--steps"):
+    with pytest.raises(StepProfileError, match=r"no attention kernel .*--steps"):
         breakdown([_kernel("nvjet_x", 0, 1)])
-    with pytest.raises(SystemExit):
-        main([str(tmp_path / "missing.json"), "--layers", "0"])
+    with pytest.raises(StepProfileError, match="'nvjet_x' has no numeric ts/dur"):
+        breakdown([_kernel("nvjet_x", "soon", 1)])
+    trace = _write_trace(tmp_path / "t.json.gz", _two_steps_of_two_layers())
+    for args, message in ((["--layers", "0"], "layers: 0 is not allowed; allowed: an integer >= 1"),
+                          (["--steps", "-1"], "steps: -1.0 is not allowed; allowed: a number > 0"),
+                          (["--cell", "p128"], "cell: 'p128' is not allowed; allowed: a cell id such as"),
+                          (["--label", "a\nb"], "label: 'a\\nb'... is not allowed; allowed: printable text")):
+        out = tmp_path / "never.json"
+        code = main(["profile-breakdown", str(trace), "--layers", "2", *args, "--json", str(out)])  # the last wins
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], err
+        assert not out.exists()  # refused before anything was written
+    assert main(["profile-breakdown", str(tmp_path / "missing.json.gz"), "--layers", "2"]) == 2
+    assert "trace file does not exist" in capsys.readouterr().err
 
 
 def test_inductor_reductions_are_listed_by_launch_shape():
@@ -157,3 +232,32 @@ def test_inductor_reductions_are_listed_by_launch_shape():
         {"name": "triton_per_fused_add_mul_select_slice_sum_0", "grid": [512, 1, 1], "block": [128, 1, 1],
          "calls_per_step": 1.0, "us_per_call": 1.5, "us_per_step": 1.5}]
     assert breakdown(_two_steps_of_two_layers(), layers=2)["reduction_launches"][0]["grid"] == []  # no args: unknown
+
+
+def test_a_side_stream_kernel_counts_in_busy_time_but_not_in_active_time():
+    """WEIGHT_PREFETCH's kernel runs on its own stream beside the attention: the busy sum counts it, the active
+    time (the span less its gaps) does not count the overlap twice."""
+    events = _two_steps_of_two_layers()
+    attention = [e for e in events if "sdpa" in e["name"]]
+    events += [_kernel("l2_prefetch_kernel", e["ts"] - 2, 15) for e in attention]  # from the gap into the attention
+    result = breakdown(events, layers=2)
+    plain = breakdown(_two_steps_of_two_layers(), layers=2)
+    assert result["gpu_busy_us_per_step"] == plain["gpu_busy_us_per_step"] + 2 * 15
+    assert result["categories"]["weight_prefetch"] == {"kernels": 2, "us": 30, "share_of_busy": round(30 / 168, 4)}
+    assert result["gaps_us_per_step"] == 2 * 2  # the prefetch fills half of each 4 us gap before attention
+    assert result["gpu_active_us_per_step"] == plain["gpu_active_us_per_step"] + 2 * 2
+    assert column_us(result)["L2 prefetch (side stream)"] == 30
+
+
+def test_the_trace_start_is_its_base_time_plus_its_first_event(tmp_path):
+    """Kineto's `baseTimeNanoseconds` is shared by traces of one machine; each event's ts counts us after it."""
+    trace = tmp_path / "t.json"
+    events = _two_steps_of_two_layers()  # the first event at ts 0 (a CPU op), kernels from 100 us
+    trace.write_text(json.dumps({"baseTimeNanoseconds": 1790857026000000000, "traceEvents": events}))
+    assert breakdown_record(trace, 2)["trace"]["started_utc"] == "2026-10-01T12:17:06Z"
+    for event in events:
+        event["ts"] += 5798079789342.5  # lease 46's first U trace
+    trace.write_text(json.dumps({"baseTimeNanoseconds": 1790857026000000000, "traceEvents": events}))
+    assert breakdown_record(trace, 2)["trace"]["started_utc"] == "2026-12-07T14:51:45Z"
+    trace.write_text(json.dumps({"baseTimeNanoseconds": "soon", "traceEvents": events}))
+    assert breakdown_record(trace, 2)["trace"]["started_utc"] == "not_measured"
