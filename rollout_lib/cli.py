@@ -85,11 +85,20 @@ def cmd_prereg(args: argparse.Namespace) -> int:
     from rollout_lib.study.prereg import CALCULATOR_PENDING, load
 
     study = load(args.path)
+    if study.hf_cached_engine:
+        from rollout_lib.backends.compact_qwen3 import check_study_engine
+
+        try:
+            check_study_engine(study)
+        except ValueError as exc:
+            raise CommandError(f"{args.path}: {exc}") from None
     calc = study.calculator.sha256
     print(f"valid: {args.path} (sha256 {study.sha256})")
     print(f"  study   {study.study_id} ({study.status_label})", file=sys.stderr)
     print(f"  actor   {study.actor.architecture.name} digest {study.actor.payload_digest}", file=sys.stderr)
     print(f"  teacher {study.teacher.architecture.name} digest {study.teacher.payload_digest}", file=sys.stderr)
+    engine = ", ".join(f"{k}={v}" for k, v in sorted(study.hf_cached_engine.items()))
+    print(f"  hf_cached engine: {engine or 'the defaults (no hf_cached_engine)'}", file=sys.stderr)
     if calc == CALCULATOR_PENDING:
         print("  calculator: PENDING (not frozen: any use of the calculator refuses to run)", file=sys.stderr)
     else:

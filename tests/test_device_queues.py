@@ -121,6 +121,12 @@ def _check_command(where: str, command: str, parser, known_cells: set[str]) -> N
 
         args = pick_engine.build_parser().parse_args(words[2:])
         assert all(str(f).startswith("outputs/perf/") for f in args.folders), f"{where}: probe folders: {command}"
+    elif words[:2] == ["python3", "tools/lab/engine_profile.py"]:
+        from tools.lab import engine_profile
+
+        args = engine_profile.build_parser().parse_args(words[2:])
+        assert args.out.startswith("outputs/perf/") and (args.engine_choice or "outputs/perf/").startswith(
+            "outputs/perf/"), f"{where}: the profile and the picker's choice under outputs/perf/: {command}"
     elif words[:2] == ["python3", "tools/lab/host_facts.py"]:
         from tools.lab import host_facts
 

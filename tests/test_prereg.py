@@ -76,6 +76,13 @@ FAULTS = [
     ("top_p out of range", lambda d: d["workload"]["samplings"][1].update(top_p=1.5),
      "workload.samplings[1].top_p", "maximum"),
     ("loader-owned key in file", _set(["sha256"], "x"), "sha256", "unknown key"),
+    ("engine as a list", _set(["hf_cached_engine"], ["SAMPLER"]), "hf_cached_engine", "expected a mapping"),
+    ("engine setting lower case", _set(["hf_cached_engine"], {"sampler": "chunked"}), "hf_cached_engine.sampler",
+     "UPPER_SNAKE_CASE"),
+    ("engine value not a name", _set(["hf_cached_engine"], {"SAMPLER": "Chunked!"}), "hf_cached_engine.SAMPLER",
+     "lower_snake_case"),
+    ("engine value a number", _set(["hf_cached_engine"], {"SAMPLER": 3}), "hf_cached_engine.SAMPLER",
+     "expected a string"),
 ]
 
 
@@ -138,3 +145,26 @@ def test_cli_rejects_bad_file(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "protocol.measured_repetitions" in out.stderr
+
+
+def test_the_study_names_its_hf_cached_engine_and_the_cli_checks_it(tmp_path, prereg_study):
+    """Issue 43: a study may name the hf_cached engine it measures (hash-bound); the frozen h200-v2 study names
+    none. `rollout prereg` prints it and refuses a setting the engine does not have, in one line."""
+    assert dict(prereg_study.hf_cached_engine) == {}
+    text = PREREG.read_text() + "hf_cached_engine:\n  SAMPLER: chunked\n  LORA_SHRINK: in_base_gemm\n"
+    study = loads(text)
+    assert dict(study.hf_cached_engine) == {"SAMPLER": "chunked", "LORA_SHRINK": "in_base_gemm"}
+    assert study.sha256 != prereg_study.sha256 and study.measurement_sha256 != prereg_study.measurement_sha256
+    named = tmp_path / "named.yaml"
+    named.write_text(text)
+    out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "prereg", str(named)], cwd=REPO,
+                         capture_output=True, text=True, check=True)
+    assert "hf_cached engine: LORA_SHRINK=in_base_gemm, SAMPLER=chunked" in out.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(PREREG.read_text() + "hf_cached_engine:\n  SAMPLER: fastest\n")
+    out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "prereg", str(bad)], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        f"rollout prereg: error: {bad}: hf_cached_engine.SAMPLER: SAMPLER 'fastest' is not allowed; allowed: row, "
+        "chunked, triton"]

@@ -948,7 +948,9 @@ def test_the_decode_step_profiles_are_one_row_a_trace_and_a_sentence_a_cell(tmp_
     assert sections._step_profiles_html(tmp_path / "nothing-here") == ""
 
 
-def test_the_smoke_report_has_no_decode_step_profile_without_records(smoke_html):
+def test_the_smoke_report_has_no_decode_step_profile_without_records_and_names_no_engine(smoke_html):
     soup, _ = smoke_html
     summaries = [s.get_text() for s in soup.select("#speed details summary")]
     assert summaries and not any("kernel by kernel" in s for s in summaries)
+    setup = soup.select_one("#setup p.finding").get_text()
+    assert "warm-up" in setup and "hf_cached engine" not in setup  # the smoke study names none: the defaults

@@ -871,6 +871,19 @@ def check_engine_settings(settings: Any) -> dict[str, str]:
     return dict(settings)
 
 
+def check_study_engine(study: Any) -> dict[str, str]:
+    """A study's `hf_cached_engine` (issue 43: the engine a campaign measures), checked against ENGINE_SETTINGS
+    before anything runs; a bad name or value is refused in one line naming `hf_cached_engine.<NAME>` and what is
+    allowed. Imports no torch: `rollout prereg` and the measure notebook's parameter check call it."""
+    engine = dict(getattr(study, "hf_cached_engine", {}))
+    for name, value in engine.items():
+        try:
+            check_engine_settings({name: value})
+        except ValueError as exc:
+            raise ValueError(f"hf_cached_engine.{name}: {exc}") from None
+    return engine
+
+
 # recompilations allowed per compiled function: the row counts of one engine, times the engines a
 # process builds (tests, the probe's variants); past dynamo's default (8) it would run them eagerly
 RECOMPILE_LIMIT = 64

@@ -65,9 +65,11 @@ class HFCachedBackend(HFBackendBase):
                              f"allowed: {', '.join(STEP_COMPILE)}")
         from rollout_lib.backends.compact_qwen3 import LORA_ADD_ALLOWED, check_engine_settings, lora_add_mode
 
-        # issue 43's engine candidates for this backend only (e.g. {"LORA_SHRINK": "in_base_gemm"}), checked now
+        # issue 43's engine: the study's (`hf_cached_engine`, empty before h200-v3), or a candidate given as the
+        # `engine` option (e.g. {"LORA_SHRINK": "in_base_gemm"}), which replaces it whole; checked now
+        engine = options["engine"] if "engine" in options else (dict(getattr(study, "hf_cached_engine", {})) or None)
         try:
-            self.engine_settings = check_engine_settings(options.get("engine"))
+            self.engine_settings = check_engine_settings(engine)
         except ValueError as exc:
             raise ValueError(f"hf_cached: {exc}") from exc
         if self.engine_settings and self.decode != "graphs":

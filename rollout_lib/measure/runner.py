@@ -195,6 +195,13 @@ def validate_parameters(*, backend: str, params: str, campaign: str, cells: Any 
     if not params_path.is_file():
         raise ParameterError(f"params: {str(params)!r} is not a file (a preregistration or a profile YAML)")
     study = load(params_path)
+    if study.hf_cached_engine:  # the engine the study names, checked here so a bad one writes nothing
+        from rollout_lib.backends.compact_qwen3 import check_study_engine
+
+        try:
+            check_study_engine(study)
+        except ValueError as exc:
+            raise ParameterError(f"params: {exc}") from None
     workload = Workload(study)
     cell_ids = _as_cell_list(cells)
     known = workload.cell_ids()

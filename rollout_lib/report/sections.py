@@ -402,6 +402,8 @@ def setup_html(study: Preregistration, aggregate: dict[str, Any], inputs: dict[s
     finding = (f"{study.study_id} ({study.status_label}); actor: {report.model_source_text(study.actor)}; "
                f"measured on {', '.join(gpus) or '—'}; {study.protocol.warmup_repetitions} warm-up + "
                f"{study.protocol.measured_repetitions} measured repetitions per cell, median")
+    if study.hf_cached_engine:  # issue 43: the study names the engine hf_cached measured (else its defaults)
+        finding += "; hf_cached engine: " + ", ".join(f"{k}={v}" for k, v in sorted(study.hf_cached_engine.items()))
     details = [("Frozen setup: preregistration, calculator, models, budget, each raw file's environment",
                 table_html(report.setup_table(study, aggregate, inputs)))]
     scaling = _scaling(study, aggregate.get("campaign", ""), inputs)

@@ -10,6 +10,7 @@ Profiles under `params/profiles/` use the same schema with `preregistered: false
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -234,6 +235,12 @@ class Preregistration:
     invalidation_rules: tuple[InvalidationRule, ...] = field(metadata=_m(min_items=1))
     selection: SelectionSpec
     calculator: CalculatorSpec
+    # The hf_cached engine the study measures (issue 43): compact_qwen3's engine settings by name, e.g.
+    # {LORA_SHRINK: in_base_gemm}. Absent (h200-v2, every study before it): the engine's defaults. Part of the
+    # hashed text like every key, so a campaign's raw files are bound to the engine they measured. The names and
+    # values are checked against the backend's table where the backend is at hand (`check_hf_cached_engine` in
+    # rollout_lib.backends.hf_cached: `rollout prereg`, the measure notebook's parameter check); here their form.
+    hf_cached_engine: dict[str, str] = field(default_factory=dict, hash=False)  # a mapping is not hashable
     # Filled by load(): not part of the YAML.
     source_path: str = field(default="", compare=False, init=True)
     sha256: str = field(default="", compare=False, init=True)
@@ -292,6 +299,13 @@ def _validate_source(spec: ModelSpec, role: str) -> None:
 def _validate(study: Preregistration) -> None:
     """Cross-field rules the per-field schema cannot express."""
     err = PreregistrationError
+    for name, value in study.hf_cached_engine.items():
+        if not re.fullmatch(r"[A-Z][A-Z0-9_]*", name):
+            raise err(f"hf_cached_engine.{name}", "is not an engine setting's name; allowed: UPPER_SNAKE_CASE names "
+                      "such as LORA_SHRINK (`rollout prereg` lists the engine's settings)")
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_]*", value):
+            raise err(f"hf_cached_engine.{name}", f"{value!r} is not an engine setting's value; allowed: "
+                      "lower_snake_case values such as in_base_gemm")
     for role in ("actor", "teacher"):
         spec: ModelSpec = getattr(study, role)
         if spec.role != role:
