@@ -394,3 +394,37 @@ def test_a_pipelined_readback_replays_the_same_graphs_to_the_same_results(study)
         assert piped.decode_steps == reference.decode_steps + 1
     finally:
         backend.teardown()
+
+
+def test_a_profiled_cell_breaks_down_per_decode_step(tmp_path):
+    """Issue 43 item 1 as the measure notebook runs it (`profile_cell`, then `breakdown_record`): a CUDA trace of
+    the smoke study's tiny hf_cached engine, its whole decode steps counted by their read-backs, one attention call
+    or more per layer per step, the GPU named from the trace, the record readable by the report."""
+    from rollout_lib.core import write_json_atomic
+    from rollout_lib.measure.runner import MEASUREMENT_POLICY_VERSION, profile_cell
+    from rollout_lib.measure.step_profile import breakdown_record
+    from rollout_lib.report.step_profiles import step_profile_records
+    from rollout_lib.study.prereg import load
+
+    from .conftest import SMOKE
+
+    study = load(SMOKE)
+    workload = Workload(study)
+    backend = create_backend("hf_cached", study, device="cuda")
+    try:
+        backend.cold_start()
+        backend.sync_policy(policy_versions(workload.arch, study.actor.lora, study.actor.payload_digest,
+                                            MEASUREMENT_POLICY_VERSION)[-1])
+        cell = "p16-r8-n1-greedy"
+        _, trace = profile_cell(backend, workload.requests(workload.cell(cell)), tmp_path / f"r-{cell}.trace.json.gz")
+    finally:
+        backend.teardown()
+    record = breakdown_record(trace, workload.arch.num_hidden_layers, cell=cell, root=tmp_path)
+    assert record["steps_from"].startswith("read-backs") and record["steps"] >= 3, record["steps_from"]
+    assert record["categories"]["attention"]["kernels"] >= workload.arch.num_hidden_layers
+    assert record["categories"]["gemm"]["kernels"] > 0 and record["gaps_us_per_step"] >= 0
+    assert record["gpu"] == torch.cuda.get_device_name(0)
+    out = tmp_path / "perf" / f"breakdown-{cell}.json"
+    out.parent.mkdir()
+    write_json_atomic(out, record)
+    assert [path for path, _ in step_profile_records(tmp_path)] == [out]
