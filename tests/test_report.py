@@ -934,6 +934,8 @@ def test_the_decode_step_profiles_are_one_row_a_trace_and_a_sentence_a_cell(tmp_
                      "--json", str(folder / f"breakdown-{name}.json")]) == 0
     (folder / "breakdown-junk.json").write_text("{not json")
     (tmp_path / "perf" / "breakdown-other.json").write_text(json.dumps({"kind": "vllm_ladder"}))
+    (folder / "breakdown-malformed.json").write_text(json.dumps({"kind": "decode_step_breakdown",
+                                                                 "categories": {"gemm": {"us": "60"}}}))
     found = step_profiles.step_profile_records(tmp_path)
     assert [path.name for path, _ in found] == ["breakdown-b-before.json", "breakdown-a-after.json"]
     sentence = step_profiles.step_profile_sentence(found)

@@ -28,10 +28,17 @@ def step_profile_records(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
                 record = read_json(path, kind="evidence", root=output_dir)
             except (ValueError, UnicodeDecodeError):
                 continue
-            if isinstance(record, dict) and record.get("kind") == RECORD_KIND and isinstance(record.get("categories"),
-                                                                                            dict):
+            if isinstance(record, dict) and record.get("kind") == RECORD_KIND and _well_formed(record):
                 found.append((path, record))
     return sorted(found, key=lambda item: (str(item[1].get("cell")), _started(item[1]) or "~", str(item[0])))
+
+
+def _well_formed(record: dict[str, Any]) -> bool:
+    """Every category a mapping with a number of us: what the table sums (a hand-edited file is left out)."""
+    categories = record.get("categories")
+    return isinstance(categories, dict) and all(
+        isinstance(v, dict) and isinstance(v.get("us"), int | float) and not isinstance(v.get("us"), bool)
+        for v in categories.values())
 
 
 def _started(record: dict[str, Any]) -> str | None:
