@@ -31,6 +31,7 @@ from rollout_lib.core import project_root
 
 if TYPE_CHECKING:  # the CLI imports heavy modules only inside the command that needs them
     from rollout_lib.models.train_standin import TrainKernels
+    from rollout_lib.study.prereg import Preregistration
 
 DEFAULT_PARAMS = "params/rollout-runtime-v2.yaml"
 DEFAULT_CYCLE_PARAMS = "params/rollout-runtime-v2-cycle.yaml"
@@ -81,17 +82,26 @@ def _utc_stamp() -> str:
 # Subcommands
 # ------------------------------------------------------------------------------------------
 
-def cmd_prereg(args: argparse.Namespace) -> int:
-    from rollout_lib.study.prereg import CALCULATOR_PENDING, load
+def _study(path: str | os.PathLike[str]) -> Preregistration:
+    """The study at `path`, with the hf_cached engine it names (if any) checked against the engine's settings, so
+    a command that would run it refuses a bad one in one line before anything is written."""
+    from rollout_lib.study.prereg import load
 
-    study = load(args.path)
+    study = load(path)
     if study.hf_cached_engine:
         from rollout_lib.backends.compact_qwen3 import check_study_engine
 
         try:
             check_study_engine(study)
         except ValueError as exc:
-            raise CommandError(f"{args.path}: {exc}") from None
+            raise CommandError(f"{path}: {exc}") from None
+    return study
+
+
+def cmd_prereg(args: argparse.Namespace) -> int:
+    from rollout_lib.study.prereg import CALCULATOR_PENDING
+
+    study = _study(args.path)
     calc = study.calculator.sha256
     print(f"valid: {args.path} (sha256 {study.sha256})")
     print(f"  study   {study.study_id} ({study.status_label})", file=sys.stderr)
@@ -425,9 +435,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         vllm_conformance,
     )
     from rollout_lib.measure.identity import write_evidence
-    from rollout_lib.study.prereg import load
 
-    study = load(args.params)
+    study = _study(args.params)
     out = Path(args.out)
     _refuse_existing(out)
     settings = ConformanceSettings(
@@ -471,9 +480,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     from rollout_lib.backends import create_backend
     from rollout_lib.checks.refresh import run_refresh
     from rollout_lib.measure.identity import write_evidence
-    from rollout_lib.study.prereg import load
 
-    study = load(args.params)
+    study = _study(args.params)
     out = Path(args.out)
     _refuse_existing(out)
     options = ({"device": args.device} if args.device else {}) | _backend_options(args.backend_option)
@@ -490,9 +498,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 def cmd_vllm_diagnostic(args: argparse.Namespace) -> int:
     from rollout_lib.checks.vllm_inprocess import check_variants, run_diagnostic
-    from rollout_lib.study.prereg import load
 
-    study = load(args.params)
+    study = _study(args.params)
     out = Path(args.out)
     _refuse_existing(out)
     cells = _cells_arg(study, args.cells)
@@ -576,9 +583,8 @@ def _diagnostic_figures(row: dict) -> list[str]:
 def cmd_vllm_compare(args: argparse.Namespace) -> int:
     from rollout_lib.checks.vllm_compare import chosen_rungs, run_comparison
     from rollout_lib.core import write_json_atomic
-    from rollout_lib.study.prereg import load
 
-    study = load(args.params)
+    study = _study(args.params)
     out = Path(args.out)
     _refuse_existing(out)
     cells = _cells_arg(study, args.cells)
@@ -739,11 +745,10 @@ def cmd_seal(args: argparse.Namespace) -> int:
 
 def cmd_campaign(args: argparse.Namespace) -> int:
     from rollout_lib.campaign import driver
-    from rollout_lib.study.prereg import load
 
     if args.campaign_command == "scaling":  # refused before anything is read
         counts = _gpu_counts(args.gpus)
-    study = load(args.params)
+    study = _study(args.params)
     output_dir = Path(args.output_dir)
     if args.campaign_command == "status":
         print(driver.status(study, args.campaign, output_dir, args.backend))

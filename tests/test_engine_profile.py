@@ -115,3 +115,46 @@ def test_a_bad_engine_in_the_study_is_a_parameter_error_naming_it(tmp_path):
         validate_parameters(backend="hf_cached", params=str(bad), campaign="engine", output_dir=str(tmp_path / "o"),
                             device="cpu")
     assert not (tmp_path / "o").exists()
+
+
+def test_conformance_runs_the_studys_engine_with_its_bf16_only_settings_left_out_of_float32(tmp_path, monkeypatch):
+    """The float32 part of conformance cannot run a bf16-only setting: the study's engine reaches hf_cached
+    filtered as a candidate's is (LORA_SHRINK in_base_gemm left out, the rest kept); the oracle gets none."""
+    from rollout_lib.checks import conformance
+
+    study = load(_profile(tmp_path, {"LORA_SHRINK": "in_base_gemm", "SAMPLER": "chunked"}))
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    class Unstarted:
+        def cold_start(self):
+            raise Stop  # the first part's backends are built; nothing is run
+
+    def create_backend(name, study, **options):
+        built.append((name, options.get("compute_dtype"), options.get("engine")))
+        return Unstarted()
+
+    monkeypatch.setattr(conformance, "create_backend", create_backend)
+    with pytest.raises(Stop):
+        conformance.run_conformance(study, conformance.ConformanceSettings((16,), (8,)), device="cpu",
+                                    show_progress=False)
+    assert built == [("hf_reference", "float32", None), ("hf_cached", "float32", {"SAMPLER": "chunked"})]
+
+
+@pytest.mark.parametrize("command", [["prereg"], ["campaign", "plan", "--campaign", "engine", "--backend", "hf_cached",
+                                                  "--deadline-s", "100", "--params"]])
+def test_an_engine_whose_settings_do_not_go_together_is_refused_before_anything_is_written(tmp_path, capsys, command):
+    """DECODE_PREFIX shared needs FA3's or the Triton attention: a study naming it with the default attention is
+    refused in one line naming the setting, by `rollout prereg` and before `rollout campaign` writes anything."""
+    from rollout_lib.cli import main as rollout
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SMOKE.read_text() + "hf_cached_engine:\n  DECODE_PREFIX: shared\n")
+    args = [*command, str(bad)] + (["--output-dir", str(tmp_path / "out")] if command[0] == "campaign" else [])
+    assert rollout(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hf_cached_engine.DECODE_PREFIX: DECODE_PREFIX shared needs ATTENTION_BACKEND fa3 or " \
+                               "triton" in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -155,6 +155,10 @@ def test_the_study_names_its_hf_cached_engine_and_the_cli_checks_it(tmp_path, pr
     study = loads(text)
     assert dict(study.hf_cached_engine) == {"SAMPLER": "chunked", "LORA_SHRINK": "in_base_gemm"}
     assert study.sha256 != prereg_study.sha256 and study.measurement_sha256 != prereg_study.measurement_sha256
+    import copy
+    import pickle
+
+    assert pickle.loads(pickle.dumps(study)) == study == copy.deepcopy(study) != prereg_study  # a plain mapping
     named = tmp_path / "named.yaml"
     named.write_text(text)
     out = subprocess.run([sys.executable, "-m", "rollout_lib.cli", "prereg", str(named)], cwd=REPO,

@@ -936,8 +936,17 @@ def test_the_decode_step_profiles_are_one_row_a_trace_and_a_sentence_a_cell(tmp_
     (tmp_path / "perf" / "breakdown-other.json").write_text(json.dumps({"kind": "vllm_ladder"}))
     (folder / "breakdown-malformed.json").write_text(json.dumps({"kind": "decode_step_breakdown",
                                                                  "categories": {"gemm": {"us": "60"}}}))
+    (folder / "breakdown-trace-a-list.json").write_text(json.dumps({"kind": "decode_step_breakdown", "trace": [],
+                                                                    "categories": {"gemm": {"us": 60}}}))
+    (folder / "breakdown-dangling.json").symlink_to(tmp_path / "gone.json")
     found = step_profiles.step_profile_records(tmp_path)
     assert [path.name for path, _ in found] == ["breakdown-b-before.json", "breakdown-a-after.json"]
+    # the measure notebook's records beside its profiles count for their own campaign's report only
+    beside = tmp_path / "profiles" / "smoke" / "hf_cached"
+    beside.mkdir(parents=True)
+    (beside / "r-p16-r8-n1-greedy.breakdown.json").write_bytes((folder / "breakdown-a-after.json").read_bytes())
+    assert len(step_profiles.step_profile_records(tmp_path, "smoke")) == 3
+    assert len(step_profiles.step_profile_records(tmp_path, "other")) == 2
     sentence = step_profiles.step_profile_sentence(found)
     assert sentence == ("p128-r64-n1-greedy: 9 → 7 kernels and 146 → 141 µs a step (NVIDIA H200 → NVIDIA H100 "
                         "80GB HBM3: different GPUs, compare loosely)")

@@ -18,6 +18,7 @@ from rollout_lib.measure.step_profile import (
     category,
     column_us,
     read_trace,
+    trace_gpu,
 )
 from rollout_lib.safe_read import UnsafeInput
 
@@ -261,3 +262,23 @@ def test_the_trace_start_is_its_base_time_plus_its_first_event(tmp_path):
     assert breakdown_record(trace, 2)["trace"]["started_utc"] == "2026-12-07T14:51:45Z"
     trace.write_text(json.dumps({"baseTimeNanoseconds": "soon", "traceEvents": events}))
     assert breakdown_record(trace, 2)["trace"]["started_utc"] == "not_measured"
+
+
+def test_odd_but_plausible_traces_are_read_or_refused_by_name():
+    """A GPU event without its duration is refused (never read as 0 us); kernels of zero duration leave the shares
+    not_measured; a launch shape that is not a list of integers is unknown; device properties that are not a list
+    name no GPU."""
+    no_duration = {"ph": "X", "cat": "kernel", "name": "nvjet_y", "ts": 5}
+    with pytest.raises(StepProfileError, match="'nvjet_y' has no numeric ts/dur"):
+        breakdown([no_duration], layers=1, steps=1)
+    with pytest.raises(StepProfileError, match=r"has ts 5\.0, dur inf"):
+        breakdown([dict(no_duration, dur="inf")], layers=1, steps=1)
+    instant = breakdown([_kernel("nvjet_y", 5, 0), _kernel("flash_fwd", 6, 0)], layers=1)
+    assert instant["categories"]["gemm"]["share_of_busy"] == "not_measured"
+    assert instant["gpu_busy_us_per_step"] == 0 and instant["gaps_us_per_step"] == 1
+    odd = [dict(_kernel("triton_per_fused_mul_sum_0", 0, 2), args={"grid": 512, "block": [64, "x"]}),
+           dict(_kernel("flash_fwd", 3, 2), args=["not", "a", "mapping"])]
+    (launch,) = breakdown(odd, layers=1)["reduction_launches"]
+    assert launch["grid"] == [] and launch["block"] == []
+    assert trace_gpu({"deviceProperties": 3}) == "not_measured"
+    assert trace_gpu({"deviceProperties": [{"name": "NVIDIA H200"}, "junk"]}) == "NVIDIA H200"

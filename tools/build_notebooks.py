@@ -113,13 +113,14 @@ PROFILE = """if profile_cell:
 
     # the decode step kernel by kernel (GPU traces only): GEMMs, attention, norms, LoRA, sampling, gaps
     from rollout_lib.core import write_json_atomic
-    from rollout_lib.measure.step_profile import StepProfileError, breakdown_record, render
+    from rollout_lib.measure.step_profile import NoGPUKernels, breakdown_record, render
 
     try:
         step = breakdown_record(trace_path, workload.arch.num_hidden_layers, label=f"{spec.backend} ({campaign})",
                                 cell=profile_cell, root=output_dir)
-    except StepProfileError as exc:
-        print(f"decode step breakdown: not_applicable ({exc})")
+    except ValueError as exc:  # the trace is kept either way; a CPU run's has no GPU kernel to break down
+        print(f"decode step breakdown: {'not_applicable' if isinstance(exc, NoGPUKernels) else 'not_measured'} "
+              f"({exc})")
     else:
         print(render(step))
         record = trace_path.with_name(trace_path.name.replace(".trace.json.gz", ".breakdown.json"))

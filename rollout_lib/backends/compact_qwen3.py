@@ -871,16 +871,35 @@ def check_engine_settings(settings: Any) -> dict[str, str]:
     return dict(settings)
 
 
+def check_requirements(settings: dict[str, str]) -> None:
+    """SETTING_REQUIRES over an engine's settings (each unnamed one at the module's value): a value that runs only
+    with another setting's value is refused in one line naming both."""
+    def setting(name: str) -> str:
+        return settings.get(name, globals()[name])
+
+    for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():
+        if setting(name) == value and not requirement_met(setting(needs), needed):
+            raise ValueError(f"{name} {value} needs {needs} {requirement_text(needed)} ({why}); this engine: "
+                             f"{needs} {setting(needs)}")
+
+
 def check_study_engine(study: Any) -> dict[str, str]:
-    """A study's `hf_cached_engine` (issue 43: the engine a campaign measures), checked against ENGINE_SETTINGS
-    before anything runs; a bad name or value is refused in one line naming `hf_cached_engine.<NAME>` and what is
-    allowed. Imports no torch: `rollout prereg` and the measure notebook's parameter check call it."""
+    """A study's `hf_cached_engine` (issue 43: the engine a campaign measures), checked against ENGINE_SETTINGS and
+    SETTING_REQUIRES before anything runs; a bad name, value or combination is refused in one line naming
+    `hf_cached_engine.<NAME>` and what is allowed. Imports no torch: `rollout prereg`, the measure notebook's
+    parameter check and `rollout campaign` call it."""
     engine = dict(getattr(study, "hf_cached_engine", {}))
     for name, value in engine.items():
         try:
             check_engine_settings({name: value})
         except ValueError as exc:
             raise ValueError(f"hf_cached_engine.{name}: {exc}") from None
+    try:
+        check_requirements(engine)
+    except ValueError as exc:
+        named = next((name for (name, value) in SETTING_REQUIRES if engine.get(name) == value
+                      and str(exc).startswith(f"{name} {value} ")), "?")
+        raise ValueError(f"hf_cached_engine.{named}: {exc}") from None
     return engine
 
 
@@ -1080,10 +1099,7 @@ class CompactQwen3:
             skinny_gemm.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)
-        for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():
-            if setting(name) == value and not requirement_met(setting(needs), needed):
-                raise ValueError(f"{name} {value} needs {needs} {requirement_text(needed)} ({why}); this engine: "
-                                 f"{needs} {setting(needs)}")
+        check_requirements(chosen)
         for name, (_, module) in EPILOGUES.items():
             if setting(name) == "triton":
                 triton_ops.check_triton_runs_here(self.device, f"{name} triton")

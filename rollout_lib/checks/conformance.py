@@ -192,6 +192,8 @@ def run_conformance(study: Preregistration, settings: ConformanceSettings, devic
     for dtype in ("float32", study.actor.quantization.compute_dtype):
         part: dict[str, Any] = {}
         options = dict(candidate_options)
+        if "engine" not in options and study.hf_cached_engine:  # the engine the study names (issue 43)
+            options["engine"] = dict(study.hf_cached_engine)
         if "engine" in options:  # a bf16-only setting (and what needs it) is left out of the float32 part, said so
             options["engine"], left_out = settings_for_dtype(options["engine"], dtype)
             part["engine_settings"] = options["engine"]

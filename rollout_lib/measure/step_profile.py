@@ -34,14 +34,16 @@ Also, per inductor reduction kernel (`triton_per_*`, `triton_red_*`) and launch 
 compiled piece first ran (lease 28: the same kernel source drew different picks in different compilations,
 1.5 us against 10.9 us for one kernel), so two traces' reductions can be told apart by pick, not only by time.
 
-A trace with no GPU kernel (a CPU run) has no breakdown: `StepProfileError`, which the notebook reports as
-not_applicable. The record (`breakdown_record`, kind "decode_step_breakdown") names its trace by path and
-SHA-256 and its GPU as the trace's `deviceProperties` give it, so the report's table can be re-derived.
+A trace with no GPU kernel (a CPU run) has no breakdown: `NoGPUKernels`, which the notebook reports as
+not_applicable (any other refusal as not_measured, with its reason). The record (`breakdown_record`, kind
+"decode_step_breakdown") names its trace by path and SHA-256 and its GPU as the trace's `deviceProperties` give
+it, so the report's table can be re-derived.
 """
 from __future__ import annotations
 
 import gzip
 import io
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -61,6 +63,10 @@ CELL_IN_NAME = re.compile(r"p\d+-r\d+-n\d+-(?:greedy|stochastic)")
 
 class StepProfileError(ValueError):
     """A trace that cannot give a per-step breakdown (not a trace, no GPU kernel, no way to count steps)."""
+
+
+class NoGPUKernels(StepProfileError):
+    """A trace without GPU work (a CPU run): a kernel breakdown is not applicable to it."""
 
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -105,7 +111,8 @@ def read_trace(path: str | Path, root: str | Path | None = None) -> tuple[dict[s
 def trace_gpu(trace: dict[str, Any]) -> str:
     """The GPU the trace ran on, from its `deviceProperties` (torch's Kineto traces carry them); else
     not_measured. Several distinct names are joined with ' + '."""
-    names = sorted({str(d.get("name")) for d in trace.get("deviceProperties") or [] if isinstance(d, dict)
+    devices = trace.get("deviceProperties")
+    names = sorted({str(d.get("name")) for d in (devices if isinstance(devices, list) else []) if isinstance(d, dict)
                     and d.get("name")})
     return " + ".join(names) if names else "not_measured"
 
@@ -136,13 +143,18 @@ def kernel_launches(kernels: list[dict[str, Any]], steps: float,
     for kernel in kernels:
         name = kernel.get("name", "")
         if kernel.get("cat", "kernel") == "kernel" and name.startswith(prefixes):
-            args = kernel.get("args") or {}
-            shape = tuple(tuple(args.get(key) or ()) for key in ("grid", "block"))
+            args = kernel.get("args") if isinstance(kernel.get("args"), dict) else {}
+            shape = tuple(_dims(args.get(key)) for key in ("grid", "block"))
             launches[(name, *shape)].append(float(kernel.get("dur", 0)))
     rows = [{"name": name, "grid": list(grid), "block": list(block), "calls_per_step": round(len(d) / steps, 2),
              "us_per_call": round(sum(d) / len(d), 2), "us_per_step": round(sum(d) / steps, 2)}
             for (name, grid, block), d in launches.items()]
     return sorted(rows, key=lambda row: -row["us_per_step"])
+
+
+def _dims(value: Any) -> tuple:
+    """A launch's grid or block as the trace gives it ([x, y, z]); anything else is unknown (empty)."""
+    return tuple(value) if isinstance(value, list) and all(isinstance(v, int) for v in value) else ()
 
 
 def is_readback(event: dict[str, Any]) -> bool:
@@ -170,13 +182,14 @@ def gpu_events(events: list[Any]) -> list[dict[str, Any]]:
     for event in events:
         if not (isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") in GPU_CATEGORIES):
             continue
-        try:
-            ts, dur = float(event["ts"]), float(event.get("dur", 0))
+        try:  # a complete event ("X") has both: one without its duration is refused, not read as 0 us
+            ts, dur = float(event["ts"]), float(event["dur"])
         except (KeyError, TypeError, ValueError):
             raise StepProfileError(f"trace: GPU event {str(event.get('name'))[:60]!r} has no numeric ts/dur") from None
-        if not (dur >= 0 and ts == ts):  # NaN fails both
+        if not (math.isfinite(ts) and math.isfinite(dur) and dur >= 0):
             raise StepProfileError(f"trace: GPU event {str(event.get('name'))[:60]!r} has ts {ts}, dur {dur}")
-        found.append({**event, "ts": ts, "dur": dur, "name": str(event.get("name", ""))})
+        args = event.get("args") if isinstance(event.get("args"), dict) else {}
+        found.append({**event, "ts": ts, "dur": dur, "name": str(event.get("name", "")), "args": args})
     return found
 
 
@@ -184,7 +197,7 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
     """Per-step figures of the GPU work in `events` (see the module docstring)."""
     kernels = sorted(gpu_events(events), key=lambda e: (e["ts"], e["dur"]))
     if not kernels:
-        raise StepProfileError("trace: no GPU kernels in it (a CPU run, or a trace without CUDA activity)")
+        raise NoGPUKernels("trace: no GPU kernels in it (a CPU run, or a trace without CUDA activity)")
     steps_from = "given"
     if steps is None:
         kernels, readbacks = whole_steps(kernels)
@@ -203,7 +216,7 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
                 gaps_before_attention_us += start - end
             if start - end > HOST_WAIT_US:
                 host_waits_us += start - end
-        end = max(end or start, start + duration)
+        end = start + duration if end is None else max(end, start + duration)
         busy_us += duration
         per_category[label]["count"] += 1
         per_category[label]["us"] += duration
@@ -216,7 +229,7 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
                                    "give --steps")
         steps, steps_from = attention_calls / layers, f"attention kernels / {layers} layers"
     per_step = {label: {"kernels": round(v["count"] / steps, 2), "us": round(v["us"] / steps, 2),
-                        "share_of_busy": round(v["us"] / busy_us, 4)}
+                        "share_of_busy": round(v["us"] / busy_us, 4) if busy_us else "not_measured"}
                 for label, v in sorted(per_category.items(), key=lambda item: -item[1]["us"])}
     top = sorted(per_name.items(), key=lambda item: -item[1]["us"])[:40]
     return {"steps": round(steps, 3), "steps_from": steps_from,
@@ -226,22 +239,26 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
             "gaps_us_per_step": round(gaps_us / steps, 1),
             "gaps_before_attention_us_per_step": round(gaps_before_attention_us / steps, 1),
             "host_waits_us_per_step": round(host_waits_us / steps, 1),
-            "busy_share_of_span": round(busy_us / span_us, 4) if span_us else None,
+            "busy_share_of_span": round(busy_us / span_us, 4) if span_us else "not_measured",
             "categories": per_step, "reduction_launches": reduction_launches(kernels, steps),
             "kernel_launches": kernel_launches(kernels, steps),
             "top_kernels": [{"name": name, "count": int(v["count"]), "us_total": round(v["us"], 1)} for name, v in top]}
 
 
+def _percent(share: Any, digits: int = 0) -> str:
+    return f"{100 * share:.{digits}f}%" if isinstance(share, int | float) else str(share)
+
+
 def render(result: dict[str, Any]) -> str:
     lines = [f"{result['steps']} steps ({result['steps_from']}): {result['kernels_per_step']} kernels/step, "
              f"span {result['span_us_per_step']} us/step, GPU busy {result['gpu_busy_us_per_step']} us/step "
-             f"({100 * (result['busy_share_of_span'] or 0):.0f} % of the span; streams that overlap count each), "
+             f"({_percent(result['busy_share_of_span'])} of the span; streams that overlap count each), "
              f"GPU active {result['gpu_active_us_per_step']} us/step, gaps {result['gaps_us_per_step']} us/step "
              f"(before attention kernels {result['gaps_before_attention_us_per_step']}, host waits over "
              f"{HOST_WAIT_US:g} us {result['host_waits_us_per_step']})",
              f"{'category':<22}{'kernels/step':>14}{'us/step':>10}{'share':>8}"]
     for label, row in result["categories"].items():
-        lines.append(f"{label:<22}{row['kernels']:>14}{row['us']:>10}{100 * row['share_of_busy']:>7.1f}%")
+        lines.append(f"{label:<22}{row['kernels']:>14}{row['us']:>10}{_percent(row['share_of_busy'], 1):>8}")
     if result.get("reduction_launches"):
         lines.append("inductor reductions by launch shape (the configuration picked at first run):")
         lines.append(f"{'grid':>12}{'block':>10}{'calls/step':>12}{'us/call':>9}{'us/step':>9}  kernel")

@@ -110,17 +110,18 @@ def speed_html(aggregate: dict[str, Any], study: Preregistration, inputs: dict[s
     if side_by_side:
         details += (("hf_cached beside vLLM's in-process engine without LoRA (diagnostic runs, beside the gates)",
                      side_by_side),)
-    profiles = _step_profiles_html(output_dir) if output_dir is not None else ""
+    profiles = _step_profiles_html(output_dir, aggregate.get("campaign")) if output_dir is not None else ""
     if profiles:
         details += (("Decode step, kernel by kernel (profiled traces, beside the gates)", profiles),)
     return section("speed", "Speed", finding, body, details)
 
 
-def _step_profiles_html(output_dir: Path) -> str:
-    """The breakdown records `rollout profile-breakdown --json` wrote under the output tree's perf/ folder."""
+def _step_profiles_html(output_dir: Path, campaign: str | None = None) -> str:
+    """The breakdown records `rollout profile-breakdown --json` wrote under the output tree's perf/ folder, and
+    those the measure notebook saved beside its profiles of `campaign`."""
     from rollout_lib.report import step_profiles
 
-    found = step_profiles.step_profile_records(output_dir)
+    found = step_profiles.step_profile_records(output_dir, campaign)
     if not found:
         return ""
     sentence = step_profiles.step_profile_sentence(found)

@@ -10,23 +10,29 @@ record says them) and its GPU; rows of different GPUs compare only loosely.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_lib.measure.step_profile import COLUMNS, RECORD_KIND, column_us
 from rollout_lib.safe_read import read_json
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 PATTERNS = ("perf/breakdown-*.json", "perf/*/breakdown-*.json")  # the output tree's perf folder and its subfolders
 
 
-def step_profile_records(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """(path, record) of every breakdown record under the output tree, ordered by cell, then by when the
-    trace was taken (a record without a start time last), then by path."""
+def step_profile_records(output_dir: Path, campaign: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """(path, record) of every breakdown record under the output tree's perf/ folder and, with `campaign`, those
+    the measure notebook saved beside its profiles of that campaign (profiles/<campaign>/<backend>/), ordered by
+    cell, then by when the trace was taken (a record without a start time last), then by path. A file that cannot
+    be read as a record (not JSON, a dangling link, another kind, categories that are not numbers) is left out."""
+    patterns = PATTERNS + ((f"profiles/{campaign}/*/*.breakdown.json",) if campaign else ())
     found = []
-    for pattern in PATTERNS:
+    for pattern in patterns:
         for path in sorted(Path(output_dir).glob(pattern)):
             try:
                 record = read_json(path, kind="evidence", root=output_dir)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, OSError):
                 continue
             if isinstance(record, dict) and record.get("kind") == RECORD_KIND and _well_formed(record):
                 found.append((path, record))
@@ -36,7 +42,7 @@ def step_profile_records(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
 def _well_formed(record: dict[str, Any]) -> bool:
     """Every category a mapping with a number of us: what the table sums (a hand-edited file is left out)."""
     categories = record.get("categories")
-    return isinstance(categories, dict) and all(
+    return isinstance(categories, dict) and isinstance(record.get("trace", {}), dict) and all(
         isinstance(v, dict) and isinstance(v.get("us"), int | float) and not isinstance(v.get("us"), bool)
         for v in categories.values())
 
@@ -50,7 +56,7 @@ def _us(value: Any) -> str:
     return f"{value:,.0f}" if isinstance(value, int | float) and not isinstance(value, bool) else "not_measured"
 
 
-def step_profile_table(records: list[tuple[Path, dict[str, Any]]]):
+def step_profile_table(records: list[tuple[Path, dict[str, Any]]]) -> pd.DataFrame:
     """One row per record: what was profiled, where, and us per decode step by kind of kernel."""
     import pandas as pd
 

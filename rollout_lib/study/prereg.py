@@ -238,8 +238,10 @@ class Preregistration:
     # The hf_cached engine the study measures (issue 43): compact_qwen3's engine settings by name, e.g.
     # {LORA_SHRINK: in_base_gemm}. Absent (h200-v2, every study before it): the engine's defaults. Part of the
     # hashed text like every key, so a campaign's raw files are bound to the engine they measured. The names and
-    # values are checked against the backend's table where the backend is at hand (`check_hf_cached_engine` in
-    # rollout_lib.backends.hf_cached: `rollout prereg`, the measure notebook's parameter check); here their form.
+    # values are checked against the backend's table where the backend is at hand (`check_study_engine` in
+    # rollout_lib.backends.compact_qwen3: the CLI's commands that run it, the measure notebook's parameter check);
+    # here their form. A plain dict whichever way the study was built (the strict loader gives a read-only view,
+    # which cannot be pickled or deep-copied).
     hf_cached_engine: dict[str, str] = field(default_factory=dict, hash=False)  # a mapping is not hashable
     # Filled by load(): not part of the YAML.
     source_path: str = field(default="", compare=False, init=True)
@@ -247,6 +249,9 @@ class Preregistration:
     # SHA-256 of the same text with the calculator pin reading `pending`: what a measurement depends
     # on. A calculator repin changes `sha256` but not this, so it orphans no raw file.
     measurement_sha256: str = field(default="", compare=False, init=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hf_cached_engine", dict(self.hf_cached_engine))
 
     def model_for_arch(self, arch_name: str, role: str | None = None) -> ModelSpec:
         for spec in (self.actor, self.teacher):
