@@ -40,6 +40,12 @@ def test_the_profile_is_the_base_study_with_its_engine_named(tmp_path):
     assert exit_info.value.code == 2 and out.read_text() == text
 
 
+def test_values_yaml_would_read_as_booleans_stay_strings(tmp_path):
+    """COMBO_KERNELS `on` (the picked engine's) is YAML 1.1's true unquoted: the profile quotes every value."""
+    study = load(_profile(tmp_path, {"COMBO_KERNELS": "on", "SAMPLER": "chunked"}))
+    assert dict(study.hf_cached_engine) == {"COMBO_KERNELS": "on", "SAMPLER": "chunked"}
+
+
 def test_the_engine_is_read_from_the_pickers_last_json_line(tmp_path):
     choice = tmp_path / "engine-choice.txt"
     choice.write_text('kept +combo (-0.08 ms)\n{"not": "this one"} trailing words\n{"SAMPLER": "chunked"}\n')

@@ -69,7 +69,7 @@ def profile_text(base: str, engine: dict[str, Any], source: str) -> str:
               "# preregistered and the hf_cached_engine block at the end changed. Written by\n"
               "# tools/lab/engine_profile.py; its numbers are diagnostics, never a published verdict.\n")
     block = f"\n# the hf_cached engine (issue 43), from {source}\nhf_cached_engine:\n" + "".join(
-        f"  {name}: {value}\n" for name, value in sorted(engine.items()))
+        f"  {name}: {json.dumps(value)}\n" for name, value in sorted(engine.items()))  # quoted: YAML reads on as true
     return header + body.rstrip("\n") + "\n" + block
 
 
