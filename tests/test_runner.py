@@ -170,3 +170,29 @@ def test_resume_refuses_identity_drift(smoke_study, tmp_path):
     with pytest.raises(RawIdentityDrift, match="RTX 4080"):
         RawWriter(drifted).open(new_header, same_run=_same_run)
     assert drifted.read_text() == json.dumps(header) + "\n"  # untouched
+
+
+def test_a_profile_replaces_its_trace_whole_and_a_failed_one_leaves_the_previous(tmp_path, smoke_study, monkeypatch):
+    """profile_cell writes its gzipped Chrome trace under a temporary name and renames it over the target: a second
+    profile replaces the first whole; one whose export fails leaves the first as it was and no temporary file."""
+    import gzip
+
+    from rollout_lib.measure import runner
+    from rollout_lib.study.workload import Workload
+
+    backend = FakeBackend(smoke_study)
+    backend.sync_policy(type("Policy", (), {"identity": "v1"})())
+    requests = Workload(smoke_study).requests(Workload(smoke_study).cell("p16-r8-n1-greedy"))
+    target = tmp_path / "profiles" / "run-p16-r8-n1-greedy.trace.json.gz"
+    table, path = runner.profile_cell(backend, requests, target)
+    assert "Self CPU" in table and path == target and "traceEvents" in gzip.decompress(target.read_bytes()).decode()
+    first = target.read_bytes()
+
+    def broken_export(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gzip, "open", broken_export)  # profile_cell imports gzip where it runs
+    with pytest.raises(OSError, match="No space left"):
+        runner.profile_cell(backend, requests, target)
+    assert target.read_bytes() == first
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]

@@ -570,9 +570,18 @@ def profile_cell(backend: Backend, requests: list[GenerationRequest], trace_path
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
-    plain = trace_path.with_suffix("")
-    prof.export_chrome_trace(str(plain))
-    with open(plain, "rb") as src, gzip.open(trace_path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    plain.unlink()
+    # written beside the target under temporary names and renamed over it: a failed export or a full disk
+    # leaves the previous trace (if any) whole, never a part of one
+    plain = trace_path.with_name(f".{trace_path.name}.{os.getpid()}.json.tmp")
+    packed = trace_path.with_name(f".{trace_path.name}.{os.getpid()}.gz.tmp")
+    try:
+        prof.export_chrome_trace(str(plain))
+        with open(plain, "rb") as src, gzip.open(packed, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        with open(packed, "rb") as done:
+            os.fsync(done.fileno())
+        os.replace(packed, trace_path)
+    finally:
+        for leftover in (plain, packed):
+            leftover.unlink(missing_ok=True)
     return table, trace_path
