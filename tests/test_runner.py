@@ -184,8 +184,8 @@ def test_a_profile_replaces_its_trace_whole_and_a_failed_one_leaves_the_previous
     backend.sync_policy(type("Policy", (), {"identity": "v1"})())
     requests = Workload(smoke_study).requests(Workload(smoke_study).cell("p16-r8-n1-greedy"))
     target = tmp_path / "profiles" / "run-p16-r8-n1-greedy.trace.json.gz"
-    table, path = runner.profile_cell(backend, requests, target)
-    assert "Self CPU" in table and path == target and "traceEvents" in gzip.decompress(target.read_bytes()).decode()
+    _table, path = runner.profile_cell(backend, requests, target)  # a fake backend runs no operator: no table
+    assert path == target and "traceEvents" in gzip.decompress(target.read_bytes()).decode()
     first = target.read_bytes()
 
     def broken_export(*args, **kwargs):
