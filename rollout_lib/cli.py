@@ -887,14 +887,13 @@ def _campaign_cells_option(study, campaign: str, backend: str, output_dir: Path,
 
 def cmd_profile_breakdown(args: argparse.Namespace) -> int:
     from rollout_lib.core import write_json_atomic
-    from rollout_lib.measure.step_profile import StepProfileError, breakdown_record, check_label, render
+    from rollout_lib.measure.step_profile import StepProfileError, breakdown_record, render
 
     out = Path(args.json) if args.json else None
     if out is not None:
         _refuse_existing(out)
     layers = args.layers
-    try:  # every value is checked before the trace is read
-        check_label(args.label)
+    try:  # breakdown_record checks every value before it reads the trace
         if layers is None:
             from rollout_lib.study.arch import get_architecture
             from rollout_lib.study.prereg import load

@@ -871,16 +871,17 @@ def check_engine_settings(settings: Any) -> dict[str, str]:
     return dict(settings)
 
 
-def check_requirements(settings: dict[str, str]) -> None:
-    """SETTING_REQUIRES over an engine's settings (each unnamed one at the module's value): a value that runs only
-    with another setting's value is refused in one line naming both."""
+def unmet_requirement(settings: dict[str, str]) -> tuple[str, str] | None:
+    """The first SETTING_REQUIRES entry an engine's settings break (each unnamed setting at the module's value), as
+    (the setting that needs another, a one-line message naming both); None when every requirement is met."""
     def setting(name: str) -> str:
         return settings.get(name, globals()[name])
 
     for (name, value), (needs, needed, why) in SETTING_REQUIRES.items():
         if setting(name) == value and not requirement_met(setting(needs), needed):
-            raise ValueError(f"{name} {value} needs {needs} {requirement_text(needed)} ({why}); this engine: "
-                             f"{needs} {setting(needs)}")
+            return name, (f"{name} {value} needs {needs} {requirement_text(needed)} ({why}); this engine: "
+                          f"{needs} {setting(needs)}")
+    return None
 
 
 def check_study_engine(study: Any) -> dict[str, str]:
@@ -894,12 +895,9 @@ def check_study_engine(study: Any) -> dict[str, str]:
             check_engine_settings({name: value})
         except ValueError as exc:
             raise ValueError(f"hf_cached_engine.{name}: {exc}") from None
-    try:
-        check_requirements(engine)
-    except ValueError as exc:
-        named = next((name for (name, value) in SETTING_REQUIRES if engine.get(name) == value
-                      and str(exc).startswith(f"{name} {value} ")), "?")
-        raise ValueError(f"hf_cached_engine.{named}: {exc}") from None
+    unmet = unmet_requirement(engine)
+    if unmet is not None:
+        raise ValueError(f"hf_cached_engine.{unmet[0]}: {unmet[1]}")
     return engine
 
 
@@ -1099,7 +1097,9 @@ class CompactQwen3:
             skinny_gemm.prepare(self.device)  # its counters zeroed now, before any graph capture
         self.multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                 if self.device.type == "cuda" else None)
-        check_requirements(chosen)
+        unmet = unmet_requirement(chosen)
+        if unmet is not None:
+            raise ValueError(unmet[1])
         for name, (_, module) in EPILOGUES.items():
             if setting(name) == "triton":
                 triton_ops.check_triton_runs_here(self.device, f"{name} triton")

@@ -137,15 +137,14 @@ def reduction_launches(kernels: list[dict[str, Any]], steps: float) -> list[dict
 
 def kernel_launches(kernels: list[dict[str, Any]], steps: float,
                     prefixes: tuple[str, ...] = ("",)) -> list[dict[str, Any]]:
-    """Kernels whose names start with one of `prefixes` (all, by default) by (name, grid, block): calls per step
-    and mean us per call, the most time per step first."""
+    """Kernels (`gpu_events`' form) whose names start with one of `prefixes` (all, by default) by (name, grid,
+    block): calls per step and mean us per call, the most time per step first."""
     launches: dict[tuple, list[float]] = defaultdict(list)
     for kernel in kernels:
-        name = kernel.get("name", "")
-        if kernel.get("cat", "kernel") == "kernel" and name.startswith(prefixes):
-            args = kernel.get("args") if isinstance(kernel.get("args"), dict) else {}
-            shape = tuple(_dims(args.get(key)) for key in ("grid", "block"))
-            launches[(name, *shape)].append(float(kernel.get("dur", 0)))
+        name = kernel["name"]
+        if kernel["cat"] == "kernel" and name.startswith(prefixes):
+            shape = tuple(_dims(kernel["args"].get(key)) for key in ("grid", "block"))
+            launches[(name, *shape)].append(kernel["dur"])
     rows = [{"name": name, "grid": list(grid), "block": list(block), "calls_per_step": round(len(d) / steps, 2),
              "us_per_call": round(sum(d) / len(d), 2), "us_per_step": round(sum(d) / steps, 2)}
             for (name, grid, block), d in launches.items()]
@@ -203,13 +202,13 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
         kernels, readbacks = whole_steps(kernels)
         if readbacks >= 2:
             steps, steps_from = readbacks - 1, "read-backs (whole steps between the first and the last)"
-    span_us = max(float(k["ts"]) + float(k.get("dur", 0)) for k in kernels) - float(kernels[0]["ts"])
+    span_us = max(k["ts"] + k["dur"] for k in kernels) - kernels[0]["ts"]
     busy_us, gaps_us, gaps_before_attention_us, host_waits_us, end = 0.0, 0.0, 0.0, 0.0, None
     per_category: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "us": 0.0})
     per_name: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0, "us": 0.0})
     for kernel in kernels:
-        start, duration = float(kernel["ts"]), float(kernel.get("dur", 0))
-        label = category(kernel.get("name", ""), kernel.get("cat", ""))
+        start, duration = kernel["ts"], kernel["dur"]
+        label = category(kernel["name"], kernel["cat"])
         if end is not None and start > end:
             gaps_us += start - end
             if label == "attention":
@@ -220,8 +219,8 @@ def breakdown(events: list[dict[str, Any]], layers: int = 28, steps: float | Non
         busy_us += duration
         per_category[label]["count"] += 1
         per_category[label]["us"] += duration
-        per_name[kernel.get("name", "")]["count"] += 1
-        per_name[kernel.get("name", "")]["us"] += duration
+        per_name[kernel["name"]]["count"] += 1
+        per_name[kernel["name"]]["us"] += duration
     if steps is None:
         attention_calls = per_category["attention"]["count"] if "attention" in per_category else 0
         if not attention_calls:
