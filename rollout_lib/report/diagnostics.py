@@ -19,16 +19,24 @@ from rollout_lib.safe_read import read_json
 KINDS = ("vllm_inprocess_diagnostic", "vllm_refresh_paths", "vllm_ladder")
 
 
-def diagnostic_files(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+def evidence_of_kind(output_dir: Path, patterns: tuple[str, ...], kinds: tuple[str, ...]) -> list[tuple[Path, dict]]:
+    """(path, JSON object) of the files under the output tree matching `patterns` (in order, each sorted) whose
+    `kind` is one of `kinds`; a file that cannot be read as such (not JSON, a dangling link, too large, a FIFO) is
+    left out, never a failed report."""
     out = []
-    for path in sorted((Path(output_dir) / "perf").glob("*.json")):
-        try:
-            report = read_json(path, kind="evidence", root=output_dir)
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if isinstance(report, dict) and report.get("kind") in KINDS:
-            out.append((path, report))
+    for pattern in patterns:
+        for path in sorted(Path(output_dir).glob(pattern)):
+            try:
+                report = read_json(path, kind="evidence", root=output_dir)
+            except (ValueError, UnicodeDecodeError, OSError):
+                continue
+            if isinstance(report, dict) and report.get("kind") in kinds:
+                out.append((path, report))
     return out
+
+
+def diagnostic_files(output_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    return evidence_of_kind(output_dir, ("perf/*.json",), KINDS)
 
 
 def with_hf_cached(report: dict[str, Any]) -> bool:

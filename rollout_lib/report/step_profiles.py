@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout_lib.measure.step_profile import COLUMNS, RECORD_KIND, column_us
-from rollout_lib.safe_read import read_json
+from rollout_lib.report.diagnostics import evidence_of_kind
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -27,15 +27,8 @@ def step_profile_records(output_dir: Path, campaign: str | None = None) -> list[
     cell, then by when the trace was taken (a record without a start time last), then by path. A file that cannot
     be read as a record (not JSON, a dangling link, another kind, categories that are not numbers) is left out."""
     patterns = PATTERNS + ((f"profiles/{campaign}/*/*.breakdown.json",) if campaign else ())
-    found = []
-    for pattern in patterns:
-        for path in sorted(Path(output_dir).glob(pattern)):
-            try:
-                record = read_json(path, kind="evidence", root=output_dir)
-            except (ValueError, UnicodeDecodeError, OSError):
-                continue
-            if isinstance(record, dict) and record.get("kind") == RECORD_KIND and _well_formed(record):
-                found.append((path, record))
+    found = [(path, record) for path, record in evidence_of_kind(output_dir, patterns, (RECORD_KIND,))
+             if _well_formed(record)]
     return sorted(found, key=lambda item: (str(item[1].get("cell")), _started(item[1]) or "~", str(item[0])))
 
 
